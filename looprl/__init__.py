@@ -1,0 +1,18 @@
+"""looprl: bit-exact RL (GRPO) for looped language models (Ouro and its kind)."""
+__version__ = "0.1.0"
+
+from looprl.errors import (CheckpointError, ConfigError, LooprlError, SamplingError,  # noqa: E402
+                           ScheduleError, TaskError)
+
+
+def load_hf(path, dtype="float32", **kw):
+    """Load an HF-format Ouro directory (`config.json` + safetensors) as a `LoopedLM`.
+
+    Parameters are held in fp32 when dtype is float32, and compute runs in `dtype`
+    (`float32` or `bfloat16`). See `looprl.model.hf.load_hf`."""
+    from looprl.model.hf import load_hf as _load_hf
+    return _load_hf(path, dtype=dtype, **kw)
+
+
+__all__ = ["load_hf", "LooprlError", "ConfigError", "CheckpointError", "ScheduleError",
+           "SamplingError", "TaskError"]

@@ -1,0 +1,202 @@
+"""The looped language model (Ouro): shared stack applied T times, exit gate, exit distribution.
+
+DESIGN.md §1. h0 = Emb(ids); for t = 1..T: h(t) = N_final(stack(h(t-1))); logits_t = W_lm h(t);
+lambda_t = sigmoid(w . h(t) + b). Exit distribution p_t = lambda_t prod_{j<t}(1 - lambda_j) for
+t < T, p_T the remainder; Q-exit: exit at min{t : CDF(t) >= q} with CDF the running sum of p_t
+in fp32 (Ouro's reference code); q = 1.0 means loop T unconditionally.
+
+Parameters live in an NNX module (`LoopedLM`) in fp32 (master weights). The forward functions
+are pure functions of a weights dict cast to the compute dtype (`cast_weights`), so that the
+sampler, the learner and the tests share one implementation.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from looprl.model import kernels as kn
+from looprl.model.config import OuroConfig
+from looprl.model.layers import LAYER_KEYS, stack_pass
+
+
+class LayerStack(nnx.Module):
+    """The L shared decoder layers, stacked: each Linear kernel `[L, in, out]`, norms `[L, D]`."""
+
+    def __init__(self, cfg: OuroConfig, rngs: nnx.Rngs):
+        L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
+                  "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+        init = nnx.initializers.normal(0.02)
+        for name, (i, o) in shapes.items():
+            setattr(self, name, nnx.Param(init(rngs.params(), (L, i, o), jnp.float32)))
+        for name in LAYER_KEYS[7:]:
+            setattr(self, name, nnx.Param(jnp.ones((L, D), jnp.float32)))
+
+
+class ExitGate(nnx.Module):
+    """`lambda_t = sigmoid(h(t) @ kernel + bias)`; kernel `[D, 1]`, bias `[1]`, fp32."""
+
+    def __init__(self, cfg: OuroConfig, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.normal(0.02)(
+            rngs.params(), (cfg.hidden_size, 1), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((1,), jnp.float32))
+
+
+class ModelOutput(NamedTuple):
+    """Inspection output: `logits` `[T, B, S, V]` fp32 and `exit_lambda` `[T, B, S]` fp32."""
+    logits: jax.Array
+    exit_lambda: jax.Array
+
+
+class LoopedLM(nnx.Module):
+    """Ouro-style looped decoder with fp32 master parameters.
+
+    Calling the module, `model(tokens_BxS)` with int32 `[B, S]` (no padding), returns a
+    `ModelOutput` with every loop's logits `[T, B, S, V]` (an inspection API; training never
+    builds all loops' logits). `compute_dtype` (float32 or bfloat16) is the dtype the forward
+    runs in; parameters stay fp32.
+    """
+
+    def __init__(self, cfg: OuroConfig, *, rngs: nnx.Rngs, compute_dtype=jnp.float32):
+        self.cfg = cfg
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self.embed_tokens = nnx.Param(nnx.initializers.normal(0.02)(
+            rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32))
+        self.layers = LayerStack(cfg, rngs)
+        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), jnp.float32))
+        self.early_exit_gate = ExitGate(cfg, rngs)
+        self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
+            rngs.params(), (cfg.hidden_size, cfg.vocab_size), jnp.float32))
+
+    def weights(self) -> dict:
+        """The parameters as a plain nested dict of fp32 arrays (see `param_dict`)."""
+        return param_dict(self)
+
+    def __call__(self, tokens_BxS: jax.Array) -> ModelOutput:
+        return all_loop_outputs(self.cfg, cast_weights(self.weights(), self.compute_dtype),
+                                tokens_BxS)
+
+
+def param_dict(model: LoopedLM) -> dict:
+    """`{embed_tokens, layers: {q_proj, ...}, norm, early_exit_gate: {kernel, bias}, lm_head}`."""
+    return nnx.state(model, nnx.Param).to_pure_dict()
+
+
+def init_params(cfg: OuroConfig, seed: int = 0) -> dict:
+    """Freshly initialised fp32 parameter dict for `cfg` (normal(0.02) kernels, unit norms)."""
+    return param_dict(LoopedLM(cfg, rngs=nnx.Rngs(seed)))
+
+
+def cast_weights(params: dict, dtype) -> dict:
+    """Compute-dtype view of the fp32 master weights; the exit gate stays fp32 (DESIGN.md §2)."""
+    dtype = jnp.dtype(dtype)
+    out = jax.tree.map(lambda a: a.astype(dtype), {k: v for k, v in params.items()
+                                                   if k != "early_exit_gate"})
+    out["early_exit_gate"] = jax.tree.map(lambda a: a.astype(jnp.float32),
+                                          params["early_exit_gate"])
+    return out
+
+
+def embed(w: dict, tokens):
+    return jnp.take(w["embed_tokens"], tokens, axis=0)
+
+
+def exit_lambda(w: dict, h_BxCxD, stock: bool = False):
+    """Gate `lambda = sigmoid(h . w + b)` in fp32, `[B, C]`."""
+    mm = kn.stock_matmul if stock else kn.matmul
+    g = w["early_exit_gate"]
+    z = mm(h_BxCxD.astype(jnp.float32), g["kernel"])[..., 0] + g["bias"][0]
+    return jax.nn.sigmoid(z)
+
+
+def lm_logits(w: dict, h_BxCxD, stock: bool = False):
+    """`W_lm h` with fp32 accumulation and output, `[B, C, V]`."""
+    mm = kn.stock_matmul if stock else kn.matmul
+    return mm(h_BxCxD, w["lm_head"], out_dtype=jnp.float32)
+
+
+def exit_distribution(lambda_TxBxS):
+    """p_t = lambda_t prod_{j<t}(1 - lambda_j) for t < T; p_T = prod_{j<T}(1 - lambda_j).
+    Returns `[T, B, S]` fp32 summing to 1 over T (up to rounding)."""
+    lam = lambda_TxBxS.astype(jnp.float32)
+    T = lam.shape[0]
+    surv = jnp.ones_like(lam[0])
+    ps = []
+    for t in range(T):
+        if t == T - 1:
+            ps.append(surv)
+        else:
+            ps.append(lam[t] * surv)
+            surv = surv * (1.0 - lam[t])
+    return jnp.stack(ps)
+
+
+class ExitState(NamedTuple):
+    """Running Q-exit state per row: CDF so far and survival prod(1 - lambda_j), fp32."""
+    cdf: jax.Array
+    survival: jax.Array
+
+
+def exit_state_init(shape) -> ExitState:
+    return ExitState(jnp.zeros(shape, jnp.float32), jnp.ones(shape, jnp.float32))
+
+
+def exit_state_update(state: ExitState, lam, t: int | jax.Array, T: int):
+    """Fold loop t's (1-based) gate value in; returns (state, p_t). p_T is the remainder."""
+    last = jnp.asarray(t) >= T
+    p = jnp.where(last, state.survival, lam * state.survival)
+    return ExitState(state.cdf + p, state.survival * (1.0 - lam)), p
+
+
+def q_exit_decision(cdf, t, T: int, q: float):
+    """True where the Q-exit rule exits at loop t (1-based): CDF(t) >= q, or t == T.
+    q = 1.0 never exits before T (a saturated gate would otherwise make CDF round to 1)."""
+    t = jnp.asarray(t)
+    if q >= 1.0:
+        return jnp.broadcast_to(t >= T, jnp.shape(cdf))
+    return (cdf >= jnp.float32(q)) | (t >= T)
+
+
+def q_exit_loops(lambda_TxBxS, q: float):
+    """Exit loop (1..T, int32) of every position by the Q-exit rule: min{t : CDF(t) >= q}."""
+    T = lambda_TxBxS.shape[0]
+    state = exit_state_init(lambda_TxBxS.shape[1:])
+    exit_loop = jnp.zeros(lambda_TxBxS.shape[1:], jnp.int32)
+    for t in range(1, T + 1):
+        state, _ = exit_state_update(state, lambda_TxBxS[t - 1].astype(jnp.float32), t, T)
+        hit = q_exit_decision(state.cdf, t, T, q) & (exit_loop == 0)
+        exit_loop = jnp.where(hit, t, exit_loop)
+    return exit_loop
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Left-padded token layout of a batch: row b's tokens occupy [pad_b, S)."""
+    pad_B: jax.Array
+
+    def positions(self, S: int):
+        """RoPE positions `[B, S]`: layout index minus padding, 0 on padding."""
+        return jnp.maximum(jnp.arange(S)[None, :] - self.pad_B[:, None], 0)
+
+
+def all_loop_outputs(cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None) -> ModelOutput:
+    """Every loop's logits `[T, B, S, V]` fp32 and gate `[T, B, S]` (inspection only)."""
+    B, S = tokens_BxS.shape
+    pad_B = jnp.zeros((B,), jnp.int32) if pad_B is None else pad_B
+    positions = Layout(pad_B).positions(S)
+    dt = w["embed_tokens"].dtype
+    shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    h = embed(w, tokens_BxS)
+    logits, lams = [], []
+    write = jnp.ones((B, S), bool)
+    for _ in range(cfg.total_ut_steps):
+        h, _, _ = stack_pass(cfg, w, h, positions, jnp.arange(S), pad_B, jnp.zeros(shape, dt),
+                             jnp.zeros(shape, dt), write, 0)
+        logits.append(lm_logits(w, h))
+        lams.append(exit_lambda(w, h))
+    return ModelOutput(jnp.stack(logits), jnp.stack(lams))
