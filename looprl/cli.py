@@ -1,0 +1,52 @@
+"""`looprl` command line: train | generate | verify | eval | convert | plot.
+
+Each subcommand's parser is built here and its work is done by a `run_*` function in the module
+that owns the concept (imported lazily, so `looprl --help` is fast). Errors of the looprl
+families are printed as one clear line with exit status 2, never a bare traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from looprl.errors import LooprlError
+
+
+def _add_convert(sub):
+    p = sub.add_parser("convert", help="HF directory <-> looprl checkpoint")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf", metavar="DIR", help="HF directory (config.json + safetensors)")
+    src.add_argument("--checkpoint", metavar="CKPT", help="looprl checkpoint to export")
+    p.add_argument("--out", metavar="CKPT", help="looprl checkpoint to write (with --hf)")
+    p.add_argument("--to-hf", metavar="DIR", help="HF directory to write (with --checkpoint)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="dtype of the written HF tensors (default: the source dtype)")
+    p.add_argument("--tokenizer", metavar="FILE", default=None,
+                   help="tokenizer.json to store (default: DIR/tokenizer.json)")
+    p.set_defaults(func=lambda a: _lazy("looprl.model.convert", "run_convert")(a))
+
+
+def _lazy(module: str, name: str):
+    import importlib
+    return getattr(importlib.import_module(module), name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="looprl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_convert(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except LooprlError as e:
+        print(f"looprl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
