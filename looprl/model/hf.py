@@ -1,0 +1,421 @@
+"""HF-format Ouro checkpoints (`config.json` + safetensors) <-> looprl parameter dicts.
+
+Source convention (DESIGN.md §1): HF names `model.embed_tokens.weight` `[V, D]`,
+`model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `model.layers.{i}.mlp.{gate,up,down}_proj.weight`
+(PyTorch Linear weights, `[out, in]`), `model.layers.{i}.{input_layernorm, input_layernorm_2,
+post_attention_layernorm, post_attention_layernorm_2}.weight` `[D]`, `model.norm.weight` `[D]`,
+`model.early_exit_gate.weight` `[1, D]` and `.bias` `[1]`, `lm_head.weight` `[V, D]`.
+
+looprl convention (`looprl.model.looped.param_dict`): `embed_tokens` `[V, D]`,
+`layers.{q_proj, ...}` stacked and transposed to `[L, in, out]`, norms `[L, D]`, `norm` `[D]`,
+`early_exit_gate.kernel` `[D, 1]`, `.bias` `[1]`, `lm_head` `[D, V]`.
+
+Safetensors files are parsed here with numpy (8-byte little-endian header length, JSON header,
+raw little-endian data) because `safetensors.numpy` cannot load BF16; writing goes through
+`safetensors.numpy.save_file`, which does write BF16 from `ml_dtypes.bfloat16` arrays. F32, BF16
+and F16 tensors are read; widening to fp32 is exact, so export back to the source dtype is
+bit-identical.
+
+Every malformed input raises `CheckpointError` naming the file or tensor and the expected and
+found values; writers build into a temporary sibling directory and rename it into place, so a
+failure leaves nothing half-written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from looprl.errors import CheckpointError
+from looprl.model.config import OuroConfig
+from looprl.model.layers import LAYER_KEYS
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# safetensors dtype tag <-> numpy dtype <-> looprl dtype name
+_ST_TO_NP = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16),
+             "F16": np.dtype(np.float16)}
+_NAME_TO_NP = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+               "float16": np.dtype(np.float16)}
+_NP_TO_NAME = {v: k for k, v in _NAME_TO_NP.items()}
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_NORMS = LAYER_KEYS[7:]
+
+
+def dtype_name(dtype) -> str:
+    """`float32` / `bfloat16` / `float16` for a numpy/jax dtype or name; CheckpointError else."""
+    try:
+        dt = np.dtype(ml_dtypes.bfloat16) if str(dtype) == "bfloat16" else np.dtype(dtype)
+    except TypeError as e:
+        raise CheckpointError(f"unsupported dtype {dtype!r}") from e
+    if dt not in _NP_TO_NAME:
+        raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {sorted(_NAME_TO_NP)}")
+    return _NP_TO_NAME[dt]
+
+
+# --- names and shapes ---------------------------------------------------------------------
+def _hf_layer_name(i: int, key: str) -> str:
+    if key in _ATTN:
+        return f"model.layers.{i}.self_attn.{key}.weight"
+    if key in _MLP:
+        return f"model.layers.{i}.mlp.{key}.weight"
+    return f"model.layers.{i}.{key}.weight"
+
+
+def hf_tensor_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name an Ouro checkpoint of `cfg` holds, with its HF shape (`[out, in]`)."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = {"q_proj": (q, D), "k_proj": (kv, D), "v_proj": (kv, D), "o_proj": (D, q),
+                 "gate_proj": (F, D), "up_proj": (F, D), "down_proj": (D, F),
+                 **{n: (D,) for n in _NORMS}}
+    shapes = {"model.embed_tokens.weight": (V, D)}
+    for i in range(cfg.num_layers):
+        for key in LAYER_KEYS:
+            shapes[_hf_layer_name(i, key)] = per_layer[key]
+    shapes.update({"model.norm.weight": (D,), "model.early_exit_gate.weight": (1, D),
+                   "model.early_exit_gate.bias": (1,), "lm_head.weight": (V, D)})
+    return shapes
+
+
+# --- safetensors I/O ----------------------------------------------------------------------
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Read every tensor of one safetensors file as read-only numpy arrays (memory-mapped).
+
+    Returns: `{name: array}` in the file's dtypes (float32, ml_dtypes.bfloat16 or float16).
+    Raises: CheckpointError naming the file (and tensor) when the file is missing, truncated,
+      has a malformed header, an unsupported dtype, or a byte range that disagrees with the
+      tensor's shape.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file: {e}") from e
+    if size < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, expected a "
+                              f"header of at least 8 bytes)")
+    with open(path, "rb") as f:
+        (n_header,) = struct.unpack("<Q", f.read(8))
+        if 8 + n_header > size:
+            raise CheckpointError(f"{path}: truncated safetensors file: header says "
+                                  f"{n_header} header bytes, file has {size - 8} after the length")
+        try:
+            header = json.loads(f.read(n_header))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: malformed safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: malformed safetensors header (not a JSON object)")
+    body_size = size - 8 - n_header
+    raw = np.memmap(path, dtype=np.uint8, mode="r") if body_size else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {info!r}") from e
+        if tag not in _ST_TO_NP:
+            raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {tag}; expected "
+                                  f"one of {sorted(_ST_TO_NP)}")
+        dt = _ST_TO_NP[tag]
+        n_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if end - begin != n_bytes:
+            raise CheckpointError(f"{path}: tensor {name!r}: byte range [{begin}, {end}) holds "
+                                  f"{end - begin} bytes, shape {list(shape)} {tag} needs {n_bytes}")
+        if end > body_size:
+            raise CheckpointError(f"{path}: truncated safetensors file: tensor {name!r} ends at "
+                                  f"byte {end} of the data, file has {body_size} data bytes")
+        start = 8 + n_header + begin
+        out[name] = raw[start:start + n_bytes].view(dt).reshape(shape)
+    return out
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of an HF directory: `model.safetensors`, else the sharded index.
+
+    Returns: (`{name: array}` in the file dtypes, `{name: file path it came from}`).
+    Raises: CheckpointError for a missing directory/file, a shard the index lists that is
+      missing, a tensor the index maps to a shard that lacks it, a tensor in two files, or any
+      `read_safetensors` error.
+    """
+    hf_dir = Path(hf_dir)
+    single, index = hf_dir / SAFETENSORS_FILE, hf_dir / SAFETENSORS_INDEX
+    if single.exists():
+        tensors = read_safetensors(single)
+        return tensors, {n: str(single) for n in tensors}
+    if not index.exists():
+        raise CheckpointError(f"{hf_dir}: neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX} "
+                              f"found")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: cannot read the shard index (needs a 'weight_map'): "
+                              f"{e!r}") from e
+    tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = hf_dir / shard
+        if not shard_path.exists():
+            names = sorted(n for n, s in weight_map.items() if s == shard)
+            raise CheckpointError(f"{index}: shard {shard!r} is listed (for {len(names)} "
+                                  f"tensors, e.g. {names[0]!r}) but {shard_path} is missing")
+        for name, arr in read_safetensors(shard_path).items():
+            if name in tensors:
+                raise CheckpointError(f"{shard_path}: tensor {name!r} also in {origin[name]}")
+            tensors[name], origin[name] = arr, str(shard_path)
+    for name, shard in weight_map.items():
+        if name not in tensors:
+            raise CheckpointError(f"{index}: tensor {name!r} is mapped to {shard!r}, which "
+                                  f"does not hold it")
+    return tensors, origin
+
+
+# --- HF state dict <-> looprl params --------------------------------------------------------
+def params_from_hf_state(state: dict[str, np.ndarray], cfg: OuroConfig,
+                         source: str = "HF state dict", origin: dict[str, str] | None = None
+                         ) -> dict[str, Any]:
+    """Map an HF state dict onto the looprl parameter dict, in fp32 (exact widening).
+
+    Args:
+      state: `{hf_name: array}` (numpy; float32 / bfloat16 / float16), HF shapes `[out, in]`.
+      cfg: the architecture the tensors must match.
+      source: where the tensors came from, for messages; origin: per-tensor file.
+    Returns: nested dict of fp32 numpy arrays (see module docstring for shapes).
+    Raises: CheckpointError naming the tensor (and file) for a missing tensor (including
+      `lm_head.weight`: Ouro's head is untied and is never invented), an unexpected tensor, or
+      a wrong shape (expected vs found).
+    """
+    origin = origin or {}
+    expected = hf_tensor_shapes(cfg)
+    missing = [n for n in expected if n not in state]
+    if missing:
+        extra = ""
+        if "lm_head.weight" in missing:
+            extra = (" (tie_word_embeddings is false, so lm_head.weight must be present; "
+                     "looprl never builds a random or tied head)")
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r} (expected shape "
+                              f"{list(expected[missing[0]])}){extra}"
+                              + (f"; {len(missing) - 1} more missing" if len(missing) > 1 else ""))
+    unexpected = sorted(n for n in state if n not in expected)
+    if unexpected:
+        n = unexpected[0]
+        raise CheckpointError(f"{origin.get(n, source)}: unexpected tensor {n!r} (shape "
+                              f"{list(state[n].shape)}) for a {cfg.num_layers}-layer Ouro model"
+                              + (f"; {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
+    for n, shape in expected.items():
+        if tuple(state[n].shape) != shape:
+            raise CheckpointError(f"{origin.get(n, source)}: tensor {n!r} has shape "
+                                  f"{list(state[n].shape)}, expected {list(shape)}")
+        dtype_name(state[n].dtype)  # F32 / BF16 / F16 only
+
+    def f32(name):
+        return np.asarray(state[name]).astype(np.float32)
+
+    layers = {}
+    for key in LAYER_KEYS:
+        per = [f32(_hf_layer_name(i, key)) for i in range(cfg.num_layers)]
+        layers[key] = np.stack([w.T for w in per] if key not in _NORMS else per)
+    return {
+        "embed_tokens": f32("model.embed_tokens.weight"),
+        "layers": layers,
+        "norm": f32("model.norm.weight"),
+        "early_exit_gate": {"kernel": np.ascontiguousarray(f32("model.early_exit_gate.weight").T),
+                            "bias": f32("model.early_exit_gate.bias")},
+        "lm_head": np.ascontiguousarray(f32("lm_head.weight").T),
+    }
+
+
+def hf_state_from_params(params: dict[str, Any], cfg: OuroConfig,
+                         dtype: str | dict[str, str] = "float32") -> dict[str, np.ndarray]:
+    """The inverse of `params_from_hf_state`: `{hf_name: contiguous numpy array}`.
+
+    Args:
+      params: looprl parameter dict (numpy or jax arrays, any float dtype).
+      dtype: the written dtype (`float32`/`bfloat16`/`float16`), or a per-HF-name dict of them
+        (a mixed-dtype source's own dtypes). Narrowing rounds to nearest even; values that
+        came from that dtype are reproduced bit for bit.
+    """
+    def cast(name, a):
+        dt = _NAME_TO_NP[dtype[name] if isinstance(dtype, dict) else dtype_name(dtype)]
+        return np.ascontiguousarray(np.asarray(a).astype(dt))
+
+    layers = params["layers"]
+    out = {"model.embed_tokens.weight": cast("model.embed_tokens.weight", params["embed_tokens"])}
+    for i in range(cfg.num_layers):
+        for key in LAYER_KEYS:
+            w = np.asarray(layers[key][i])
+            name = _hf_layer_name(i, key)
+            out[name] = cast(name, w if key in _NORMS else w.T)
+    gate = params["early_exit_gate"]
+    out["model.norm.weight"] = cast("model.norm.weight", params["norm"])
+    out["model.early_exit_gate.weight"] = cast("model.early_exit_gate.weight",
+                                               np.asarray(gate["kernel"]).T)
+    out["model.early_exit_gate.bias"] = cast("model.early_exit_gate.bias", gate["bias"])
+    out["lm_head.weight"] = cast("lm_head.weight", np.asarray(params["lm_head"]).T)
+    return out
+
+
+# --- directories ------------------------------------------------------------------------------
+class HFCheckpoint(NamedTuple):
+    """An HF directory read into looprl form.
+
+    params: fp32 numpy parameter dict; cfg: its `OuroConfig`; source_dtype: the tensors' dtype
+    name when uniform, else the most common one; source_dtypes: `{hf_name: dtype name}`;
+    tokenizer_json: the text of `tokenizer.json` if the directory has one, else None.
+    """
+    params: dict[str, Any]
+    cfg: OuroConfig
+    source_dtype: str
+    source_dtypes: dict[str, str]
+    tokenizer_json: str | None
+
+
+def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None) -> HFCheckpoint:
+    """Read `config.json` + safetensors (single or sharded) of an HF Ouro directory.
+
+    `token_ids` overrides the config's bos/eos/pad ids (see `OuroConfig.from_hf_config`).
+    Raises: CheckpointError (unknown `model_type`, missing/extra/misshapen tensor, truncated
+      file, missing shard, ...), naming the file or tensor.
+    """
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir}: not a directory (expected an HF model directory)")
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{cfg_path}: missing (an HF directory needs config.json)")
+    cfg = OuroConfig.from_hf_config(cfg_path, token_ids=token_ids)
+    state, origin = read_hf_state_dict(hf_dir)
+    params = params_from_hf_state(state, cfg, source=str(hf_dir), origin=origin)
+    source_dtypes = {n: dtype_name(a.dtype) for n, a in state.items()}
+    counts: dict[str, int] = {}
+    for d in source_dtypes.values():
+        counts[d] = counts.get(d, 0) + 1
+    source_dtype = max(counts, key=counts.get)
+    tok_path = hf_dir / "tokenizer.json"
+    tokenizer_json = tok_path.read_text() if tok_path.exists() else None
+    return HFCheckpoint(params, cfg, source_dtype, source_dtypes, tokenizer_json)
+
+
+def expected_param_shapes(cfg: OuroConfig) -> dict[str, Any]:
+    """The parameter dict layout of `cfg` as a nested dict of `jax.ShapeDtypeStruct` (fp32),
+    from an abstract `LoopedLM` (no arrays are allocated)."""
+    from flax import nnx
+
+    from looprl.model.looped import LoopedLM
+
+    abstract = nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+
+def check_param_tree(params: dict[str, Any], cfg: OuroConfig, source: str = "parameters"):
+    """Raise CheckpointError naming the leaf if `params` does not have `cfg`'s layout
+    (a missing or unexpected leaf, or a shape other than expected)."""
+    import jax
+
+    template = expected_param_shapes(cfg)
+    flat_t = dict(jax.tree_util.tree_flatten_with_path(template)[0])
+    flat_p = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, leaf in flat_t.items():
+        name = jax.tree_util.keystr(path)
+        if path not in flat_p:
+            raise CheckpointError(f"{source}: parameter {name} missing (expected shape "
+                                  f"{list(leaf.shape)})")
+        if tuple(np.shape(flat_p[path])) != tuple(leaf.shape):
+            raise CheckpointError(f"{source}: parameter {name} has shape "
+                                  f"{list(np.shape(flat_p[path]))}, expected {list(leaf.shape)}")
+    extra = sorted(jax.tree_util.keystr(p) for p in flat_p if p not in flat_t)
+    if extra:
+        raise CheckpointError(f"{source}: unexpected parameter {extra[0]}")
+
+
+def model_from_params(params: dict[str, Any], cfg: OuroConfig, dtype="float32"):
+    """A `LoopedLM` holding `params` cast to `dtype`, with `compute_dtype = dtype`.
+
+    The module is built abstractly (`nnx.eval_shape`, no random init) and every Param is then
+    filled from `params`; a missing or misshapen leaf is a CheckpointError.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from looprl.model.looped import LoopedLM
+
+    check_param_tree(params, cfg)
+    dt = jnp.dtype(dtype)
+    abstract = nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), compute_dtype=dt))
+    graphdef, state = nnx.split(abstract)
+    filled = jax.tree.map(lambda t, p: jnp.asarray(np.asarray(p), dtype=dt),
+                          nnx.to_pure_dict(state), params)
+    nnx.replace_by_pure_dict(state, filled)
+    return nnx.merge(graphdef, state)
+
+
+def load_hf(path: str | Path, dtype="float32", token_ids: dict[str, int] | None = None):
+    """Load an HF Ouro directory as a `LoopedLM` with parameters and compute in `dtype`.
+
+    `model(tokens_BxS)` (int32 `[B, S]`) returns `.logits` `[T, B, S, V]` fp32 and
+    `.exit_lambda` `[T, B, S]` fp32. The returned module carries `source_dtype` (the HF
+    tensors' dtype name) so that an export defaults to it. Raises CheckpointError (see
+    `read_hf`).
+    """
+    ckpt = read_hf(path, token_ids=token_ids)
+    model = model_from_params(ckpt.params, ckpt.cfg, dtype)
+    model.source_dtype = ckpt.source_dtype
+    return model
+
+
+def _atomic_dir(out_dir: Path):
+    """A fresh temporary sibling of `out_dir` (same filesystem, so the final rename is atomic).
+    Refuses an existing non-empty `out_dir`."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise CheckpointError(f"{out_dir}: already exists and is not an empty directory; "
+                              f"refusing to overwrite")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+
+
+def _commit_dir(tmp: Path, out_dir: Path):
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked by _atomic_dir)
+    os.replace(tmp, out_dir)
+
+
+def save_hf(params: dict[str, Any], cfg: OuroConfig, out_dir: str | Path,
+            dtype: str | dict[str, str] = "float32", tokenizer_json: str | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (+ `tokenizer.json` if given) into `out_dir`.
+
+    Tensors are written in `dtype` (a name, or `{hf_name: name}` to restore a mixed source);
+    `config.json` records it as `torch_dtype`. Written atomically: built in a temporary
+    sibling directory and renamed; an existing non-empty `out_dir` is a CheckpointError.
+    """
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir)
+    tensors = hf_state_from_params(params, cfg, dtype)
+    tmp = _atomic_dir(out_dir)
+    try:
+        hf_cfg = cfg.to_hf_config()
+        hf_cfg["torch_dtype"] = (dtype_name(dtype) if not isinstance(dtype, dict)
+                                 else dtype_name(tensors["model.embed_tokens.weight"].dtype))
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
+        if tokenizer_json is not None:
+            (tmp / "tokenizer.json").write_text(tokenizer_json)
+        _commit_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,1 @@
+"""Independent reference implementations (PyTorch) used as parity oracles."""

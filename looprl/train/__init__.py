@@ -1,0 +1,1 @@
+"""Checkpoints, metrics and plots of training runs (leaf package: model <- train)."""
