@@ -1,0 +1,196 @@
+"""The task interface: problems, a resumable train stream, a fixed held-out set, rewards.
+
+A `Task` owns two sets of problems that never overlap:
+  * the **train stream**, infinite (procedural tasks) or cycled in seeded epochs (datasets):
+    `train_problem(index)` is a pure function of the task's configuration and `index`, so the
+    trainer's data position is one integer (`ProblemIterator.position`), checkpointed with
+    `state_dict()` and restored bit-exactly with `load_state_dict()`;
+  * the **held-out set**, fixed by the configuration: `eval_problems(n)` is its first `n`.
+The seed is part of the task's configuration (`get_task(name, seed=...)`), not an argument of
+each call, so the same task object always yields the same problems.
+
+Rewards are verifiable and lie in [0, 1]; `solution_text` is the supervised target of a warm start.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import json
+from typing import Any, Callable, ClassVar, Iterator, Mapping
+
+from looprl.errors import ConfigError
+from looprl.tokenizer import PROMPT_STYLES, TextTokenizer, chat_prompt
+
+TRAIN, EVAL = "train", "eval"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One problem with a verifiable answer.
+
+    Attributes:
+      id: global index in its split: the position in the train stream's source (arithmetic: the
+        generator index; GSM8K: the 0-based record index in the JSONL file) or in the held-out set.
+      split: `train` or `eval`.
+      prompt: the question, unformatted (the user message; `Task.format_prompt` frames it).
+      answer: the gold answer as a string (for example `"57"`, `"1080"`).
+      metadata: task-specific details (source dataset, expression, file and line, ...).
+    """
+    id: int
+    split: str
+    prompt: str
+    answer: str
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A task with verifiable rewards (see the module docstring for the train/held-out contract).
+
+    Subclasses set `name`, implement `train_problem`, `eval_problems`, `reward`, `solution_text`
+    and `config`, and set `self.prompt_style` (one of `looprl.tokenizer.PROMPT_STYLES`).
+    """
+    name: ClassVar[str] = "task"
+    prompt_style: str = "chatml"
+
+    @abc.abstractmethod
+    def train_problem(self, index: int) -> Problem:
+        """Return the `index`-th problem (index >= 0) of the train stream (deterministic)."""
+
+    @abc.abstractmethod
+    def eval_problems(self, n: int | None = None) -> list[Problem]:
+        """Return the first `n` held-out problems (all of them when `n` is None).
+
+        Raises:
+          ConfigError: `n` exceeds the held-out set's size.
+        """
+
+    @abc.abstractmethod
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Return the reward in [0, 1] of `completion` (decoded text, end of turn optional)."""
+
+    @abc.abstractmethod
+    def solution_text(self, problem: Problem) -> str:
+        """Return the supervised completion for `problem` (without the end-of-turn token)."""
+
+    @abc.abstractmethod
+    def config(self) -> dict[str, Any]:
+        """Return the task's configuration as JSON-serialisable values (it fixes every problem)."""
+
+    # ----- shared behaviour -----
+    def train_problems(self, n: int, start: int = 0) -> list[Problem]:
+        """Return train-stream problems `start .. start + n - 1`."""
+        return [self.train_problem(i) for i in range(start, start + n)]
+
+    def train_iterator(self, position: int = 0) -> "ProblemIterator":
+        """Return an iterator over the train stream starting at `position`."""
+        return ProblemIterator(self, position)
+
+    def format_prompt(self, problem: Problem) -> str:
+        """Return the prompt text fed to the model (ChatML framing, style `self.prompt_style`)."""
+        return chat_prompt(problem.prompt, self.prompt_style)
+
+    def tokenizer(self) -> TextTokenizer | None:
+        """Return the task's own tokenizer for tiny models, or None (use the model's tokenizer)."""
+        return None
+
+    def fingerprint(self) -> str:
+        """Return a SHA-256 (hex, 16 chars) of `name` and `config()`; a resume checks it matches."""
+        blob = json.dumps({"task": self.name, "config": self.config()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @staticmethod
+    def _check_prompt_style(style: str) -> str:
+        if style not in PROMPT_STYLES:
+            raise ConfigError(f"prompt_style: expected one of {PROMPT_STYLES}, found {style!r}")
+        return style
+
+
+class ProblemIterator:
+    """The trainer's position in a task's train stream: one integer, checkpointable.
+
+    `next_batch(n)` returns problems `position .. position + n - 1` and advances the position, so
+    restoring `state_dict()` into an iterator of an identically configured task reproduces the
+    following batches exactly.
+    """
+
+    def __init__(self, task: Task, position: int = 0):
+        if position < 0:
+            raise ConfigError(f"data position: expected >= 0, found {position}")
+        self.task = task
+        self.position = int(position)
+
+    def next_batch(self, n: int) -> list[Problem]:
+        """Return the next `n` train problems and advance the position by `n`."""
+        batch = self.task.train_problems(n, self.position)
+        self.position += n
+        return batch
+
+    def __iter__(self) -> Iterator[Problem]:
+        return self
+
+    def __next__(self) -> Problem:
+        return self.next_batch(1)[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return `{"task", "fingerprint", "position"}` (JSON-serialisable)."""
+        return {"task": self.task.name, "fingerprint": self.task.fingerprint(),
+                "position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the position from `state_dict()` output.
+
+        Raises:
+          ConfigError: a key is missing, or the state belongs to another task or configuration
+            (different name or fingerprint), or the position is not a non-negative integer.
+        """
+        for key in ("task", "fingerprint", "position"):
+            if key not in state:
+                raise ConfigError(f"data iterator state: missing key {key!r} (found {sorted(state)})")
+        if state["task"] != self.task.name or state["fingerprint"] != self.task.fingerprint():
+            raise ConfigError(
+                f"data iterator state: saved for task {state['task']!r} fingerprint "
+                f"{state['fingerprint']!r}, this task is {self.task.name!r} fingerprint "
+                f"{self.task.fingerprint()!r} (configuration differs)")
+        position = state["position"]
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ConfigError(f"data iterator state: position must be an int >= 0, found {position!r}")
+        self.position = position
+
+
+# ----- registry -----
+_REGISTRY: dict[str, str | Callable[..., Task]] = {
+    "arithmetic": "looprl.tasks.arithmetic:ArithmeticTask",
+    "gsm8k": "looprl.tasks.gsm8k:GSM8KTask",
+}
+
+
+def register_task(name: str, factory: Callable[..., Task]) -> None:
+    """Register `factory(**kwargs) -> Task` under `name` (replacing any earlier one)."""
+    _REGISTRY[name] = factory
+
+
+def task_names() -> list[str]:
+    """Return the registered task names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """Construct the task registered as `name` with keyword configuration `kwargs`.
+
+    Raises:
+      ConfigError: unknown task name, unknown keyword, or an invalid value.
+    """
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown task {name!r}; known: {task_names()}")
+    factory = _REGISTRY[name]
+    if isinstance(factory, str):
+        module, attr = factory.split(":")
+        factory = getattr(importlib.import_module(module), attr)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:  # unknown or missing keyword argument
+        raise ConfigError(f"task {name!r}: {e}") from e
+    return factory(**kwargs)

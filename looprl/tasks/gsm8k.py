@@ -1,0 +1,224 @@
+"""GSM8K: grade-school math word problems, from JSONL files or the HF hub.
+
+Data: the official JSONL format, one object per line with `question` and `answer`, the answer's
+last line `#### N` holding the gold number (`#### 1,080` in a few records). Files `train.jsonl`
+and `test.jsonl` are read from `data_dir` (default `../shared/data/gsm8k`; a relative path is tried
+against the working directory, then the repository root). `source="hub"` reads `openai/gsm8k`
+(`main`) through the optional `datasets` package instead. Malformed records (bad JSON, not an
+object, a missing or non-string key, an answer without a numeric `#### N`) raise `TaskError` with
+the file and line number; blank lines are skipped.
+
+Splits: the held-out set is the test file in file order; the train stream cycles the train file
+in seeded epochs (a fresh shuffle per epoch, `random.Random(seed * 1_000_003 + epoch)`), skipping
+any train record whose question also appears in the test file. `Problem.id` is the record's
+0-based index in its file (blank lines not counted) and `metadata` has `file` and `line`.
+
+Prompts follow Ouro's chat template (ChatML, no system prompt); `prompt_style="thinking"` ends
+with `<think>\\n` for the Thinking models. Grading: `looprl.tasks.grading.grade_answer`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from looprl.errors import ConfigError, TaskError
+from looprl.tasks.base import EVAL, TRAIN, Problem, Task
+from looprl.tasks.grading import grade_answer
+
+DEFAULT_DATA_DIR = "../shared/data/gsm8k"
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_GOLD_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_CALC_RE = re.compile(r"<<[^>]*>>")
+
+
+def parse_gsm8k_answer(answer: str, where: str = "answer") -> tuple[str, str]:
+    """Split a GSM8K `answer` field into (reasoning, gold); gold loses its thousands separators.
+
+    Raises:
+      TaskError: no `####`, or the text after the last `####` is not a number (`where` is put
+        in the message, e.g. `path:line`).
+    """
+    if "####" not in answer:
+        raise TaskError(f"{where}: answer has no '#### N' line (found {answer[-60:]!r})")
+    reasoning, gold = answer.rsplit("####", 1)
+    gold = gold.strip()
+    if not _GOLD_RE.fullmatch(gold):
+        raise TaskError(f"{where}: the text after '####' is not a number: {gold!r}")
+    return reasoning.strip(), gold.replace(",", "").lstrip("+")
+
+
+def _problem(record: Any, index: int, split: str, file: str, line: int) -> Problem:
+    where = f"{file}:{line}"
+    if not isinstance(record, dict):
+        raise TaskError(f"{where}: expected a JSON object, found {type(record).__name__}")
+    for key in ("question", "answer"):
+        if key not in record:
+            raise TaskError(f"{where}: missing key {key!r} (found {sorted(record)})")
+        if not isinstance(record[key], str):
+            raise TaskError(f"{where}: key {key!r} must be a string, found "
+                            f"{type(record[key]).__name__}")
+    reasoning, gold = parse_gsm8k_answer(record["answer"], where)
+    return Problem(id=index, split=split, prompt=record["question"].strip(), answer=gold,
+                   metadata={"file": file, "line": line, "reasoning": reasoning})
+
+
+def read_gsm8k_jsonl(path: str | os.PathLike, split: str = TRAIN) -> list[Problem]:
+    """Read a GSM8K JSONL file into problems (ids 0.. in file order, blank lines skipped).
+
+    Raises:
+      TaskError: the file is missing, or a line is malformed (message `path:line: ...`).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise TaskError(f"{path}: GSM8K file not found")
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno})") from None
+            problems.append(_problem(record, len(problems), split, path, line_no))
+    if not problems:
+        raise TaskError(f"{path}: no records")
+    return problems
+
+
+def _hub_problems(name: str, hub_split: str, split: str) -> list[Problem]:
+    try:
+        import datasets  # optional dependency
+    except ImportError:
+        raise ConfigError("gsm8k source 'hub' needs the optional `datasets` package "
+                          "(pip install datasets), or use source='jsonl'") from None
+    rows: Iterable[Any] = datasets.load_dataset(name, "main", split=hub_split)
+    file = f"hub:{name}/{hub_split}"
+    return [_problem(dict(row), i, split, file, i + 1) for i, row in enumerate(rows)]
+
+
+def resolve_data_dir(data_dir: str | os.PathLike, required: Iterable[str] = ()) -> Path:
+    """Return the directory `data_dir` names: absolute as is, else under the cwd, else the repo root.
+
+    Raises:
+      ConfigError: no candidate directory holds every file in `required`; names the paths tried.
+    """
+    given = Path(data_dir).expanduser()
+    tried = [given] if given.is_absolute() else [Path.cwd() / given, REPO_ROOT / given]
+    for candidate in tried:
+        if candidate.is_dir() and all((candidate / f).is_file() for f in required):
+            return candidate.resolve()
+    raise ConfigError(f"gsm8k data_dir {os.fspath(data_dir)!r}: no directory with "
+                      f"{list(required)} among {[os.fspath(t) for t in tried]}")
+
+
+class GSM8KTask(Task):
+    """GSM8K with verifiable rewards (see the module docstring for data, splits and prompts).
+
+    Args:
+      data_dir: directory of the JSONL files (source `jsonl`).
+      source: `jsonl` or `hub`.
+      seed: seeds the per-epoch shuffles of the train stream.
+      prompt_style: `chatml` (default) or `thinking` (`compact` is accepted for tiny models).
+      instruction: appended to the question after a blank line ("" for none).
+      train_file, eval_file: file names inside `data_dir`.
+      hub_dataset: dataset name for source `hub`.
+    Raises:
+      ConfigError: unknown source or prompt style, or (source `jsonl`) no such data directory.
+    """
+    name = "gsm8k"
+
+    def __init__(self, data_dir: str = DEFAULT_DATA_DIR, source: str = "jsonl", seed: int = 0,
+                 prompt_style: str = "chatml", instruction: str = DEFAULT_INSTRUCTION,
+                 train_file: str = "train.jsonl", eval_file: str = "test.jsonl",
+                 hub_dataset: str = "openai/gsm8k"):
+        if source not in ("jsonl", "hub"):
+            raise ConfigError(f"gsm8k source: expected 'jsonl' or 'hub', found {source!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"gsm8k seed must be an int >= 0, found {seed!r}")
+        self.data_dir = os.fspath(data_dir)
+        self.source = source
+        self.seed = seed
+        self.prompt_style = self._check_prompt_style(prompt_style)
+        self.instruction = instruction
+        self.train_file = train_file
+        self.eval_file = eval_file
+        self.hub_dataset = hub_dataset
+        self.resolved_dir = (resolve_data_dir(data_dir, (train_file, eval_file))
+                             if source == "jsonl" else None)
+        self._train: list[Problem] | None = None   # train records not held out
+        self._eval: list[Problem] | None = None
+        self._epoch_order: dict[int, list[int]] = {}
+
+    def _load(self) -> None:
+        if self._eval is not None:
+            return
+        if self.source == "jsonl":
+            train = read_gsm8k_jsonl(self.resolved_dir / self.train_file, TRAIN)
+            held_out = read_gsm8k_jsonl(self.resolved_dir / self.eval_file, EVAL)
+        else:
+            train = _hub_problems(self.hub_dataset, "train", TRAIN)
+            held_out = _hub_problems(self.hub_dataset, "test", EVAL)
+        questions = {" ".join(p.prompt.split()) for p in held_out}
+        self._train = [p for p in train if " ".join(p.prompt.split()) not in questions]
+        self._eval = held_out
+
+    def eval_problems(self, n: int | None = None) -> list[Problem]:
+        """Return the first `n` test problems in file order (all when None).
+
+        Raises:
+          ConfigError: `n` exceeds the test set. TaskError: a malformed data file.
+        """
+        self._load()
+        if n is None:
+            n = len(self._eval)
+        if n > len(self._eval):
+            raise ConfigError(f"gsm8k: asked for {n} held-out problems, the test set has "
+                              f"{len(self._eval)}")
+        return list(self._eval[:n])
+
+    def train_problem(self, index: int) -> Problem:
+        """Return train-stream problem `index` (epoch `index // N`, shuffled per epoch).
+
+        Raises:
+          ConfigError: negative index. TaskError: a malformed data file.
+        """
+        if index < 0:
+            raise ConfigError(f"train problem index must be >= 0, found {index}")
+        self._load()
+        epoch, offset = divmod(index, len(self._train))
+        order = self._epoch_order.get(epoch)
+        if order is None:
+            order = list(range(len(self._train)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            # keep two epochs: a stream moves forward, a batch may straddle an epoch boundary
+            self._epoch_order = {e: o for e, o in self._epoch_order.items() if e == epoch - 1}
+            self._epoch_order[epoch] = order
+        return self._train[order[offset]]
+
+    def format_prompt(self, problem: Problem) -> str:
+        """Return the ChatML prompt: question, blank line, instruction (see `chat_prompt`)."""
+        from looprl.tokenizer import chat_prompt
+        text = f"{problem.prompt}\n\n{self.instruction}" if self.instruction else problem.prompt
+        return chat_prompt(text, self.prompt_style)
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Return 1.0 if the completion's final answer equals the gold number, else 0.0."""
+        return grade_answer(completion, problem.answer)
+
+    def solution_text(self, problem: Problem) -> str:
+        """Return the reference solution: its reasoning without `<<...>>` calculator notes, then
+        `The final answer is \\boxed{N}.`"""
+        reasoning = _CALC_RE.sub("", problem.metadata["reasoning"])
+        return f"{reasoning}\nThe final answer is \\boxed{{{problem.answer}}}."
+
+    def config(self) -> dict[str, Any]:
+        return {"data_dir": self.data_dir, "source": self.source, "seed": self.seed,
+                "prompt_style": self.prompt_style, "instruction": self.instruction,
+                "train_file": self.train_file, "eval_file": self.eval_file,
+                "hub_dataset": self.hub_dataset}
