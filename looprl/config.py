@@ -1,0 +1,561 @@
+"""Experiment configs: typed, frozen, nested dataclasses; `key=value` overrides; JSON round trip.
+
+An experiment is a Python file under `experiments/` that defines `CONFIG` (an
+`ExperimentConfig`) or a function `config()` returning one; `load_experiment(path)` imports it.
+`apply_overrides(cfg, ["grpo.eps_high=0.28", "seed=1"])` parses each value by the field's
+declared type (int, float, bool, str, Optional[...], Literal[...] choices, tuple[str, ...] as a
+comma list) and accepts a dotted path (`section.field`) or a bare field name that is unique
+across sections (`out_dir=`, `seed=`, `stop_after=`, `resume=`, `group_size=` ...).
+`to_json`/`from_json` write and read the resolved config saved in the run directory.
+
+Every section checks its field types and value ranges when constructed (in the experiment
+file, by an override, or from JSON), so a bad config fails before any work starts.
+
+Raises `ConfigError` naming the key, the expected type or choices, and the value found.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from looprl.errors import ConfigError
+
+KVPolicy = Literal["dense", "deferred", "copy"]
+ComputeDtype = Literal["float32", "bfloat16"]
+LogprobMethod = Literal["hybrid", "replay", "dense", "stock"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr-grpo"]
+LoopCredit = Literal["none", "uniform", "progressive", "exit_dist"]
+LrSchedule = Literal["constant", "cosine", "linear"]
+
+
+# --- typed, self-checking sections --------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return "optional " + " or ".join(_type_name(a) for a in args) + " (or none)"
+    if origin is tuple:
+        return f"tuple of {_type_name(typing.get_args(tp)[0])} (comma-separated)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(tp, value, key: str):
+    """`value` as type `tp` (an int is accepted for a float), or ConfigError naming the key."""
+    def bad():
+        return ConfigError(f"config key {key!r}: expected {_type_name(tp)}, found {value!r}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _check_value(inner[0], value, key)
+    if origin is Literal:
+        if value not in typing.get_args(tp) or isinstance(value, bool):
+            raise bad()
+        return value
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise bad()
+        return tuple(_check_value(typing.get_args(tp)[0], v, key) for v in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad()
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad()
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad()
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, tp):
+            raise bad()
+        return value
+    raise TypeError(f"config key {key!r}: unsupported field type {tp!r}")
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class _Section:
+    """Base of every config section: type-checks (and int -> float coerces) its fields, then
+    runs `_validate` for value ranges. Subclasses are frozen dataclasses."""
+
+    def __post_init__(self):
+        hints = _field_types(type(self))
+        for f in dataclasses.fields(self):
+            key = f"{self._section_name()}{f.name}"
+            object.__setattr__(self, f.name, _check_value(hints[f.name], getattr(self, f.name), key))
+        self._validate()
+
+    def _section_name(self) -> str:
+        return getattr(type(self), "SECTION", "") + "." if getattr(type(self), "SECTION", "") else ""
+
+    def _require(self, ok: bool, name: str, expected: str):
+        if not ok:
+            raise ConfigError(f"config key '{self._section_name()}{name}': expected {expected}, "
+                              f"found {getattr(self, name)!r}")
+
+    def _validate(self):
+        pass
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Section):
+    """The policy network: a preset (`looprl.model.config.PRESETS`) with optional overrides, or
+    a looprl checkpoint to start from (then the warm start can be skipped)."""
+    SECTION = "model"
+    preset: str = "tiny"
+    checkpoint: Optional[str] = None      # looprl checkpoint directory to start from
+    hidden_size: Optional[int] = None     # None: the preset's value
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    total_ut_steps: Optional[int] = None  # T, the number of loops
+    compute_dtype: ComputeDtype = "float32"  # sampler and every learner pass (params stay fp32)
+
+    def _validate(self):
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size",
+                     "total_ut_steps"):
+            v = getattr(self, name)
+            self._require(v is None or v >= 1, name, "a positive int or none")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig(_Section):
+    """Verifiable-reward task; train and held-out problems never overlap."""
+    SECTION = "task"
+    name: str = "arithmetic"
+    train_datasets: tuple[str, ...] = ("chain_sum", "basic_arithmetic")
+    eval_datasets: tuple[str, ...] = ("chain_sum", "basic_arithmetic")
+    difficulty: str = "easy"              # task-defined difficulty label of the training mix
+    eval_difficulty: str = "easy"         # the held-out mix may be harder than training's
+    data_seed: int = 0                    # problem generation (the run seed is run.seed)
+    train_size: int = 20_000              # problems in the training pool
+    max_prompt_tokens: int = 64
+
+    def _validate(self):
+        self._require(len(self.train_datasets) > 0, "train_datasets", "at least one dataset")
+        self._require(len(self.eval_datasets) > 0, "eval_datasets", "at least one dataset")
+        self._require(self.train_size >= 1, "train_size", "a positive int")
+        self._require(self.max_prompt_tokens >= 1, "max_prompt_tokens", "a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig(_Section):
+    """Supervised warm start: Ouro stage I (LM + gate) until held-out accuracy plateaus, then
+    stage II (gate only). Skipped when `enabled` is false (e.g. model.checkpoint given)."""
+    SECTION = "warm_start"
+    enabled: bool = True
+    max_steps: int = 3000                 # stage-I optimizer steps at most
+    batch_size: int = 64                  # sequences per stage-I/II step
+    learning_rate: float = 1e-3
+    entropy_beta: float = 0.0             # beta of stage I: sum_t p_t CE_t - beta H(p)
+    eval_every_steps: int = 200
+    eval_problems: int = 200              # held-out problems per plateau check
+    plateau_last_fraction: float = 0.2    # plateaued when the last fifth of the curve ...
+    plateau_min_gain: float = 0.02        # ... gains less than this accuracy (a fraction)
+    gate_steps: int = 300                 # stage-II steps (LM frozen)
+    gate_learning_rate: float = 1e-3
+
+    def _validate(self):
+        for name in ("max_steps", "batch_size", "eval_every_steps", "eval_problems"):
+            self._require(getattr(self, name) >= 1, name, "a positive int")
+        self._require(self.gate_steps >= 0, "gate_steps", "an int >= 0")
+        self._require(self.learning_rate > 0, "learning_rate", "a float > 0")
+        self._require(self.gate_learning_rate > 0, "gate_learning_rate", "a float > 0")
+        self._require(self.entropy_beta >= 0, "entropy_beta", "a float >= 0")
+        self._require(0 < self.plateau_last_fraction < 1, "plateau_last_fraction",
+                      "a float in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(_Section):
+    """The sampler: groups of `group_size` samples for each of `prompts_per_step` prompts."""
+    SECTION = "rollout"
+    prompts_per_step: int = 16            # prompts (groups) per GRPO step
+    group_size: int = 8                   # G, samples per prompt
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0                    # 1.0: off (RL samples untruncated by default)
+    top_k: int = 0                        # 0: off
+    exit_threshold: float = 0.9           # q of the Q-exit rule; 1.0 = always loop T
+    fixed_exit_loop: Optional[int] = None  # exit at this loop instead of the Q-exit rule
+    kv_policy: KVPolicy = "dense"
+    deferred_max_pending: int = 4         # deferred policy: pending positions before a flush
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def _validate(self):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "deferred_max_pending"):
+            self._require(getattr(self, name) >= 1, name, "a positive int")
+        self._require(self.temperature > 0, "temperature", "a float > 0")
+        self._require(0 < self.top_p <= 1, "top_p", "a float in (0, 1]")
+        self._require(self.top_k >= 0, "top_k", "an int >= 0 (0 = off)")
+        self._require(0 < self.exit_threshold <= 1, "exit_threshold", "a float in (0, 1]")
+        self._require(self.fixed_exit_loop is None or self.fixed_exit_loop >= 1,
+                      "fixed_exit_loop", "an int >= 1 or none")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig(_Section):
+    """How the learner computes log-probs and splits the rollout batch into updates."""
+    SECTION = "learner"
+    logprob_method: LogprobMethod = "hybrid"  # replay alone has no gradient: not for training
+    ppo_epochs: int = 1                   # passes over each rollout batch
+    minibatches: int = 1                  # optimizer updates per epoch
+    microbatch_size: int = 0              # sequences per forward/backward; 0 = whole minibatch
+    train_gate: bool = False              # add the stage-II gate loss (gate frozen otherwise)
+    gate_loss_coef: float = 1.0
+    measure_stock: bool = True            # also run `stock` to log stock_max_abs_diff
+
+    def _validate(self):
+        self._require(self.logprob_method != "replay", "logprob_method",
+                      "'hybrid', 'dense' or 'stock' ('replay' is stop-gradient: no gradient)")
+        self._require(self.ppo_epochs >= 1, "ppo_epochs", "a positive int")
+        self._require(self.minibatches >= 1, "minibatches", "a positive int")
+        self._require(self.microbatch_size >= 0, "microbatch_size", "an int >= 0")
+        self._require(self.gate_loss_coef >= 0, "gate_loss_coef", "a float >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(_Section):
+    """The objective (`looprl.rl.grpo`)."""
+    SECTION = "grpo"
+    eps_low: float = 0.2                  # ratio clipped to [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.28
+    loss_agg: LossAgg = "token-mean"
+    scale_adv_by_std: bool = True         # false with loss_agg dr-grpo = Dr.GRPO
+    adv_std_floor: float = 1e-6
+    kl_beta: float = 0.0                  # k3 KL to the frozen reference (warm-started) policy
+    tis_cap: Optional[float] = None       # truncated importance sampling cap C; none = off
+    loop_credit: LoopCredit = "none"      # RLTT loop credit
+    loop_credit_alpha: float = 1.0        # exponent of `progressive`
+
+    def _validate(self):
+        self._require(0 <= self.eps_low < 1, "eps_low", "a float in [0, 1)")
+        self._require(self.eps_high >= 0, "eps_high", "a float >= 0")
+        self._require(self.adv_std_floor >= 0, "adv_std_floor", "a float >= 0")
+        self._require(self.kl_beta >= 0, "kl_beta", "a float >= 0")
+        self._require(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "a float > 0 or none")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig(_Section):
+    """optax AdamW with global-norm clipping and a learning-rate schedule (GRPO updates)."""
+    SECTION = "optim"
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0            # 0 = no clipping
+    warmup_steps: int = 0                 # optimizer updates
+    lr_schedule: LrSchedule = "constant"
+
+    def _validate(self):
+        self._require(self.learning_rate > 0, "learning_rate", "a float > 0")
+        self._require(self.weight_decay >= 0, "weight_decay", "a float >= 0")
+        self._require(0 <= self.adam_b1 < 1, "adam_b1", "a float in [0, 1)")
+        self._require(0 <= self.adam_b2 < 1, "adam_b2", "a float in [0, 1)")
+        self._require(self.adam_eps > 0, "adam_eps", "a float > 0")
+        self._require(self.max_grad_norm >= 0, "max_grad_norm", "a float >= 0")
+        self._require(self.warmup_steps >= 0, "warmup_steps", "an int >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(_Section):
+    """Held-out evaluation before GRPO (after warm start) and after, at the run's q."""
+    SECTION = "eval"
+    eval_problems: int = 500
+    greedy: bool = True
+    eval_batch_size: int = 128
+    eval_every_steps: int = 0             # also during GRPO; 0 = only before and after
+
+    def _validate(self):
+        self._require(self.eval_problems >= 1, "eval_problems", "a positive int")
+        self._require(self.eval_batch_size >= 1, "eval_batch_size", "a positive int")
+        self._require(self.eval_every_steps >= 0, "eval_every_steps", "an int >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(_Section):
+    """Where and how long a run goes (DESIGN.md §6)."""
+    SECTION = "run"
+    out_dir: str = "runs/default"
+    seed: int = 0
+    grpo_steps: int = 100
+    stop_after: Optional[int] = None      # stop after this many GRPO steps (resume later)
+    resume: bool = False                  # continue in place in out_dir
+    checkpoint_every_steps: int = 25
+    keep_checkpoints: int = 2
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+    def _validate(self):
+        self._require(len(self.out_dir) > 0, "out_dir", "a non-empty path")
+        self._require(self.grpo_steps >= 0, "grpo_steps", "an int >= 0")
+        self._require(self.stop_after is None or self.stop_after >= 0, "stop_after",
+                      "an int >= 0 or none")
+        self._require(self.checkpoint_every_steps >= 1, "checkpoint_every_steps", "a positive int")
+        self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig(_Section):
+    """One experiment: all sections, checked together for cross-section consistency."""
+    name: str = "default"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def _validate(self):
+        B = self.rollout.sequences_per_step
+        if B % self.learner.minibatches:
+            raise ConfigError(
+                f"config key 'learner.minibatches': expected a divisor of rollout.prompts_per_step"
+                f" * rollout.group_size = {B}, found {self.learner.minibatches}")
+        mb = B // self.learner.minibatches
+        if self.learner.microbatch_size and mb % self.learner.microbatch_size:
+            raise ConfigError(
+                f"config key 'learner.microbatch_size': expected a divisor of the minibatch size "
+                f"{mb}, found {self.learner.microbatch_size}")
+        T = self.model.total_ut_steps
+        if T is not None and self.rollout.fixed_exit_loop is not None and \
+                self.rollout.fixed_exit_loop > T:
+            raise ConfigError(f"config key 'rollout.fixed_exit_loop': expected an int in [1, {T}] "
+                              f"(model.total_ut_steps), found {self.rollout.fixed_exit_loop}")
+
+
+# --- key=value overrides ------------------------------------------------------------------------
+
+def _leaf_paths(cls, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """Every leaf field of a section class: path tuple -> declared type."""
+    out = {}
+    for name, tp in _field_types(cls).items():
+        if name == "SECTION":
+            continue
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out.update(_leaf_paths(tp, prefix + (name,)))
+        else:
+            out[prefix + (name,)] = tp
+    return out
+
+
+def resolve_key(cfg_cls, key: str) -> tuple[str, ...]:
+    """The leaf path a key names: a full dotted path, or a bare field name unique across
+    sections. Raises ConfigError for unknown or ambiguous keys (listing the candidates)."""
+    leaves = _leaf_paths(cfg_cls)
+    path = tuple(key.split("."))
+    if path in leaves:
+        return path
+    matches = [p for p in leaves if len(p) >= len(path) and p[-len(path):] == path]
+    if len(matches) == 1:
+        return matches[0]
+    dotted = sorted(".".join(p) for p in leaves)
+    if len(matches) > 1:
+        raise ConfigError(f"config key {key!r} is ambiguous: it matches "
+                          f"{sorted('.'.join(p) for p in matches)}; use the dotted path")
+    near = difflib.get_close_matches(key, dotted + sorted({p[-1] for p in leaves}), n=3)
+    hint = f"; did you mean {near}?" if near else ""
+    raise ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(dotted)})")
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null"}
+
+
+def parse_value(tp, text: str, key: str):
+    """Parse the command-line string `text` as type `tp`; ConfigError naming key/type/value."""
+    def bad():
+        return ConfigError(f"config key {key!r}: expected {_type_name(tp)}, found {text!r}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() in _NONE:
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        try:
+            return parse_value(inner[0], text, key)
+        except ConfigError:
+            raise bad() from None
+    if origin is Literal:
+        if text not in typing.get_args(tp):
+            raise bad()
+        return text
+    if origin is tuple:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        return tuple(parse_value(typing.get_args(tp)[0], p, key) for p in parts)
+    if tp is bool:
+        low = text.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise bad()
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise bad() from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise bad() from None
+    if tp is str:
+        return text
+    raise bad()
+
+
+def _rebuild(obj, updates: dict[tuple[str, ...], Any]):
+    """`obj` with the leaf updates applied, every section rebuilt once (validated once)."""
+    kw = {}
+    for f in dataclasses.fields(obj):
+        sub = {p[1:]: v for p, v in updates.items() if p[0] == f.name and len(p) > 1}
+        if (f.name,) in updates:
+            kw[f.name] = updates[(f.name,)]
+        elif sub:
+            kw[f.name] = _rebuild(getattr(obj, f.name), sub)
+    return dataclasses.replace(obj, **kw) if kw else obj
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | tuple[str, ...]
+                    ) -> ExperimentConfig:
+    """`cfg` with `key=value` overrides applied (later ones win), e.g. `grpo.eps_high=0.28`,
+    `seed=1`, `resume=true`, `fixed_exit_loop=none`, `task.train_datasets=chain_sum,leg_counting`.
+
+    Raises ConfigError for a malformed item, an unknown or ambiguous key, a value that does
+    not parse as the field's type or choices, or a resulting config that fails validation.
+    """
+    updates: dict[tuple[str, ...], Any] = {}
+    leaves = _leaf_paths(type(cfg))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        path = resolve_key(type(cfg), key)
+        updates[path] = parse_value(leaves[path], text, ".".join(path))
+    return _rebuild(cfg, updates)
+
+
+# --- experiment files and JSON ------------------------------------------------------------------
+
+def load_experiment(path: str | Path) -> ExperimentConfig:
+    """Import `path` (an `experiments/*.py` file) and return its `CONFIG`, or `config()`'s
+    result. Raises ConfigError if the file is missing, does not import, or defines neither."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"experiment file {str(path)!r} not found")
+    mod_name = f"looprl_experiment_{path.stem}_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    sys.path.insert(0, str(path.resolve().parent))  # so an experiment can import its siblings
+    try:
+        spec.loader.exec_module(module)
+    except ConfigError as e:
+        raise ConfigError(f"experiment file {str(path)!r}: {e}") from e
+    except (SyntaxError, ImportError) as e:
+        raise ConfigError(f"experiment file {str(path)!r} does not import: {e}") from e
+    finally:
+        sys.modules.pop(mod_name, None)
+        sys.path.remove(str(path.resolve().parent))
+    if hasattr(module, "CONFIG"):
+        cfg = module.CONFIG
+    elif callable(getattr(module, "config", None)):
+        cfg = module.config()
+    else:
+        raise ConfigError(f"experiment file {str(path)!r} defines neither CONFIG nor config()")
+    if not isinstance(cfg, ExperimentConfig):
+        raise ConfigError(f"experiment file {str(path)!r}: CONFIG must be an ExperimentConfig, "
+                          f"found {type(cfg).__name__}")
+    return cfg
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    """Nested plain dict (tuples become lists)."""
+    return json.loads(to_json(cfg))
+
+
+def to_json(cfg: ExperimentConfig, indent: int | None = 2) -> str:
+    """The resolved config as JSON text (sections nested, keys in declaration order)."""
+    return json.dumps(dataclasses.asdict(cfg), indent=indent)
+
+
+def _from_dict(cls, d: Any, where: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section {where or 'root'!r}: expected an object, found {d!r}")
+    hints = _field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown config keys {[prefix + u for u in unknown]}")
+    kw = {}
+    for name, value in d.items():
+        tp = hints[name]
+        key = f"{where}.{name}" if where else name
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            kw[name] = _from_dict(tp, value, key)
+        else:
+            kw[name] = _check_value(tp, value, key)
+    return cls(**kw)
+
+
+def from_json(text: str, source: str = "config.json") -> ExperimentConfig:
+    """Inverse of `to_json`: `from_json(to_json(cfg)) == cfg`. Missing keys take their defaults;
+    unknown keys and wrong types raise ConfigError (the message names `source`)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}: not valid JSON ({e})") from e
+    try:
+        return _from_dict(ExperimentConfig, d, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def save_json(cfg: ExperimentConfig, path: str | Path) -> None:
+    """Write `to_json(cfg)` to `path` (the run directory's `config.json`)."""
+    Path(path).write_text(to_json(cfg) + "\n")
+
+
+def load_json(path: str | Path) -> ExperimentConfig:
+    """Read a config written by `save_json`. Raises ConfigError naming the file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from e
+    return from_json(text, source=str(path))
