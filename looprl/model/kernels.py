@@ -33,6 +33,13 @@ def _pad_rows(x, axis: int, tile: int = ROW_TILE):
     return jnp.pad(x, widths), n
 
 
+def _barrier(*xs):
+    """`optimization_barrier`: keeps XLA from fusing producers/consumers into a dot differently
+    in different programs (the sampler's and the learner's), which changed low bits."""
+    out = jax.lax.optimization_barrier(xs)
+    return out if len(xs) > 1 else out[0]
+
+
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w`: leading dims of x are flattened into rows and padded to ROW_TILE.
 
@@ -46,8 +53,9 @@ def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     rows, m = _pad_rows(rows, 0)
-    y = jnp.einsum("mk,kn->mn", rows, w_KxN,
-                   preferred_element_type=out_dtype or x.dtype)[:m]
+    rows, w_KxN = _barrier(rows, w_KxN)
+    y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype or x.dtype)
+    y = _barrier(y)[:m]
     return y.reshape(*lead, w_KxN.shape[-1])
 
 
@@ -71,14 +79,41 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     q_BxHxCxK, _ = _pad_rows(jnp.swapaxes(q_BxCxHxK, 1, 2), 2)
     k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
     v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
+    q_BxHxCxK, k_BxHxSxK, v_BxHxSxK = _barrier(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK)
     scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK,
-                        preferred_element_type=jnp.float32) * jnp.float32(scale)
+                        preferred_element_type=jnp.float32)
+    scores = _barrier(scores) * jnp.float32(scale)
     mask, _ = _pad_rows(mask_BxCxS, 1)
     scores = jnp.where(mask[:, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_BxCxHxK.dtype)
+    probs = _barrier(softmax(scores).astype(q_BxCxHxK.dtype))
     out = jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK,
-                     preferred_element_type=q_BxCxHxK.dtype)[:, :, :C]
+                     preferred_element_type=q_BxCxHxK.dtype)
+    out = _barrier(out)[:, :, :C]
     return jnp.swapaxes(out, 1, 2)
+
+
+def rowsum(x, keepdims: bool = True):
+    """Row-invariant sum over the last axis, fp32: a matmul with a ones vector, so that every
+    row reduces in the same order whatever the number of rows (XLA's reduce emitter does not
+    guarantee that: RMSNorm rows differed between [B, S, D] and [B, 1, D] inputs)."""
+    x = x.astype(jnp.float32)
+    y = matmul(x, jnp.ones((x.shape[-1], 1), jnp.float32))
+    return y if keepdims else y[..., 0]
+
+
+def softmax(x):
+    """Row-invariant fp32 softmax over the last axis (max is order-free; the sum is `rowsum`)."""
+    x = x.astype(jnp.float32)
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return e / rowsum(e)
+
+
+def log_softmax(x):
+    """Row-invariant fp32 log-softmax over the last axis (entries of -inf stay -inf)."""
+    x = x.astype(jnp.float32)
+    m = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    shifted = x - m
+    return shifted - jnp.log(rowsum(jnp.exp(shifted)))
 
 
 def stock_matmul(x, w, out_dtype=None):
@@ -102,11 +137,15 @@ def stock_attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     return jnp.einsum("bhcs,bshk->bchk", probs, v_BxSxHxK)
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, stock: bool = False):
     """RMSNorm as the reference code does it: normalise in fp32, cast back to x's dtype, then
-    multiply by the weight (cast to x's dtype). `x` `[..., D]`, `weight` `[D]`."""
+    multiply by the weight (cast to x's dtype). `x` `[..., D]`, `weight` `[D]`. The mean of
+    squares is a `rowsum` (row-invariant) unless `stock`."""
     xf = x.astype(jnp.float32)
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    if stock:
+        var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    else:
+        var = rowsum(xf * xf) * jnp.float32(1.0 / x.shape[-1])
     return (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype) * weight.astype(x.dtype)
 
 
@@ -124,4 +163,5 @@ def apply_rope(x_BxCxHxK, cos_BxCxK, sin_BxCxK):
     half = x_BxCxHxK.shape[-1] // 2
     x1, x2 = x_BxCxHxK[..., :half], x_BxCxHxK[..., half:]
     rot = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BxCxHxK * cos_BxCxK[:, :, None] + rot * sin_BxCxK[:, :, None]
+    a, b = _barrier(x_BxCxHxK * cos_BxCxK[:, :, None], rot * sin_BxCxK[:, :, None])
+    return a + b

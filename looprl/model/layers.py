@@ -9,6 +9,8 @@ leading `L` axis and the stack is a `lax.scan` over it.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -43,7 +45,8 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxHxK, v_BxSxHxK, 
     B, C, _ = x_BxCxD.shape
     H, Hkv, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
-    h = kn.rms_norm(x_BxCxD, lw["input_layernorm"], eps)
+    norm = functools.partial(kn.rms_norm, eps=eps, stock=stock)
+    h = norm(x_BxCxD, lw["input_layernorm"])
     q = kn.apply_rope(mm(h, lw["q_proj"]).reshape(B, C, H, K), cos, sin)
     k = kn.apply_rope(mm(h, lw["k_proj"]).reshape(B, C, Hkv, K), cos, sin)
     v = mm(h, lw["v_proj"]).reshape(B, C, Hkv, K)
@@ -53,10 +56,10 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxHxK, v_BxSxHxK, 
     k_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxHxK, jnp.where(wmask, k, k_old), w0, 1)
     v_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxHxK, jnp.where(wmask, v, v_old), w0, 1)
     o = attend(q, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, K ** -0.5).reshape(B, C, H * K)
-    a = x_BxCxD + kn.rms_norm(mm(o, lw["o_proj"]), lw["input_layernorm_2"], eps)
-    z = kn.rms_norm(a, lw["post_attention_layernorm"], eps)
+    a = x_BxCxD + norm(mm(o, lw["o_proj"]), lw["input_layernorm_2"])
+    z = norm(a, lw["post_attention_layernorm"])
     m = mm(jax.nn.silu(mm(z, lw["gate_proj"])) * mm(z, lw["up_proj"]), lw["down_proj"])
-    y = a + kn.rms_norm(m, lw["post_attention_layernorm_2"], eps)
+    y = a + norm(m, lw["post_attention_layernorm_2"])
     return y, k_BxSxHxK, v_BxSxHxK
 
 
@@ -83,4 +86,4 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
         return y, (k_slot, v_slot)
 
     out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, (w["layers"], k_LxBxSxHxK, v_LxBxSxHxK))
-    return kn.rms_norm(out, w["norm"], cfg.rms_norm_eps), k_new, v_new
+    return kn.rms_norm(out, w["norm"], cfg.rms_norm_eps, stock), k_new, v_new

@@ -1,0 +1,149 @@
+"""Learner log-probabilities of sampled tokens: `dense`, `replay`, `hybrid`, `stock` (DESIGN.md §4).
+
+All four take a rollout's layout (tokens, left padding), its recorded exit loops and KV policy,
+and return `logprob_BxS` fp32: at every emitting position i (exit_loop_BxS[:, i] > 0) the
+temperature-scaled, full-vocabulary log-prob of tokens[:, i + 1] at loop exit_loop[:, i]; 0
+elsewhere. Logits are built only at each position's exit loop (`[B, S, V]`, never `[T, B, S, V]`).
+
+- `dense`: teacher-forced, differentiable pass over the whole sequence with the batch-invariant
+  kernels; KV as the policy implies (dense/deferred: every loop's own K/V; copy: at loop d a
+  position's K/V from loop min(d, k)). Because every matmul is row-tiled and attention runs
+  over the recorded cache length S, it reproduces the sampler's bits (tests/learner).
+- `replay`: the recorded schedule re-executed under stop_gradient. `replay_impl="invariant"`
+  (default) is the dense pass under stop_gradient, exact where the kernels are invariant (XLA CPU,
+  checked by `looprl verify`); `replay_impl="forced"` re-runs the sampler itself in forced mode
+  on the whole recorded batch (same code, same shapes), the fallback for backends where
+  invariance does not hold.
+- `hybrid = stop_gradient(replay) + (dense - stop_gradient(dense))`: replay's value, dense's
+  gradient.
+- `stock`: the same math written the common way (plain `x @ W`, attention over the live prefix,
+  scores in the compute dtype): the baseline and negative control.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from looprl.model.config import OuroConfig
+from looprl.model.layers import stack_pass
+from looprl.model.looped import Layout, cast_weights, embed, exit_lambda, lm_logits
+from looprl.sampling.processing import process_logits
+
+METHODS = ("dense", "replay", "hybrid", "stock")
+
+
+def exit_hidden(cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, *,
+                copy_kv: bool, stock: bool = False, remat: bool = True, with_lambda=False):
+    """Teacher-forced loops; returns h at each position's exit loop `[B, S, D]` (zeros where
+    exit_loop is 0) and, if `with_lambda`, the gate values `[T, B, S]` fp32.
+
+    copy_kv: the `copy` policy: at loop d, position j's K/V are those of loop min(d, kv_depth_j).
+    remat: rematerialise each loop in the backward pass (memory O(1 loop) instead of O(T)).
+    """
+    B, S = tokens_BxS.shape
+    T = cfg.total_ut_steps
+    positions = Layout(pad_B).positions(S)
+    layout = jnp.arange(S)
+    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    dt = w["embed_tokens"].dtype
+
+    def one_loop(h, k_prev, v_prev, d):
+        write = (d <= kv_depth_BxS) if copy_kv else jnp.ones((B, S), bool)
+        k_in = k_prev if copy_kv else jnp.zeros(kv_shape, dt)
+        v_in = v_prev if copy_kv else jnp.zeros(kv_shape, dt)
+        return stack_pass(cfg, w, h, positions, layout, pad_B, k_in, v_in, write, 0, stock)
+
+    if remat:
+        one_loop = jax.checkpoint(one_loop)
+    h = embed(w, tokens_BxS)
+    h_exit = jnp.zeros_like(h)
+    k = v = jnp.zeros(kv_shape, dt) if copy_kv else None
+    lams = []
+    for d in range(1, T + 1):
+        h, k_new, v_new = one_loop(h, k, v, d)
+        if copy_kv:
+            k, v = k_new, v_new
+        h_exit = jnp.where((exit_loop_BxS == d)[..., None], h, h_exit)
+        if with_lambda:
+            lams.append(exit_lambda(w, h, stock))
+    return (h_exit, jnp.stack(lams)) if with_lambda else h_exit
+
+
+def token_logprobs(w, h_exit_BxSxD, tokens_BxS, exit_loop_BxS, temperature: float,
+                   top_k: int = 0, top_p: float = 1.0, stock: bool = False):
+    """(full, processed) log-probs `[B, S]` fp32 of tokens[:, i+1] at emitting positions i."""
+    logits = lm_logits(w, h_exit_BxSxD, stock)
+    B, S, V = logits.shape
+    full, processed = process_logits(logits.reshape(B * S, V), temperature, top_k, top_p)
+    target = jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros((B, 1), tokens_BxS.dtype)], axis=1)
+    t = target.reshape(B * S, 1)
+    lp = jnp.take_along_axis(full, t, axis=1).reshape(B, S)
+    lpp = jnp.take_along_axis(processed, t, axis=1).reshape(B, S)
+    emit = exit_loop_BxS > 0
+    return jnp.where(emit, lp, 0.0), jnp.where(emit, lpp, 0.0)
+
+
+def sequence_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS,
+                      *, kv_policy: str, compute_dtype: str, temperature: float,
+                      method: str = "hybrid", top_k: int = 0, top_p: float = 1.0,
+                      remat: bool = True):
+    """Learner log-probs by `method` (traceable; call inside jit/grad).
+
+    Args: params fp32 master dict; tokens/exit_loop/kv_depth `[B, S]` int32; pad_B int32;
+    kv_policy `dense|deferred|copy`; method `dense|replay|hybrid|stock`.
+    Returns (logprob_BxS, logprob_processed_BxS) fp32.
+    """
+    w = cast_weights(params, compute_dtype)
+    copy_kv = kv_policy == "copy"
+    stock = method == "stock"
+    h = exit_hidden(cfg, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, copy_kv=copy_kv,
+                    stock=stock, remat=remat)
+    full, proc = token_logprobs(w, h, tokens_BxS, exit_loop_BxS, temperature, top_k, top_p,
+                                stock)
+    if method in ("dense", "stock"):
+        return full, proc
+    sg_full, sg_proc = jax.lax.stop_gradient(full), jax.lax.stop_gradient(proc)
+    if method == "replay":
+        return sg_full, sg_proc
+    if method == "hybrid":
+        return sg_full + (full - sg_full), sg_proc + (proc - sg_proc)
+    raise ValueError(f"unknown learner log-prob method {method!r}; expected one of {METHODS}")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_policy", "compute_dtype", "temperature",
+                                             "method", "top_k", "top_p", "remat"))
+def _jit_logprobs(params, tokens, pad, exit_loop, kv_depth, *, cfg, kv_policy, compute_dtype,
+                  temperature, method, top_k, top_p, remat):
+    return sequence_logprobs(cfg, params, tokens, pad, exit_loop, kv_depth, kv_policy=kv_policy,
+                             compute_dtype=compute_dtype, temperature=temperature,
+                             method=method, top_k=top_k, top_p=top_p, remat=remat)
+
+
+def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=None,
+                   remat: bool = False):
+    """Learner log-probs for rows `rows` of a `RolloutBatch` (all rows by default), as numpy.
+
+    `stock` trims the layout to the live prefix (P + the longest completion), as common code
+    does; the others keep the recorded cache length S. Returns (logprob_BxS, processed_BxS)."""
+    sub = batch if rows is None else batch.select(rows)
+    sch = sub.schedule
+    tokens, pad = np.asarray(sub.tokens_BxS), np.asarray(sub.pad_B)
+    exit_loop, kv_depth = np.asarray(sub.exit_loop_BxS), sub.kv_depth_BxS()
+    S = sch.seq_len
+    if method == "stock":
+        live = int(sch.prompt_len + np.max(np.asarray(sub.completion_len_B), initial=1))
+        live = min(live, S)
+        tokens, exit_loop, kv_depth = tokens[:, :live], exit_loop[:, :live], kv_depth[:, :live]
+    lp, lpp = _jit_logprobs(params, jnp.asarray(tokens), jnp.asarray(pad),
+                            jnp.asarray(exit_loop), jnp.asarray(kv_depth), cfg=cfg,
+                            kv_policy=sch.kv_policy, compute_dtype=sch.compute_dtype,
+                            temperature=float(sch.temperature), method=method,
+                            top_k=int(sch.top_k), top_p=float(sch.top_p), remat=remat)
+    lp, lpp = np.asarray(lp), np.asarray(lpp)
+    if lp.shape[1] < S:
+        padw = ((0, 0), (0, S - lp.shape[1]))
+        lp, lpp = np.pad(lp, padw), np.pad(lpp, padw)
+    return lp, lpp

@@ -1,0 +1,52 @@
+"""KV policies for early-exited positions (DESIGN.md §3).
+
+`dense`: every position computes all T loops at its own step; exit only picks the logits.
+`deferred`: a position stops at its exit loop k; its loops k+1..T run later, when a later
+  position of that row first needs that loop's KV, grouped with it in one chunk. After step p the
+  loops computed per position are a suffix maximum of exit loops, so the pending positions of a
+  row are a contiguous suffix and a window of C = max_pending + 1 positions ending at the current
+  one covers them. Before each step, a row with max_pending or more positions pending is
+  *flushed*: its current position runs every loop (catching all pending positions up to T). The
+  flush is recorded in the schedule (`flush_BxS`).
+`copy`: loops k+1..T never run; a query at loop d reads this position's K/V from loop min(d, k)
+  (vime's LAST_EXITED layout): after the step the position's loop-k K/V is copied into its slots
+  k+1..T. Not equal to dense math (an approximation); the learner reproduces it exactly.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from looprl.errors import SamplingError
+
+KV_POLICIES = ("dense", "deferred", "copy")
+
+
+def check_policy(name: str) -> str:
+    if name not in KV_POLICIES:
+        raise SamplingError(f"unknown kv_policy {name!r}; expected one of {list(KV_POLICIES)}")
+    return name
+
+
+def chunk_size(policy: str, max_pending: int) -> int:
+    """Positions per decode chunk: the current one plus (for deferred) the pending window."""
+    return max_pending + 1 if policy == "deferred" else 1
+
+
+def pending_count(depth_BxS, p, prompt_len: int, T: int):
+    """Completion positions before p whose KV is not computed for every loop, `[B]` int32."""
+    idx = jnp.arange(depth_BxS.shape[1])
+    live = (idx >= prompt_len) & (idx < p)
+    return jnp.sum(live[None] & (depth_BxS < T), axis=1, dtype=jnp.int32)
+
+
+def copy_fill(cache_TxLxBxSxHxK, p, exit_loop_B, rows_B):
+    """`copy` policy: for rows `rows_B`, write position p's loop-k K/V into its slots k+1..T."""
+    col = jax.lax.dynamic_index_in_dim(cache_TxLxBxSxHxK, p, axis=3, keepdims=False)  # T,L,B,H,K
+    T = col.shape[0]
+    src = jnp.take_along_axis(col, (jnp.maximum(exit_loop_B, 1) - 1)[None, None, :, None, None],
+                              axis=0)  # 1,L,B,H,K
+    t = jnp.arange(1, T + 1)[:, None, None, None, None]
+    take = (t > exit_loop_B[None, None, :, None, None]) & rows_B[None, None, :, None, None]
+    col = jnp.where(take, src, col)
+    return jax.lax.dynamic_update_index_in_dim(cache_TxLxBxSxHxK, col, p, axis=3)

@@ -1,0 +1,372 @@
+"""The rollout engine: jitted prefill + decode with per-token early exit and a (loop, layer) KV
+cache, recording the schedule (DESIGN.md §3).
+
+Layout: B = prompts x G rows, left-padded to the longest prompt P; the cache holds S = P +
+max_new_tokens positions for each of the T x L (loop, layer) slots: `[T, L, B, S, Hkv, K]`.
+Prefill runs every prompt position through all T loops as one chunk; each decode step runs the
+current position (plus, under `deferred`, the pending window) loop by loop in a
+`lax.while_loop` that stops as soon as every row of the batch is done with the step, so early
+exit saves sequential depth. All matmuls and attention use the batch-invariant kernels of
+`looprl.model.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
+
+`forced` mode re-runs a recorded rollout (its tokens, exit loops and flushes) at other parameters:
+the sampler "in forced mode" of the reproducibility matrix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from looprl.errors import SamplingError
+from looprl.model.config import OuroConfig
+from looprl.model.layers import stack_pass
+from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
+                                 exit_state_update, lm_logits, q_exit_decision)
+from looprl.sampling import policies
+from looprl.sampling.processing import process_logits, row_keys, sample_tokens
+from looprl.sampling.schedule import RolloutBatch, Schedule, params_fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample. `exit_threshold` is q of the Q-exit rule (q = 1.0: always loop T);
+    `fixed_depth` (1..T) overrides it. RL rollouts are untruncated by default (top_k 0 = off,
+    top_p 1.0 = off) so that the recorded log-prob is the behaviour probability."""
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    exit_threshold: float = 1.0
+    fixed_depth: int | None = None
+    kv_policy: str = "dense"
+    deferred_max_pending: int = 15
+    stop_ids: tuple[int, ...] = (2,)
+    compute_dtype: str = "float32"
+    max_seq_len: int | None = None  # cache length S; default P + max_new_tokens
+
+    def validate(self, T: int) -> None:
+        """Raises SamplingError naming the bad field."""
+        policies.check_policy(self.kv_policy)
+        if not (0.0 < self.exit_threshold <= 1.0):
+            raise SamplingError(f"exit_threshold q must lie in (0, 1], got {self.exit_threshold}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.fixed_depth is not None and not (1 <= self.fixed_depth <= T):
+            raise SamplingError(f"fixed_depth must lie in 1..{T}, got {self.fixed_depth}")
+        if self.deferred_max_pending < 1:
+            raise SamplingError("deferred_max_pending must be >= 1")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise SamplingError(f"compute_dtype must be float32 or bfloat16, "
+                                f"got {self.compute_dtype!r}")
+
+
+class DecodeState(NamedTuple):
+    tokens_BxS: jax.Array
+    h_BxSxD: jax.Array  # latest hidden state of each position (its h(depth))
+    depth_BxS: jax.Array  # loops whose KV the position has computed
+    k_cache: jax.Array  # [T, L, B, S, Hkv, K]
+    v_cache: jax.Array
+    exit_loop_BxS: jax.Array
+    logprob_BxS: jax.Array
+    logprob_processed_BxS: jax.Array
+    flush_BxS: jax.Array
+    done_B: jax.Array
+    completion_len_B: jax.Array
+    p: jax.Array  # next position to run (int32 scalar)
+
+
+class RowInfo(NamedTuple):
+    pad_B: jax.Array
+    prompt_index_B: jax.Array
+    sample_index_B: jax.Array
+    forced_tokens_BxS: jax.Array | None
+    forced_exit_BxS: jax.Array | None
+    forced_flush_BxS: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    cfg: OuroConfig
+    scfg: SamplingConfig
+    P: int
+    S: int
+    seed: int
+    forced: bool
+
+
+def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: int, emit_p,
+               eligible_C, force_full_B, running_B):
+    """Run loops 1..(as needed) for the chunk [w0, w0+C), then emit from position `emit_p`.
+
+    A chunk position is computed at loop d iff its row is running and it has computed exactly
+    d - 1 loops. The emitting position's exit loop comes from the Q-exit rule (or fixed depth,
+    or the forced schedule); rows in `force_full_B` keep looping to T after they exit.
+    Returns the updated state (tokens, log-probs, exits written at emit_p / emit_p + 1).
+    """
+    cfg, scfg = st.cfg, st.scfg
+    T = cfg.total_ut_steps
+    B = s.tokens_BxS.shape[0]
+    layout_C = w0 + jnp.arange(C)
+    positions = jax.lax.dynamic_slice_in_dim(Layout(rows.pad_B).positions(st.S), w0, C, axis=1)
+    e = emit_p - w0
+    q = scfg.exit_threshold
+    forced_exit_B = (jax.lax.dynamic_index_in_dim(rows.forced_exit_BxS, emit_p, 1, False)
+                     if st.forced else None)
+
+    def body(c):
+        d, s, xs, exited, exit_loop, h_exit, running = c
+        d = d + 1
+        k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
+        v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
+        h_in = jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1)
+        depth_win = jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1)
+        active = running[:, None] & eligible_C[None, :] & (depth_win == d - 1)
+        h_new, k_slots, v_slots = stack_pass(cfg, w, h_in, positions, layout_C, rows.pad_B,
+                                             k_slots, v_slots, active, w0)
+        h_store = jnp.where(active[..., None], h_new, h_in)
+        s = s._replace(
+            k_cache=jax.lax.dynamic_update_index_in_dim(s.k_cache, k_slots, d - 1, 0),
+            v_cache=jax.lax.dynamic_update_index_in_dim(s.v_cache, v_slots, d - 1, 0),
+            h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_store, w0, 1),
+            depth_BxS=jax.lax.dynamic_update_slice_in_dim(
+                s.depth_BxS, jnp.where(active, d, depth_win), w0, 1))
+        h_cur = jax.lax.dynamic_index_in_dim(h_new, e, 1, keepdims=True)  # B,1,D
+        lam = exit_lambda(w, h_cur)[:, 0]
+        xs, _ = exit_state_update(xs, lam, d, T)
+        if st.forced:
+            decide = d == forced_exit_B
+        elif scfg.fixed_depth is not None:
+            decide = jnp.broadcast_to(d >= scfg.fixed_depth, (B,))
+        else:
+            decide = q_exit_decision(xs.cdf, d, T, q)
+        new_exit = running & ~exited & decide
+        h_exit = jnp.where(new_exit[:, None], h_cur[:, 0], h_exit)
+        exit_loop = jnp.where(new_exit, d, exit_loop)
+        exited = exited | new_exit
+        running = running & (~exited | force_full_B) & (d < T)
+        return d, s, xs, exited, exit_loop, h_exit, running
+
+    def cond(c):
+        return jnp.any(c[-1])
+
+    D = cfg.hidden_size
+    init = (jnp.int32(0), s, exit_state_init((B,)), jnp.zeros((B,), bool),
+            jnp.zeros((B,), jnp.int32), jnp.zeros((B, D), w["embed_tokens"].dtype), running_B)
+    _, s, _, exited, exit_loop, h_exit, _ = jax.lax.while_loop(cond, body, init)
+
+    # Emit token emit_p + 1 from the exit loop's logits.
+    emitting = exited & ~s.done_B
+    logits = lm_logits(w, h_exit[:, None])[:, 0]
+    full, processed = process_logits(logits, scfg.temperature, scfg.top_k, scfg.top_p)
+    if st.forced:
+        token = jax.lax.dynamic_index_in_dim(rows.forced_tokens_BxS, emit_p + 1, 1, False)
+    else:
+        keys = row_keys(st.seed, step, rows.prompt_index_B, rows.sample_index_B, emit_p)
+        token = sample_tokens(keys, processed, greedy=scfg.temperature == 0)
+    lp = jnp.take_along_axis(full, token[:, None], axis=1)[:, 0]
+    lpp = jnp.take_along_axis(processed, token[:, None], axis=1)[:, 0]
+    token = jnp.where(emitting, token, 0)
+
+    def put(arr, val, idx=emit_p):
+        col = jax.lax.dynamic_index_in_dim(arr, idx, 1, False)
+        return jax.lax.dynamic_update_index_in_dim(arr, jnp.where(emitting, val, col), idx, 1)
+
+    stop = jnp.isin(token, jnp.asarray(scfg.stop_ids, jnp.int32))
+    s = s._replace(
+        tokens_BxS=put(s.tokens_BxS, token, emit_p + 1),
+        exit_loop_BxS=put(s.exit_loop_BxS, exit_loop),
+        logprob_BxS=put(s.logprob_BxS, lp),
+        logprob_processed_BxS=put(s.logprob_processed_BxS, lpp),
+        completion_len_B=s.completion_len_B + emitting.astype(jnp.int32),
+        done_B=s.done_B | (emitting & stop),
+    )
+    if st.forced:  # a recorded rollout that ended by length stops where the recording stopped
+        n_forced = jnp.sum(rows.forced_exit_BxS > 0, axis=1)
+        s = s._replace(done_B=s.done_B | (s.completion_len_B >= n_forced))
+    return s
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill(st: _Static, params, tokens_BxS, rows: RowInfo, step):
+    cfg = st.cfg
+    w = cast_weights(params, st.scfg.compute_dtype)
+    B = tokens_BxS.shape[0]
+    T, L, Hkv, K = cfg.total_ut_steps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    dt = w["embed_tokens"].dtype
+    cache = jnp.zeros((T, L, B, st.S, Hkv, K), dt)
+    s = DecodeState(
+        tokens_BxS=tokens_BxS, h_BxSxD=embed(w, tokens_BxS), depth_BxS=jnp.zeros((B, st.S),
+                                                                                 jnp.int32),
+        k_cache=cache, v_cache=cache, exit_loop_BxS=jnp.zeros((B, st.S), jnp.int32),
+        logprob_BxS=jnp.zeros((B, st.S), jnp.float32),
+        logprob_processed_BxS=jnp.zeros((B, st.S), jnp.float32),
+        flush_BxS=jnp.zeros((B, st.S), bool), done_B=jnp.zeros((B,), bool),
+        completion_len_B=jnp.zeros((B,), jnp.int32), p=jnp.int32(st.P))
+    ones = jnp.ones((B,), bool)
+    return _run_chunk(st, w, s, rows, step, w0=0, C=st.P, emit_p=st.P - 1,
+                      eligible_C=jnp.ones((st.P,), bool), force_full_B=ones, running_B=ones)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
+def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: int):
+    """Run up to `n_steps` decode steps (fewer when every row is done or the cache is full)."""
+    cfg, scfg = st.cfg, st.scfg
+    T = cfg.total_ut_steps
+    w = cast_weights(params, scfg.compute_dtype)
+    C = min(policies.chunk_size(scfg.kv_policy, scfg.deferred_max_pending), st.S)
+
+    def one_step(carry):
+        s, i = carry
+        p = s.p
+        w0 = jnp.maximum(p - C + 1, 0)
+        layout_C = w0 + jnp.arange(C)
+        h_p = embed(w, jax.lax.dynamic_index_in_dim(s.tokens_BxS, p, 1, True))
+        s = s._replace(h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_p, p, 1),
+                       depth_BxS=jax.lax.dynamic_update_index_in_dim(
+                           s.depth_BxS, jnp.zeros_like(s.done_B, jnp.int32), p, 1))
+        live_B = ~s.done_B
+        if scfg.kv_policy == "dense":
+            full_B = live_B
+        elif scfg.kv_policy == "deferred":
+            if st.forced:
+                full_B = jax.lax.dynamic_index_in_dim(st_rows_flush(rows), p, 1, False)
+            else:
+                full_B = policies.pending_count(s.depth_BxS, p, st.P, T) >= C - 1
+            full_B = full_B & live_B
+            s = s._replace(flush_BxS=jax.lax.dynamic_update_index_in_dim(
+                s.flush_BxS, full_B, p, 1))
+        else:
+            full_B = jnp.zeros_like(live_B)
+        eligible = (layout_C <= p) & ((layout_C >= st.P) | (layout_C == p))
+        exit_before = s.exit_loop_BxS
+        s = _run_chunk(st, w, s, rows, step, w0=w0, C=C, emit_p=p, eligible_C=eligible,
+                       force_full_B=full_B, running_B=live_B)
+        if scfg.kv_policy == "copy":
+            k_B = jax.lax.dynamic_index_in_dim(s.exit_loop_BxS, p, 1, False)
+            rows_B = live_B & (k_B > 0)
+            s = s._replace(
+                k_cache=policies.copy_fill(s.k_cache, p, k_B, rows_B),
+                v_cache=policies.copy_fill(s.v_cache, p, k_B, rows_B),
+                depth_BxS=jax.lax.dynamic_update_index_in_dim(
+                    s.depth_BxS, jnp.where(rows_B, T, 0), p, 1))
+        del exit_before
+        return s._replace(p=p + 1), i + 1
+
+    def cond(carry):
+        s, i = carry
+        return (i < n_steps) & (s.p < st.S - 1) & jnp.any(~s.done_B)
+
+    s, _ = jax.lax.while_loop(cond, one_step, (s, jnp.int32(0)))
+    return s
+
+
+def st_rows_flush(rows: RowInfo):
+    return rows.forced_flush_BxS
+
+
+def layout_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int | None):
+    """Left-pad prompts into `[B, S]` int32; returns (tokens, pad_B, P, S). Raises SamplingError
+    for an empty prompt or a prompt that does not fit the cache."""
+    if not prompts:
+        raise SamplingError("no prompts given")
+    for i, pr in enumerate(prompts):
+        if len(pr) == 0:
+            raise SamplingError(f"prompt {i} is empty (needs at least one token)")
+    P = max(len(pr) for pr in prompts)
+    S = P + max_new_tokens
+    if max_seq_len is not None:
+        if P >= max_seq_len:
+            raise SamplingError(f"prompt of {P} tokens does not fit the cache of "
+                                f"{max_seq_len} positions (needs room for at least one new token)")
+        S = min(S, max_seq_len)
+    tokens = np.zeros((len(prompts), S), np.int32)
+    pad = np.zeros((len(prompts),), np.int32)
+    for b, pr in enumerate(prompts):
+        pad[b] = P - len(pr)
+        tokens[b, pad[b]:P] = pr
+    return tokens, pad, P, S
+
+
+def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingConfig, *,
+             group_size: int = 1, seed: int = 0, step: int = 0,
+             prompt_indices: list[int] | None = None, decode_steps_per_call: int | None = None,
+             progress=None, forced: RolloutBatch | None = None) -> RolloutBatch:
+    """Sample `group_size` completions for each prompt; returns a `RolloutBatch` with schedule.
+
+    Args:
+      params: fp32 master parameter dict (`looprl.model.looped.param_dict`).
+      prompts: token id lists (non-empty). Row b = prompt b // G, sample b % G.
+      prompt_indices: each prompt's global index in its dataset (seeds its noise); default 0..n-1.
+      decode_steps_per_call: decode steps per jitted call (progress granularity); default all.
+      progress: optional callable(n_new_tokens_so_far, total) for a progress bar.
+      forced: re-run this recorded rollout (tokens, exits, flushes, layout) at `params`.
+    Raises: SamplingError on bad input (see `SamplingConfig.validate`, `layout_prompts`).
+    """
+    T = cfg.total_ut_steps
+    scfg.validate(T)
+    if forced is not None:
+        fb = forced.to_numpy()
+        sched = fb.schedule
+        tokens = np.where(np.arange(sched.seq_len)[None] < sched.prompt_len, fb.tokens_BxS, 0)
+        tokens = tokens.astype(np.int32)
+        pad, P, S = fb.pad_B.astype(np.int32), sched.prompt_len, sched.seq_len
+        prompt_index, sample_index = fb.prompt_index_B, fb.sample_index_B
+        seed, step = sched.seed, sched.step
+        frows = (jnp.asarray(fb.tokens_BxS, jnp.int32), jnp.asarray(fb.exit_loop_BxS, jnp.int32),
+                 jnp.asarray(fb.flush_BxS, bool))
+    else:
+        G = group_size
+        idx = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+        rows_prompts = [pr for pr in prompts for _ in range(G)]
+        tokens, pad, P, S = layout_prompts(rows_prompts, scfg.max_new_tokens, scfg.max_seq_len)
+        prompt_index = np.repeat(np.asarray(idx, np.int32), G)
+        sample_index = np.tile(np.arange(G, dtype=np.int32), len(prompts))
+        frows = (None, None, None)
+    for pr in prompts:
+        bad = [t for t in pr if not (0 <= t < cfg.vocab_size)]
+        if bad:
+            raise SamplingError(f"prompt token ids {bad[:5]} outside the vocabulary "
+                                f"[0, {cfg.vocab_size})")
+    st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None)
+    rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
+                   jnp.asarray(sample_index, jnp.int32), *frows)
+    step_arr = jnp.int32(step)
+    s = _prefill(st, params, jnp.asarray(tokens), rows, step_arr)
+    n_total = S - 1 - P
+    per_call = decode_steps_per_call or max(n_total, 1)
+    done_steps = 0
+    while done_steps < n_total:
+        s = _decode(st, params, s, rows, step_arr, per_call)
+        done_steps = int(s.p) - P
+        if progress is not None:
+            progress(done_steps + 1, n_total + 1)
+        if bool(jnp.all(s.done_B)):
+            break
+    sched = Schedule(
+        kv_policy=scfg.kv_policy,
+        exit_threshold=None if scfg.fixed_depth is not None else float(scfg.exit_threshold),
+        fixed_depth=scfg.fixed_depth, deferred_max_pending=scfg.deferred_max_pending,
+        chunk_size=policies.chunk_size(scfg.kv_policy, scfg.deferred_max_pending),
+        prompt_len=int(P), seq_len=int(S), batch_size=int(tokens.shape[0]),
+        total_ut_steps=T, compute_dtype=scfg.compute_dtype, temperature=float(scfg.temperature),
+        top_k=int(scfg.top_k), top_p=float(scfg.top_p), seed=int(seed), step=int(step),
+        params_fingerprint=params_fingerprint(params), devices=1,
+        backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids))
+    return RolloutBatch(
+        tokens_BxS=np.asarray(s.tokens_BxS), pad_B=np.asarray(pad),
+        exit_loop_BxS=np.asarray(s.exit_loop_BxS), logprob_BxS=np.asarray(s.logprob_BxS),
+        logprob_processed_BxS=np.asarray(s.logprob_processed_BxS),
+        flush_BxS=np.asarray(s.flush_BxS), prompt_index_B=np.asarray(prompt_index, np.int32),
+        sample_index_B=np.asarray(sample_index, np.int32),
+        completion_len_B=np.asarray(s.completion_len_B), schedule=sched)

@@ -1,0 +1,200 @@
+"""The recorded rollout: tokens, masks, behaviour log-probs and the dynamic **schedule**.
+
+Layout (DESIGN.md §3): rows are left-padded to a common prompt length P; row b's prompt occupies
+layout indices [pad_b, P) and its completion [P, P + n_b). Position i emits token i + 1, so all
+per-position arrays are aligned to the *emitting* position: `exit_loop_BxS[:, i]` is the loop
+whose logits emitted `tokens_BxS[:, i + 1]` and `logprob_BxS[:, i]` its recorded log-prob.
+`exit_loop_BxS` is 0 where nothing is emitted (earlier prompt positions, padding, after EOS).
+
+The schedule is everything dynamic that determined the numbers: exit loops, the KV policy and
+its deferred flushes, how work was grouped (chunk size, batch shape, padding), devices, compute
+dtype, and a fingerprint of the sampler's parameters. The learner never re-decides any of it.
+
+On disk (`save`/`load`): one `.npz` file holding the arrays and a JSON `meta` string with
+`format_version` (currently 1) and the schedule fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from looprl.errors import ScheduleError
+
+FORMAT_VERSION = 1
+KV_POLICIES = ("dense", "deferred", "copy")
+
+_ARRAYS = ("tokens_BxS", "pad_B", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS",
+           "flush_BxS", "prompt_index_B", "sample_index_B", "completion_len_B")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The non-array part of a rollout's schedule (see module docstring)."""
+    kv_policy: str
+    exit_threshold: float | None  # q of the Q-exit rule (None with fixed depth)
+    fixed_depth: int | None
+    deferred_max_pending: int
+    chunk_size: int  # positions per decode chunk (1 for dense/copy, max_pending + 1 for deferred)
+    prompt_len: int  # P
+    seq_len: int  # S = P + max_new_tokens
+    batch_size: int  # B rows
+    total_ut_steps: int
+    compute_dtype: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    step: int
+    params_fingerprint: str
+    devices: int = 1
+    backend: str = ""
+    row_tile: int = 64
+    stop_ids: tuple[int, ...] = (2,)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["stop_ids"] = list(self.stop_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Schedule":
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids"})
+        if missing:
+            raise ScheduleError(f"schedule meta is missing keys {missing}")
+        d = {k: v for k, v in d.items() if k in known}
+        if "stop_ids" in d:
+            d["stop_ids"] = tuple(d["stop_ids"])
+        return cls(**d)
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """A batch of rollouts with its schedule. Arrays are numpy or jax arrays:
+
+    tokens_BxS int32, pad_B int32 (left padding; prompt length = P - pad_b),
+    exit_loop_BxS int32 (1..T at emitting positions, else 0), logprob_BxS fp32 (full-vocabulary,
+    temperature-scaled, at the exit loop), logprob_processed_BxS fp32 (after top-k/top-p; equal to
+    logprob_BxS when truncation is off), flush_BxS bool (deferred: positions whose step was forced
+    to run every loop), prompt_index_B / sample_index_B int32, completion_len_B int32 (tokens
+    emitted, stop token included).
+    """
+    tokens_BxS: Any
+    pad_B: Any
+    exit_loop_BxS: Any
+    logprob_BxS: Any
+    logprob_processed_BxS: Any
+    flush_BxS: Any
+    prompt_index_B: Any
+    sample_index_B: Any
+    completion_len_B: Any
+    schedule: Schedule
+
+    @property
+    def emit_mask_BxS(self):
+        """True at positions that emitted a completion token (exit_loop > 0)."""
+        return self.exit_loop_BxS > 0
+
+    @property
+    def completion_mask_BxS(self):
+        """True at layout indices holding completion tokens (stop token included)."""
+        S, P = self.schedule.seq_len, self.schedule.prompt_len
+        idx = np.arange(S)[None, :]
+        n = np.asarray(self.completion_len_B)[:, None]
+        return (idx >= P) & (idx < P + n)
+
+    def kv_depth_BxS(self):
+        """Loops whose KV each position computed itself: T for prompt positions, the exit loop for
+        completion positions (used by the `copy` policy's learner)."""
+        T, P = self.schedule.total_ut_steps, self.schedule.prompt_len
+        idx = np.arange(self.schedule.seq_len)[None, :]
+        return np.where(idx < P, T, np.maximum(np.asarray(self.exit_loop_BxS), 1)).astype(np.int32)
+
+    def select(self, rows) -> "RolloutBatch":
+        """The rows `rows` (indices, any order) as a new batch with the same layout."""
+        rows = np.asarray(rows)
+        arrays = {k: np.asarray(getattr(self, k))[rows] for k in _ARRAYS}
+        sched = dataclasses.replace(self.schedule, batch_size=int(len(rows)))
+        return RolloutBatch(**arrays, schedule=sched)
+
+    def without_logprobs(self) -> "RolloutBatch":
+        """A copy whose recorded log-probs are NaN (so a replay cannot return stored numbers)."""
+        nan = np.full(np.shape(self.logprob_BxS), np.nan, np.float32)
+        return dataclasses.replace(self, logprob_BxS=nan, logprob_processed_BxS=nan.copy())
+
+    def to_numpy(self) -> "RolloutBatch":
+        return dataclasses.replace(self, **{k: np.asarray(getattr(self, k)) for k in _ARRAYS})
+
+    def save(self, path: str | Path) -> None:
+        """Write one `.npz` (arrays + JSON meta with `format_version`); atomic via rename."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        arrays = {k: np.asarray(getattr(self, k)) for k in _ARRAYS}
+        meta = {"format_version": FORMAT_VERSION, "schedule": self.schedule.to_dict()}
+        np.savez(tmp, meta=np.asarray(json.dumps(meta)), **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RolloutBatch":
+        """Read a file written by `save`. Raises ScheduleError naming the file and problem."""
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                data = {k: z[k] for k in z.files}
+        except (OSError, ValueError) as e:
+            raise ScheduleError(f"{path}: cannot read rollout file: {e}") from e
+        if "meta" not in data:
+            raise ScheduleError(f"{path}: not a looprl rollout file (no 'meta')")
+        meta = json.loads(str(data.pop("meta")))
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ScheduleError(f"{path}: format_version {meta.get('format_version')!r}, "
+                                f"this looprl reads {FORMAT_VERSION}")
+        missing = [k for k in _ARRAYS if k not in data]
+        if missing:
+            raise ScheduleError(f"{path}: missing arrays {missing}")
+        return cls(**{k: data[k] for k in _ARRAYS}, schedule=Schedule.from_dict(meta["schedule"]))
+
+
+def params_fingerprint(params) -> str:
+    """A cheap on-device digest of a parameter tree, as 16 hex digits.
+
+    Each leaf is bitcast to uint32 words (bf16 leaves are widened bit-exactly), multiplied by
+    position-dependent odd constants and summed modulo 2**32 (integer addition is associative,
+    so the reduction order and device count cannot change the result), with two independent
+    multiplier streams. Not cryptographic; `looprl.train.checkpoint` computes a full SHA-256 at
+    checkpoints."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    leaves.sort(key=lambda kv: jax.tree_util.keystr(kv[0]))
+    acc = []
+    for i, (_, leaf) in enumerate(leaves):
+        acc.append(_leaf_digest(jnp.asarray(leaf), i))
+    total = jnp.sum(jnp.stack(acc), axis=0, dtype=jnp.uint32) if acc else jnp.zeros(2, jnp.uint32)
+    a, b = (int(x) for x in np.asarray(total))
+    return f"{a:08x}{b:08x}"
+
+
+@jax.jit
+def _digest_words(words, salt):
+    n = words.shape[0]
+    idx = jnp.arange(n, dtype=jnp.uint32) + salt * jnp.uint32(0x9E3779B9)
+    m1 = idx * jnp.uint32(2654435761) | jnp.uint32(1)
+    m2 = (idx ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(40503) | jnp.uint32(1)
+    return jnp.stack([jnp.sum(words * m1, dtype=jnp.uint32),
+                      jnp.sum((words ^ (words >> 16)) * m2, dtype=jnp.uint32)])
+
+
+def _leaf_digest(leaf, i: int):
+    if leaf.dtype.itemsize == 4:
+        words = jax.lax.bitcast_convert_type(leaf, jnp.uint32).ravel()
+    elif leaf.dtype.itemsize == 2:
+        words = jax.lax.bitcast_convert_type(leaf, jnp.uint16).astype(jnp.uint32).ravel()
+    else:
+        words = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).ravel()
+    words = words ^ jnp.uint32(len(leaf.shape) * 7919 + leaf.size)
+    return _digest_words(words, jnp.uint32(i + 1))
