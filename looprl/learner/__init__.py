@@ -1,0 +1,1 @@
+"""Learner log-probs (dense, replay, hybrid, stock) and the reproducibility matrix."""

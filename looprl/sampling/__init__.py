@@ -1,0 +1,1 @@
+"""Rollout engine: prefill/decode with early exit, KV policies, recorded schedules."""
