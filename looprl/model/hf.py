@@ -1,7 +1,8 @@
 """HF-format Ouro checkpoints (`config.json` + safetensors) <-> looprl parameter dicts.
 
 Source convention (DESIGN.md §1): HF names `model.embed_tokens.weight` `[V, D]`,
-`model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `model.layers.{i}.mlp.{gate,up,down}_proj.weight`
+`model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
+`model.layers.{i}.mlp.{gate,up,down}_proj.weight`
 (PyTorch Linear weights, `[out, in]`), `model.layers.{i}.{input_layernorm, input_layernorm_2,
 post_attention_layernorm, post_attention_layernorm_2}.weight` `[D]`, `model.norm.weight` `[D]`,
 `model.early_exit_gate.weight` `[1, D]` and `.bias` `[1]`, `lm_head.weight` `[V, D]`.
@@ -125,7 +126,8 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         try:
             tag, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {info!r}") from e
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry "
+                                  f"{info!r}") from e
         if tag not in _ST_TO_NP:
             raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {tag}; expected "
                                   f"one of {sorted(_ST_TO_NP)}")

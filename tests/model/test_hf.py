@@ -213,3 +213,24 @@ def test_export_refuses_non_empty_dir(tmp_path):
         hf.save_hf(random_params(CFG), CFG, out, "float32")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_reads_bf16_file_written_by_torch(tmp_path):
+    """Real Ouro weights are bf16 files written by PyTorch: our numpy parser must read them to
+    the same bits as `safetensors.torch` does."""
+    import torch
+    from safetensors.torch import load_file
+    from safetensors.torch import save_file as torch_save_file
+
+    state = hf.hf_state_from_params(random_params(CFG, seed=5), CFG, "float32")
+    tstate = {n: torch.from_numpy(a).to(torch.bfloat16) for n, a in state.items()}
+    d = tmp_path / "torch_written"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CFG.to_hf_config()))
+    torch_save_file(tstate, str(d / "model.safetensors"), metadata={"format": "pt"})
+    ours, _ = hf.read_hf_state_dict(d)
+    theirs = load_file(str(d / "model.safetensors"))
+    for n, t in theirs.items():
+        assert ours[n].dtype == np.dtype(ml_dtypes.bfloat16)
+        assert np.array_equal(bits(ours[n]), t.view(torch.int16).numpy().view(np.uint16)), n
+    assert hf.read_hf(d).source_dtype == "bfloat16"

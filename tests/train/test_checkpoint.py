@@ -29,7 +29,8 @@ def u32(a):
 def test_round_trip_bits_config_tokenizer_meta(tmp_path):
     params = random_params()
     params["norm"][3] = -0.0
-    save_model_checkpoint(tmp_path / "ck", params, CFG, TOK, extra_meta={"source_dtype": "bfloat16"})
+    save_model_checkpoint(tmp_path / "ck", params, CFG, TOK,
+                          extra_meta={"source_dtype": "bfloat16"})
     got, cfg, tok, meta = load_model_checkpoint(tmp_path / "ck")
     assert cfg == CFG and tok == TOK and meta["source_dtype"] == "bfloat16"
     assert jax.tree.structure(got) == jax.tree.structure(params)
