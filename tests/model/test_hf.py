@@ -234,3 +234,13 @@ def test_reads_bf16_file_written_by_torch(tmp_path):
         assert ours[n].dtype == np.dtype(ml_dtypes.bfloat16)
         assert np.array_equal(bits(ours[n]), t.view(torch.int16).numpy().view(np.uint16)), n
     assert hf.read_hf(d).source_dtype == "bfloat16"
+
+
+def test_invalid_tokenizer_refused_before_writing(tmp_path, capsys):
+    src = hf.save_hf(random_params(CFG), CFG, tmp_path / "src", "float32")
+    bad = tmp_path / "tok.json"
+    bad.write_text('{"not": "a tokenizer"}')
+    assert main(["convert", "--hf", str(src), "--out", str(tmp_path / "ckpt"),
+                 "--tokenizer", str(bad)]) == 2
+    assert "tok.json: not a valid HF tokenizers JSON" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
