@@ -109,6 +109,7 @@ def main() -> dict:
         "max_abs_logit_diff": max_diff,
         "torch_num_threads": default_threads,
         "os_cpu_count": os.cpu_count(),
+        "load_avg_1min_at_end": round(os.getloadavg()[0], 2),  # >> cpu count: a shared machine
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "jax_backend": jax.default_backend(),
