@@ -1,6 +1,10 @@
 """looprl: bit-exact RL (GRPO) for looped language models (Ouro and its kind)."""
 __version__ = "0.1.0"
 
+from looprl.determinism import configure_xla as _configure_xla  # noqa: E402
+
+_configure_xla()  # before jax creates its backend: see looprl/determinism.py
+
 from looprl.errors import (CheckpointError, ConfigError, LooprlError, SamplingError,  # noqa: E402
                            ScheduleError, TaskError)
 

@@ -10,6 +10,11 @@ call to a multiple of the tile gives every row the same kernel whatever M is
 axis (the KV cache length S) with a mask, so its reductions have the same length and layout in
 every pass.
 
+Elementwise code must also compile the same way in every program: XLA CPU's newer fusion
+emitters generated numerically different loops for the same elementwise ops depending on the
+surrounding program (the learner's `copy` program differed from its `dense` one at loop 1), so
+looprl turns them off (`looprl.determinism`, `--xla_cpu_use_fusion_emitters=false`).
+
 `stock_*` functions are the same math written the common way (plain `x @ W`, attention over the
 live prefix): the negative control of the reproducibility matrix.
 """
@@ -33,13 +38,6 @@ def _pad_rows(x, axis: int, tile: int = ROW_TILE):
     return jnp.pad(x, widths), n
 
 
-def _barrier(*xs):
-    """`optimization_barrier`: keeps XLA from fusing producers/consumers into a dot differently
-    in different programs (the sampler's and the learner's), which changed low bits."""
-    out = jax.lax.optimization_barrier(xs)
-    return out if len(xs) > 1 else out[0]
-
-
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w`: leading dims of x are flattened into rows and padded to ROW_TILE.
 
@@ -53,9 +51,7 @@ def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     rows, m = _pad_rows(rows, 0)
-    rows, w_KxN = _barrier(rows, w_KxN)
-    y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype or x.dtype)
-    y = _barrier(y)[:m]
+    y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype or x.dtype)[:m]
     return y.reshape(*lead, w_KxN.shape[-1])
 
 
@@ -79,16 +75,15 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     q_BxHxCxK, _ = _pad_rows(jnp.swapaxes(q_BxCxHxK, 1, 2), 2)
     k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
     v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
-    q_BxHxCxK, k_BxHxSxK, v_BxHxSxK = _barrier(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK)
     scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK,
                         preferred_element_type=jnp.float32)
-    scores = _barrier(scores) * jnp.float32(scale)
+    scores = scores * jnp.float32(scale)
     mask, _ = _pad_rows(mask_BxCxS, 1)
     scores = jnp.where(mask[:, None], scores, MASK_VALUE)
-    probs = _barrier(softmax(scores).astype(q_BxCxHxK.dtype))
+    probs = softmax(scores).astype(q_BxCxHxK.dtype)
     out = jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK,
                      preferred_element_type=q_BxCxHxK.dtype)
-    out = _barrier(out)[:, :, :C]
+    out = out[:, :, :C]
     return jnp.swapaxes(out, 1, 2)
 
 
@@ -146,7 +141,8 @@ def rms_norm(x, weight, eps: float, stock: bool = False):
         var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     else:
         var = rowsum(xf * xf) * jnp.float32(1.0 / x.shape[-1])
-    return (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype) * weight.astype(x.dtype)
+    out = (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype) * weight.astype(x.dtype)
+    return out
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
@@ -163,5 +159,4 @@ def apply_rope(x_BxCxHxK, cos_BxCxK, sin_BxCxK):
     half = x_BxCxHxK.shape[-1] // 2
     x1, x2 = x_BxCxHxK[..., :half], x_BxCxHxK[..., half:]
     rot = jnp.concatenate([-x2, x1], axis=-1)
-    a, b = _barrier(x_BxCxHxK * cos_BxCxK[:, :, None], rot * sin_BxCxK[:, :, None])
-    return a + b
+    return x_BxCxHxK * cos_BxCxK[:, :, None] + rot * sin_BxCxK[:, :, None]

@@ -84,7 +84,7 @@ class LoopedLM(nnx.Module):
 
 def param_dict(model: LoopedLM) -> dict:
     """`{embed_tokens, layers: {q_proj, ...}, norm, early_exit_gate: {kernel, bias}, lm_head}`."""
-    return nnx.state(model, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def init_params(cfg: OuroConfig, seed: int = 0) -> dict:

@@ -1,0 +1,84 @@
+"""Process-level settings that bit-exactness depends on, and the environment record of reports.
+
+XLA CPU (jax 0.10.2): the newer fusion emitters compile the same elementwise ops into
+numerically different loops depending on the surrounding program, so a learner program and a
+sampler program disagreed in low bits even with batch-invariant kernels; the legacy emitters do
+not (`--xla_cpu_use_fusion_emitters=false`, measured in tests/learner). Bits also depend on the
+thread count: the test suite and `looprl verify` pin XLA CPU to one intra-op thread
+(`--xla_cpu_multi_thread_eigen=false`); the flags in force are recorded in every report.
+
+`configure_xla()` runs when `looprl` is imported: it appends the flag to XLA_FLAGS unless the
+user set it. It must run before jax creates its CPU backend; `xla_flags_in_force()` says what
+the process actually runs with.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+REQUIRED_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+PINNED_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
+
+
+def configure_xla(pin_threads: bool = False) -> None:
+    """Append looprl's required XLA flags to XLA_FLAGS (idempotent; user settings win)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    wanted = list(REQUIRED_CPU_FLAGS) + ([PINNED_THREAD_FLAG] if pin_threads else [])
+    for flag in wanted:
+        name = flag.split("=")[0]
+        if name not in flags:
+            flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
+
+
+def backend_initialized() -> bool:
+    """True if jax already created its backends (then XLA_FLAGS changes have no effect)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge._backends)  # noqa: SLF001 - no public query exists
+    except Exception:  # pragma: no cover - internal layout changed
+        return False
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """What bit claims hold for: jax/jaxlib build, backend, device kind, CPU, threads, flags."""
+    import jax
+    import jaxlib
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+        "device_kind": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count(),
+        "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "threads_pinned": PINNED_THREAD_FLAG in os.environ.get("XLA_FLAGS", ""),
+        "python": platform.python_version(), "git_commit": git_commit(),
+    }
