@@ -26,6 +26,25 @@ def _add_convert(sub):
     p.set_defaults(func=lambda a: _lazy("looprl.model.convert", "run_convert")(a))
 
 
+def _add_verify(sub):
+    p = sub.add_parser("verify", help="reproducibility matrix: replay vs sampler bits (report)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="CKPT", default=None,
+                     help="looprl checkpoint: its weights are the 'trained' cells (with "
+                          "--rollout: the sampler's weights)")
+    src.add_argument("--config", metavar="CFG", default=None,
+                     help="experiment config: model shape for a warm-started tiny model")
+    p.add_argument("--rollout", metavar="FILE", default=None,
+                   help="re-verify a saved rollout (.npz written by RolloutBatch.save)")
+    p.add_argument("--quick", action="store_true",
+                   help="the small matrix (<= 15 min on 2 CPU cores)")
+    p.add_argument("--replay-impl", default="invariant", choices=["invariant", "auto"],
+                   help="auto: where the invariant replay is not exact, replay by re-running the "
+                        "sampler in forced mode (recorded per cell as replay_impl)")
+    p.add_argument("--out", metavar="DIR", required=True, help="directory for report.json/.md")
+    p.set_defaults(func=lambda a: _lazy("looprl.learner.verify", "run_verify")(a))
+
+
 def _lazy(module: str, name: str):
     import importlib
     return getattr(importlib.import_module(module), name)
@@ -35,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="looprl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_convert(sub)
+    _add_verify(sub)
     return parser
 
 

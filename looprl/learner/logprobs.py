@@ -147,3 +147,84 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
         padw = ((0, 0), (0, S - lp.shape[1]))
         lp, lpp = np.pad(lp, padw), np.pad(lpp, padw)
     return lp, lpp
+
+
+def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None):
+    """`replay_impl="forced"`: replay by re-running the sampler in forced mode on the whole
+    recorded batch (its tokens, exit loops, deferred flushes, layout and shapes) at `params`,
+    then selecting `rows`. The same program at the same shapes as the sampler, so it reproduces
+    the sampler's bits even where the learner's kernels are not invariant; the fallback for
+    such cells (`looprl verify` records per cell which implementation it used). Not
+    differentiable. Returns numpy (logprob_BxS, processed_BxS) fp32 of the selected rows.
+
+    Raises: ScheduleError if the re-run does not follow the recorded schedule (exit loops)."""
+    from looprl.errors import ScheduleError
+    from looprl.sampling.sampler import SamplingConfig, generate
+
+    sch = batch.schedule
+    scfg = SamplingConfig(
+        max_new_tokens=sch.seq_len - sch.prompt_len, temperature=sch.temperature,
+        top_k=sch.top_k, top_p=sch.top_p,
+        exit_threshold=1.0 if sch.exit_threshold is None else sch.exit_threshold,
+        fixed_depth=sch.fixed_depth, kv_policy=sch.kv_policy,
+        deferred_max_pending=sch.deferred_max_pending, stop_ids=tuple(sch.stop_ids),
+        compute_dtype=sch.compute_dtype, max_seq_len=sch.seq_len)
+    out = generate(cfg, params, [[0]], scfg, forced=batch.to_numpy())
+    if not np.array_equal(np.asarray(out.exit_loop_BxS), np.asarray(batch.exit_loop_BxS)):
+        raise ScheduleError("forced replay did not follow the recorded exit loops")
+    lp, lpp = np.asarray(out.logprob_BxS), np.asarray(out.logprob_processed_BxS)
+    if rows is not None:
+        rows = np.asarray(rows)
+        lp, lpp = lp[rows], lpp[rows]
+    return lp, lpp
+
+
+def loop_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, *,
+                  kv_policy: str, compute_dtype: str, temperature: float, remat: bool = True):
+    """Every loop's log-prob of the emitted token and gate logit, for RLTT loop credit and the
+    stage-II gate loss (traceable, differentiable; `dense`-style teacher-forced pass).
+
+    Each loop's `[B, S, V]` logits are built in turn and reduced to the target's log-prob before
+    the next loop (never `[T, B, S, V]` at once). Log-probs are `log_softmax(logits_t / temp)` in
+    fp32 over the full vocabulary, for every loop t = 1..T at emitting positions (0 elsewhere);
+    the caller weights only the loops the schedule computed (t <= exit loop). At a position's
+    exit loop the value is the same math as `sequence_logprobs(..., method="dense")` but not
+    bit-identical to it (XLA fuses this pass differently): old and new loop-credit log-probs
+    must both come from this function.
+
+    Returns (logprob_TxBxS fp32, gate_logit_TxBxS fp32).
+    """
+    w = cast_weights(params, compute_dtype)
+    B, S = tokens_BxS.shape
+    T = cfg.total_ut_steps
+    copy_kv = kv_policy == "copy"
+    positions = Layout(pad_B).positions(S)
+    layout = jnp.arange(S)
+    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    dt = w["embed_tokens"].dtype
+    target = jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros((B, 1), tokens_BxS.dtype)], axis=1)
+    emit = exit_loop_BxS > 0
+    g = w["early_exit_gate"]
+
+    def one_loop(h, k_prev, v_prev, d):
+        write = (d <= kv_depth_BxS) if copy_kv else jnp.ones((B, S), bool)
+        k_in = k_prev if copy_kv else jnp.zeros(kv_shape, dt)
+        v_in = v_prev if copy_kv else jnp.zeros(kv_shape, dt)
+        h, k_new, v_new = stack_pass(cfg, w, h, positions, layout, pad_B, k_in, v_in, write, 0)
+        full, _ = process_logits(lm_logits(w, h).reshape(B * S, -1), temperature, 0, 1.0)
+        lp = jnp.take_along_axis(full, target.reshape(B * S, 1), axis=1).reshape(B, S)
+        z = jnp.einsum("bsd,d->bs", h.astype(jnp.float32), g["kernel"][:, 0]) + g["bias"][0]
+        return h, k_new, v_new, jnp.where(emit, lp, 0.0), z
+
+    if remat:
+        one_loop = jax.checkpoint(one_loop, static_argnums=(3,))
+    h = embed(w, tokens_BxS)
+    k = v = jnp.zeros(kv_shape, dt) if copy_kv else None
+    lps, zs = [], []
+    for d in range(1, T + 1):
+        h, k_new, v_new, lp, z = one_loop(h, k, v, d)
+        if copy_kv:
+            k, v = k_new, v_new
+        lps.append(lp)
+        zs.append(z)
+    return jnp.stack(lps), jnp.stack(zs)
