@@ -45,6 +45,23 @@ def _add_verify(sub):
     p.set_defaults(func=lambda a: _lazy("looprl.learner.verify", "run_verify")(a))
 
 
+def _add_train(sub):
+    p = sub.add_parser("train", help="warm start, GRPO and evaluation of an experiment config")
+    p.add_argument("config", metavar="CONFIG", help="experiments/*.py file defining CONFIG")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config overrides, e.g. out_dir=runs/x seed=1 stop_after=4")
+    p.set_defaults(func=lambda a: _lazy("looprl.train.run", "run_train")(a))
+
+
+def _add_plot(sub):
+    p = sub.add_parser("plot", help="PNG plots of a run directory's metrics")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directories (several: curves side by side)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="where to write the PNGs (default: the first RUN_DIR/plots)")
+    p.set_defaults(func=lambda a: _lazy("looprl.train.plots", "run_plot")(a))
+
+
 def _lazy(module: str, name: str):
     import importlib
     return getattr(importlib.import_module(module), name)
@@ -53,8 +70,10 @@ def _lazy(module: str, name: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="looprl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
     _add_convert(sub)
     _add_verify(sub)
+    _add_plot(sub)
     return parser
 
 

@@ -154,12 +154,28 @@ class TaskConfig(_Section):
     data_seed: int = 0                    # problem generation (the run seed is run.seed)
     train_size: int = 20_000              # problems in the training pool
     max_prompt_tokens: int = 64
+    # arithmetic knobs (inclusive lo,hi ranges; see looprl.tasks.arithmetic): the warm start
+    # trains on train_terms/train_digits, the held-out set is eval_terms/eval_digits, and GRPO
+    # trains on rl_terms/rl_digits (none: the held-out mix, never its problems)
+    train_terms: tuple[int, ...] = (2, 3)
+    train_digits: tuple[int, ...] = (1, 2)
+    eval_terms: tuple[int, ...] = (2, 4)
+    eval_digits: tuple[int, ...] = (1, 2)
+    rl_terms: Optional[tuple[int, ...]] = None
+    rl_digits: Optional[tuple[int, ...]] = None
+    eval_size: int = 1000                 # held-out set size (train streams exclude all of it)
 
     def _validate(self):
         self._require(len(self.train_datasets) > 0, "train_datasets", "at least one dataset")
         self._require(len(self.eval_datasets) > 0, "eval_datasets", "at least one dataset")
         self._require(self.train_size >= 1, "train_size", "a positive int")
         self._require(self.max_prompt_tokens >= 1, "max_prompt_tokens", "a positive int")
+        for name in ("train_terms", "train_digits", "eval_terms", "eval_digits", "rl_terms",
+                     "rl_digits"):
+            v = getattr(self, name)
+            self._require(v is None or (len(v) == 2 and 1 <= v[0] <= v[1]), name,
+                          "two ints lo,hi with 1 <= lo <= hi")
+        self._require(self.eval_size >= 1, "eval_size", "a positive int")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +325,7 @@ class RunConfig(_Section):
     seed: int = 0
     grpo_steps: int = 100
     stop_after: Optional[int] = None      # stop after this many GRPO steps (resume later)
-    resume: bool = False                  # continue in place in out_dir
+    resume: Optional[str] = None          # RUN_DIR to continue in place (out_dir = RUN_DIR)
     checkpoint_every_steps: int = 25
     keep_checkpoints: int = 2
     tensorboard: bool = True
@@ -322,6 +338,8 @@ class RunConfig(_Section):
                       "an int >= 0 or none")
         self._require(self.checkpoint_every_steps >= 1, "checkpoint_every_steps", "a positive int")
         self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "a positive int")
+        self._require(self.resume is None or len(self.resume) > 0, "resume",
+                      "a run directory or none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,7 +471,7 @@ def _rebuild(obj, updates: dict[tuple[str, ...], Any]):
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | tuple[str, ...]
                     ) -> ExperimentConfig:
     """`cfg` with `key=value` overrides applied (later ones win), e.g. `grpo.eps_high=0.28`,
-    `seed=1`, `resume=true`, `fixed_exit_loop=none`, `task.train_datasets=chain_sum,leg_counting`.
+    `seed=1`, `resume=runs/x`, `fixed_exit_loop=none`, `task.train_datasets=chain_sum,leg_counting`.
 
     Raises ConfigError for a malformed item, an unknown or ambiguous key, a value that does
     not parse as the field's type or choices, or a resulting config that fails validation.

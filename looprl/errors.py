@@ -23,3 +23,8 @@ class SamplingError(LooprlError, ValueError):
 
 class TaskError(LooprlError, ValueError):
     """A task data file is malformed (the message names the file and line)."""
+
+
+class TrainingError(LooprlError):
+    """A training step went wrong (non-finite loss or gradient: the message names the tensor and
+    the step); the run stops without overwriting a checkpoint."""

@@ -17,7 +17,7 @@ def test_defaults_construct_and_are_frozen():
 
 def test_overrides_dotted_and_bare_keys_parse_by_type():
     cfg = C.apply_overrides(C.ExperimentConfig(), [
-        "grpo.eps_high=0.28", "out_dir=/tmp/run1", "seed=7", "stop_after=2", "resume=true",
+        "grpo.eps_high=0.28", "out_dir=/tmp/run1", "seed=7", "stop_after=2", "resume=/tmp/run1",
         "kv_policy=deferred", "rollout.fixed_exit_loop=3", "tis_cap=2", "train_gate=yes",
         "task.train_datasets=chain_sum, leg_counting", "optim.learning_rate=3e-5",
         "loop_credit=progressive", "group_size=4",
@@ -26,7 +26,7 @@ def test_overrides_dotted_and_bare_keys_parse_by_type():
     assert cfg.run.out_dir == "/tmp/run1"
     assert cfg.run.seed == 7 and isinstance(cfg.run.seed, int)
     assert cfg.run.stop_after == 2
-    assert cfg.run.resume is True
+    assert cfg.run.resume == "/tmp/run1"
     assert cfg.rollout.kv_policy == "deferred"
     assert cfg.rollout.fixed_exit_loop == 3
     assert cfg.grpo.tis_cap == 2.0 and isinstance(cfg.grpo.tis_cap, float)
@@ -37,9 +37,9 @@ def test_overrides_dotted_and_bare_keys_parse_by_type():
     assert cfg.rollout.group_size == 4
     # later overrides win; none for Optional
     cfg2 = C.apply_overrides(cfg, ["seed=1", "run.seed=2", "fixed_exit_loop=none",
-                                   "resume=false"])
+                                   "resume=none"])
     assert cfg2.run.seed == 2 and cfg2.rollout.fixed_exit_loop is None
-    assert cfg2.run.resume is False
+    assert cfg2.run.resume is None
 
 
 def test_unknown_key_is_rejected_with_its_name_and_a_suggestion():
@@ -60,7 +60,7 @@ def test_ambiguous_bare_key_is_rejected_listing_the_candidates():
 @pytest.mark.parametrize("item,pattern", [
     ("seed=abc", r"'run.seed': expected int, found 'abc'"),
     ("seed=1.5", r"'run.seed': expected int, found '1.5'"),
-    ("resume=maybe", r"'run.resume': expected bool, found 'maybe'"),
+    ("rl_terms=2,x", r"'task.rl_terms': expected optional tuple of int .*found '2,x'"),
     ("eps_low=low", r"'grpo.eps_low': expected float, found 'low'"),
     ("kv_policy=sparse", r"'rollout.kv_policy': expected one of 'dense', 'deferred', 'copy', "
                          r"found 'sparse'"),
@@ -99,7 +99,7 @@ def test_overrides_are_validated_together_not_one_at_a_time():
 def test_constructor_type_checks_and_coerces_int_to_float():
     with pytest.raises(ConfigError, match=r"rollout.group_size': expected int, found '8'"):
         C.RolloutConfig(group_size="8")
-    with pytest.raises(ConfigError, match=r"run.resume': expected bool, found 1"):
+    with pytest.raises(ConfigError, match=r"run.resume': expected str, found 1"):
         C.RunConfig(resume=1)
     g = C.GRPOConfig(eps_low=0, tis_cap=3)
     assert isinstance(g.eps_low, float) and isinstance(g.tis_cap, float)

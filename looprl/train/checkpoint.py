@@ -172,3 +172,23 @@ def load_train_state(path: str | Path) -> Any:
         return _to_numpy(_checkpointer().restore(path / TRAIN_STATE_DIR))
     except Exception as e:
         raise CheckpointError(f"{path / TRAIN_STATE_DIR}: cannot restore: {e}") from e
+
+
+def params_sha256(params: dict[str, Any]) -> str:
+    """SHA-256 (hex) of a parameter tree (DESIGN.md §5): leaves in sorted path order, each fed as
+    `path|dtype|shape|` (path `/`-joined keys, dtype numpy name, shape comma-joined) followed by
+    its little-endian bytes."""
+    import hashlib
+
+    import jax
+
+    flat = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        flat.append((name, np.asarray(leaf)))
+    h = hashlib.sha256()
+    for name, a in sorted(flat, key=lambda x: x[0]):
+        a = np.ascontiguousarray(a)
+        h.update(f"{name}|{a.dtype.name}|{','.join(map(str, a.shape))}|".encode())
+        h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+    return h.hexdigest()

@@ -1,0 +1,356 @@
+"""The GRPO step and loop (issue 5): rollouts, rewards, group advantages, PPO-clip updates.
+
+One GRPO step (`GRPOLearner.step`):
+  1. `generate` samples G completions for each of N prompts (seed = run seed, step = GRPO step,
+     prompt indices = the problems' global ids), recording the schedule;
+  2. rewards from the task's verifier; `group_advantages` per group;
+  3. measurements at the sampler's parameters (before any update): `replay_exact_fraction`
+     (replay vs recorded log-probs, raw bits, emitting positions; must be 1.0), and
+     `stock_max_abs_diff` (the `stock` method vs recorded); the k3 KL to the reference policy;
+     with loop credit, the old per-loop log-probs (`loop_logprobs` at the sampler's parameters);
+  4. `ppo_epochs` x `minibatches` optimizer updates; each minibatch's loss normaliser is computed
+     once over the whole minibatch, its microbatches' gradients are summed (`aggregate_loss`
+     makes this split-invariant), then one optax update (AdamW, global-norm clipping, schedule).
+     The exit gate's update is zeroed (`optax.multi_transform`) unless `learner.train_gate`.
+
+The learner's log-probs are `hybrid` by default, so the first update's ratio is exactly 1.
+A non-finite loss or gradient raises `TrainingError` naming the tensor and step before anything
+is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from looprl.config import ExperimentConfig
+from looprl.errors import TrainingError
+from looprl.learner.logprobs import batch_logprobs, loop_logprobs, sequence_logprobs
+from looprl.model.config import OuroConfig
+from looprl.model.looped import exit_distribution
+from looprl.rl import grpo
+from looprl.sampling.sampler import SamplingConfig, generate
+
+
+def sampling_config(cfg: ExperimentConfig, *, greedy: bool = False) -> SamplingConfig:
+    """The rollout's (or, with `greedy`, the evaluation's) `SamplingConfig`."""
+    r = cfg.rollout
+    return SamplingConfig(max_new_tokens=r.max_new_tokens,
+                          temperature=0.0 if greedy else r.temperature,
+                          top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
+                          exit_threshold=r.exit_threshold, fixed_depth=r.fixed_exit_loop,
+                          kv_policy=r.kv_policy, deferred_max_pending=r.deferred_max_pending,
+                          stop_ids=(2,), compute_dtype=cfg.model.compute_dtype)
+
+
+def completion_rewards(task, tokenizer, problems, batch, group_size: int):
+    """(rewards_B fp32, completion texts) of a rollout batch (row b = problem b // G)."""
+    toks = np.asarray(batch.tokens_BxS)
+    P = batch.schedule.prompt_len
+    n = np.asarray(batch.completion_len_B)
+    texts, rewards = [], []
+    for b in range(toks.shape[0]):
+        text = tokenizer.decode_completion(toks[b, P:P + int(n[b])].tolist())
+        texts.append(text)
+        rewards.append(task.reward(problems[b // group_size], text))
+    return np.asarray(rewards, np.float32), texts
+
+
+def mean_exit_loop(batch) -> float:
+    """Mean exit loop over the completion's emitting positions (DESIGN.md §3 alignment)."""
+    el = np.asarray(batch.exit_loop_BxS)[:, batch.schedule.prompt_len - 1:]
+    return float(el[el > 0].mean()) if np.any(el > 0) else 0.0
+
+
+def evaluate(model_cfg: OuroConfig, params, task, tokenizer, cfg: ExperimentConfig, problems,
+             exit_threshold: float | None = None) -> dict[str, Any]:
+    """Greedy held-out accuracy at the run's q (or `exit_threshold`), in batches of
+    `eval.eval_batch_size`. Returns {accuracy, mean_exit_loop, problems, by_terms}."""
+    scfg = sampling_config(cfg, greedy=True)
+    if exit_threshold is not None:
+        scfg = dataclasses.replace(scfg, exit_threshold=exit_threshold)
+    correct, exits, terms = [], [], []
+    bs = cfg.eval.eval_batch_size
+    for i in range(0, len(problems), bs):
+        chunk = problems[i:i + bs]
+        prompts = [tokenizer.encode(task.format_prompt(p)) for p in chunk]
+        batch = generate(model_cfg, params, prompts, scfg, group_size=1,
+                         seed=cfg.run.seed, step=0, prompt_indices=[p.id for p in chunk])
+        r, _ = completion_rewards(task, tokenizer, chunk, batch, 1)
+        correct.extend(r.tolist())
+        el = np.asarray(batch.exit_loop_BxS)[:, batch.schedule.prompt_len - 1:]
+        exits.extend(el[el > 0].tolist())
+        terms.extend(int(p.metadata.get("num_terms", 0)) for p in chunk)
+    correct_a, terms_a = np.asarray(correct), np.asarray(terms)
+    by_terms = {str(k): float(correct_a[terms_a == k].mean()) for k in np.unique(terms_a)}
+    return {"accuracy": float(correct_a.mean()), "mean_exit_loop": float(np.mean(exits)),
+            "problems": len(problems), "by_terms": by_terms}
+
+
+def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformation:
+    """AdamW + global-norm clipping + learning-rate schedule, the exit gate's update zeroed
+    unless `learner.train_gate` (DESIGN.md: exit decisions are replayed, never re-decided)."""
+    o = cfg.optim
+    total = max(1, cfg.run.grpo_steps * cfg.learner.ppo_epochs * cfg.learner.minibatches)
+    if o.lr_schedule == "constant":
+        lr = optax.constant_schedule(o.learning_rate)
+    elif o.lr_schedule == "cosine":
+        lr = optax.cosine_decay_schedule(o.learning_rate, max(1, total - o.warmup_steps))
+    else:
+        lr = optax.linear_schedule(o.learning_rate, 0.0, max(1, total - o.warmup_steps))
+    if o.warmup_steps:
+        lr = optax.join_schedules([optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps),
+                                   lr], [o.warmup_steps])
+    parts = []
+    if o.max_grad_norm > 0:
+        parts.append(optax.clip_by_global_norm(o.max_grad_norm))
+    parts.append(optax.adamw(lr, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
+                             weight_decay=o.weight_decay))
+    train = optax.chain(*parts)
+    labels = {k: jax.tree.map(lambda _: "frozen" if (k == "early_exit_gate"
+                                                      and not cfg.learner.train_gate)
+                              else "train", v) for k, v in params.items()}
+    return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LossSpec:
+    """Static (hashable) arguments of the jitted loss/grad function."""
+    cfg: OuroConfig
+    kv_policy: str
+    compute_dtype: str
+    temperature: float
+    top_k: int
+    top_p: float
+    method: str
+    eps_low: float
+    eps_high: float
+    loss_agg: str
+    max_new_tokens: int
+    kl_beta: float
+    tis_cap: float | None
+    loop_credit: str
+    loop_credit_alpha: float
+    train_gate: bool
+    gate_loss_coef: float
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def _policy_loss(params, mb, normalizer, gate_normalizer, spec: _LossSpec):
+    """Scalar loss of one microbatch (its share of the minibatch loss) and fp32 stats."""
+    tokens, pad, exit_loop, kv_depth = mb["tokens"], mb["pad"], mb["exit_loop"], mb["kv_depth"]
+    mask = exit_loop > 0
+    lp, lpp = sequence_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
+                                kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
+                                temperature=spec.temperature, method=spec.method,
+                                top_k=spec.top_k, top_p=spec.top_p)
+    cur = lpp if spec.truncated else lp
+    old = mb["old_lp"]
+    need_loops = spec.loop_credit != "none" or spec.train_gate
+    if need_loops:
+        lp_T, gate_z = loop_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
+                                     kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
+                                     temperature=spec.temperature)
+    if spec.loop_credit != "none":
+        probs = exit_distribution(jax.nn.sigmoid(mb["old_gate_z"]))
+        w = grpo.loop_credit_weights(exit_loop, spec.cfg.total_ut_steps, spec.loop_credit,
+                                     alpha=spec.loop_credit_alpha, exit_probs_TxBxS=probs)
+        cur = grpo.loop_credit_logprobs(lp_T, w)
+        old = grpo.loop_credit_logprobs(mb["old_lp_T"], w)
+    tis = {}
+    if spec.tis_cap is not None:
+        tis = dict(sampler_logprobs_BxS=mb["sampler_lp"], tis_cap=spec.tis_cap)
+    loss_bs, stats = grpo.ppo_clip_loss(cur, old, mb["adv"], mask, eps_low=spec.eps_low,
+                                        eps_high=spec.eps_high, **tis)
+    if spec.kl_beta > 0:
+        loss_bs = loss_bs + spec.kl_beta * grpo.k3_kl(lp, mb["ref_lp"], mask)
+    loss = grpo.aggregate_loss(loss_bs, mask, spec.loss_agg, normalizer)
+    if spec.train_gate:
+        gate_loss = grpo.gate_stage2_loss(-lp_T, mask, gate_logits_TxBxS=gate_z,
+                                          normalizer=gate_normalizer)
+        loss = loss + spec.gate_loss_coef * gate_loss
+        stats["gate_loss"] = jax.lax.stop_gradient(gate_loss)
+    return loss, stats
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _loss_and_grad(params, mb, normalizer, gate_normalizer, *, spec: _LossSpec):
+    (loss, stats), grads = jax.value_and_grad(_policy_loss, has_aux=True)(
+        params, mb, normalizer, gate_normalizer, spec)
+    return loss, stats, grads
+
+
+@functools.partial(jax.jit, static_argnames=("opt",))
+def _apply(params, opt_state, grads, *, opt):
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _old_loop_pass(params, tokens, pad, exit_loop, kv_depth, *, spec: _LossSpec):
+    return loop_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
+                         kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
+                         temperature=spec.temperature, remat=False)
+
+
+def nonfinite_leaves(tree) -> list[str]:
+    """Paths of the leaves of `tree` holding a NaN or inf."""
+    bad = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not bool(jnp.all(jnp.isfinite(leaf))):
+            bad.append(jax.tree_util.keystr(path))
+    return bad
+
+
+def bits_equal_fraction(a, b, mask) -> float:
+    """Fraction of masked entries whose fp32 bits are equal."""
+    a, b, m = np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(mask, bool)
+    if not m.any():
+        return 1.0
+    return float(np.mean(a[m].view(np.uint32) == b[m].view(np.uint32)))
+
+
+class GRPOLearner:
+    """Holds the policy parameters, the optimizer state and the frozen reference; `step(i)` runs
+    one GRPO step and returns its metrics (a flat dict of floats)."""
+
+    def __init__(self, cfg: ExperimentConfig, model_cfg: OuroConfig, params, task, tokenizer,
+                 ref_params=None):
+        self.cfg, self.model_cfg, self.task, self.tokenizer = cfg, model_cfg, task, tokenizer
+        self.params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        self.ref_params = self.params if ref_params is None else ref_params
+        self.opt = make_optimizer(cfg, self.params)
+        self.opt_state = self.opt.init(self.params)
+        self.data_position = 0
+        self.scfg = sampling_config(cfg)
+        r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
+        self.spec = _LossSpec(
+            cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=cfg.model.compute_dtype,
+            temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
+            method=lc.logprob_method, eps_low=g.eps_low, eps_high=g.eps_high,
+            loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens, kl_beta=g.kl_beta,
+            tis_cap=g.tis_cap, loop_credit=g.loop_credit, loop_credit_alpha=g.loop_credit_alpha,
+            train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef)
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, float]:
+        cfg, spec = self.cfg, self.spec
+        N, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+        t0 = time.perf_counter()
+        problems = self.task.train_problems(N, self.data_position)
+        self.data_position += N
+        prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
+        batch = generate(self.model_cfg, self.params, prompts, self.scfg, group_size=G,
+                         seed=cfg.run.seed, step=step, prompt_indices=[p.id for p in problems])
+        rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch, G)
+        rollout_s = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        adv = grpo.group_advantages(jnp.asarray(rewards.reshape(N, G)),
+                                    scale_by_std=cfg.grpo.scale_adv_by_std,
+                                    std_floor=cfg.grpo.adv_std_floor)
+        adv_B = np.asarray(adv.advantages_NxG).reshape(-1)
+        emit = np.asarray(batch.exit_loop_BxS) > 0
+        recorded = np.asarray(batch.logprob_BxS)
+        # measurements at the sampler's parameters (the first update of this rollout batch)
+        replay_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "replay")
+        replay_exact = bits_equal_fraction(replay_lp, recorded, emit)
+        stock_diff = float("nan")
+        if cfg.learner.measure_stock:
+            stock_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "stock")
+            stock_diff = float(np.max(np.abs(stock_lp - recorded)[emit], initial=0.0))
+        ref_lp = replay_lp
+        if self.ref_params is not self.params:
+            ref_lp, _ = batch_logprobs(self.model_cfg, self.ref_params, batch, "replay")
+        x = (ref_lp - recorded)[emit]
+        kl_ref = float(np.mean(np.expm1(x) - x)) if x.size else 0.0
+
+        arrays = {"tokens": np.asarray(batch.tokens_BxS, np.int32),
+                  "pad": np.asarray(batch.pad_B, np.int32),
+                  "exit_loop": np.asarray(batch.exit_loop_BxS, np.int32),
+                  "kv_depth": batch.kv_depth_BxS(), "adv": adv_B.astype(np.float32),
+                  "old_lp": np.asarray(batch.logprob_processed_BxS if spec.truncated
+                                       else batch.logprob_BxS, np.float32),
+                  "sampler_lp": recorded.astype(np.float32), "ref_lp": ref_lp.astype(np.float32)}
+        if spec.loop_credit != "none":
+            old_T, old_z = _old_loop_pass(self.params, *(jnp.asarray(arrays[k]) for k in
+                                          ("tokens", "pad", "exit_loop", "kv_depth")), spec=spec)
+            arrays["old_lp_T"] = np.asarray(old_T)
+            arrays["old_gate_z"] = np.asarray(old_z)
+        # per-row arrays: move the T axis of loop arrays behind the row axis for slicing
+        B = arrays["tokens"].shape[0]
+        stats_acc: dict[str, list[float]] = {}
+        grad_norms, losses = [], []
+        mb_rows = B // cfg.learner.minibatches
+        micro = cfg.learner.microbatch_size or mb_rows
+        for epoch in range(cfg.learner.ppo_epochs):
+            for m in range(cfg.learner.minibatches):
+                rows = np.arange(m * mb_rows, (m + 1) * mb_rows)
+                mask = arrays["exit_loop"][rows] > 0
+                norm = grpo.loss_normalizer(jnp.asarray(mask), cfg.grpo.loss_agg,
+                                            cfg.rollout.max_new_tokens)
+                gate_norm = jnp.float32(max(1, int(mask.sum()) * (self.model_cfg.T - 1)))
+                grads_sum, loss_sum = None, 0.0
+                for u in range(0, mb_rows, micro):
+                    r = rows[u:u + micro]
+                    mb = {k: jnp.asarray(v[:, r] if k in ("old_lp_T", "old_gate_z") else v[r])
+                          for k, v in arrays.items()}
+                    loss, stats, grads = _loss_and_grad(self.params, mb, norm, gate_norm,
+                                                        spec=spec)
+                    loss_sum += float(loss)
+                    grads_sum = grads if grads_sum is None else jax.tree.map(jnp.add, grads_sum,
+                                                                             grads)
+                    n_tok = float(stats["tokens"])
+                    for k, v in stats.items():
+                        if k not in ("tokens", "ratio_min", "ratio_max"):
+                            stats_acc.setdefault(k, []).append((float(v), n_tok))
+                    for k in ("ratio_min", "ratio_max"):
+                        stats_acc.setdefault(k, []).append((float(stats[k]), 1.0))
+                if not np.isfinite(loss_sum):
+                    raise TrainingError(f"GRPO step {step}: non-finite loss {loss_sum} (epoch "
+                                        f"{epoch}, minibatch {m}); stopping, nothing written")
+                bad = nonfinite_leaves(grads_sum)
+                if bad:
+                    raise TrainingError(f"GRPO step {step}: non-finite gradient in {bad[:5]} "
+                                        f"(epoch {epoch}, minibatch {m}); stopping, nothing "
+                                        f"written")
+                self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state,
+                                                            grads_sum, opt=self.opt)
+                grad_norms.append(float(gnorm))
+                losses.append(loss_sum)
+        jax.block_until_ready(self.params)
+        learner_s = time.perf_counter() - t1
+
+        def wmean(k):
+            vals = stats_acc.get(k, [])
+            tot = sum(w for _, w in vals)
+            return float(sum(v * w for v, w in vals) / tot) if tot > 0 else 0.0
+
+        comp = np.asarray(batch.completion_len_B)
+        out = {"step": step, "reward_mean": float(rewards.mean()),
+               "reward_std": float(rewards.std()), "accuracy": float(np.mean(rewards == 1.0)),
+               "response_length": float(comp.mean()), "mean_exit_loop": mean_exit_loop(batch),
+               "kl": kl_ref, "clip_frac": wmean("clip_frac"),
+               "entropy": float(-recorded[emit].mean()) if emit.any() else 0.0,
+               "grad_norm": float(np.mean(grad_norms)), "loss": float(np.mean(losses)),
+               "replay_exact_fraction": replay_exact, "stock_max_abs_diff": stock_diff,
+               "ratio_mean": wmean("ratio_mean"),
+               "ratio_min": min(v for v, _ in stats_acc["ratio_min"]),
+               "ratio_max": max(v for v, _ in stats_acc["ratio_max"]),
+               "approx_kl_old": wmean("approx_kl"),
+               "degenerate_groups": int(adv.num_degenerate),
+               "tokens": int(emit.sum()), "rollout_s": rollout_s, "learner_s": learner_s}
+        if "gate_loss" in stats_acc:
+            out["gate_loss"] = wmean("gate_loss")
+        if "tis_weight_mean" in stats_acc:
+            out["tis_weight_mean"] = wmean("tis_weight_mean")
+        return out
