@@ -23,7 +23,18 @@ PINNED_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
 
 
 def configure_xla(pin_threads: bool = False) -> None:
-    """Append looprl's required XLA flags to XLA_FLAGS (idempotent; user settings win)."""
+    """Append looprl's required XLA flags to XLA_FLAGS (idempotent; user settings win).
+
+    Only for the pinned jaxlib 0.10 line, whose CPU backend knows the flag (jaxlib 0.11 builds
+    abort on unknown flags); LOOPRL_XLA_FLAGS=0 turns this off."""
+    if os.environ.get("LOOPRL_XLA_FLAGS", "1") == "0":
+        return
+    try:
+        from importlib.metadata import version
+        if not version("jaxlib").startswith("0.10."):
+            return
+    except Exception:  # pragma: no cover - jaxlib not installed
+        return
     flags = os.environ.get("XLA_FLAGS", "")
     wanted = list(REQUIRED_CPU_FLAGS) + ([PINNED_THREAD_FLAG] if pin_threads else [])
     for flag in wanted:
