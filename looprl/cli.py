@@ -62,6 +62,11 @@ def _add_plot(sub):
     p.set_defaults(func=lambda a: _lazy("looprl.train.plots", "run_plot")(a))
 
 
+def _add_generate(sub):
+    from looprl.sampling.generate import add_parser
+    add_parser(sub)
+
+
 def _lazy(module: str, name: str):
     import importlib
     return getattr(importlib.import_module(module), name)
@@ -71,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="looprl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    _add_generate(sub)
     _add_convert(sub)
     _add_verify(sub)
     _add_plot(sub)

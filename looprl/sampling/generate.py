@@ -1,0 +1,96 @@
+"""`looprl generate`: sample from a checkpoint and print each completion token with its exit loop.
+
+`--checkpoint` takes any looprl checkpoint (a converted HF model, a run's `warm_start/` or
+`checkpoint/`) or an HF directory (config.json + safetensors). The prompt is framed with the
+checkpoint's prompt style (ChatML by default; `--prompt-style raw` sends the text as is).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from looprl.errors import CheckpointError, SamplingError
+
+
+def load_any_checkpoint(path: str):
+    """(params fp32 dict, OuroConfig, tokenizer json or None, meta) from a looprl checkpoint or
+    an HF directory. Raises CheckpointError naming the path when it is neither."""
+    p = Path(path)
+    if (p / "config.json").exists() and not (p / "looprl_meta.json").exists():
+        from looprl.model.hf import load_hf
+        model = load_hf(p, dtype="float32")
+        tok = (p / "tokenizer.json").read_text() if (p / "tokenizer.json").exists() else None
+        return model.weights(), model.cfg, tok, {"source": "hf"}
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such checkpoint directory")
+    from looprl.train.checkpoint import load_model_checkpoint
+    return load_model_checkpoint(p)
+
+
+def run_generate(args) -> int:
+    from tqdm import tqdm
+
+    from looprl.sampling.sampler import SamplingConfig, generate
+    from looprl.tokenizer import chat_prompt, tokenizer_from_json
+
+    params, cfg, tok_json, meta = load_any_checkpoint(args.checkpoint)
+    if tok_json is None:
+        raise CheckpointError(f"{args.checkpoint}: no tokenizer.json (convert with --tokenizer)")
+    tok = tokenizer_from_json(tok_json)
+    style = args.prompt_style or (meta or {}).get("prompt_style", "chatml")
+    text = args.prompt if style == "raw" else chat_prompt(args.prompt, style)
+    if not args.prompt:
+        raise SamplingError("--prompt is empty")
+    ids = tok.encode(text)
+    scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, exit_threshold=args.exit_threshold,
+                          fixed_depth=args.fixed_depth, kv_policy=args.kv_policy,
+                          compute_dtype=args.dtype, stop_ids=(tok.end_of_turn_id,))
+    bar = tqdm(total=args.max_new_tokens, desc="decode", unit="tok", disable=not sys.stderr.isatty()
+               or args.max_new_tokens < 64, leave=False)
+
+    def progress(done, total):
+        bar.update(done - bar.n)
+
+    batch = generate(cfg, params, [ids], scfg, seed=args.seed, decode_steps_per_call=32,
+                     progress=progress)
+    bar.close()
+    P = batch.schedule.prompt_len
+    n = int(batch.completion_len_B[0])
+    toks = batch.tokens_BxS[0, P:P + n].tolist()
+    exits = batch.exit_loop_BxS[0, P - 1:P - 1 + n].tolist()
+    lps = batch.logprob_BxS[0, P - 1:P - 1 + n].tolist()
+    if args.json:
+        print(json.dumps({"completion": tok.decode_completion(toks), "tokens": toks,
+                          "exit_loops": exits, "logprobs": lps,
+                          "mean_exit_loop": sum(exits) / max(len(exits), 1)}))
+        return 0
+    print(tok.decode_completion(toks))
+    print(f"# {n} tokens, mean exit loop {sum(exits) / max(n, 1):.2f} of {cfg.total_ut_steps} "
+          f"(kv_policy={args.kv_policy}, q={args.exit_threshold})")
+    for t, k, lp in zip(toks, exits, lps):
+        print(f"{tok.decode([t])!r:>12}  exit_loop={k}  logprob={lp:.4f}")
+    if args.save_rollout:
+        batch.save(args.save_rollout)
+    return 0
+
+
+def add_parser(sub):
+    p = sub.add_parser("generate", help="sample a completion; print tokens with their exit loops")
+    p.add_argument("--checkpoint", required=True, metavar="CKPT")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt-style", default=None,
+                   choices=["chatml", "thinking", "compact", "raw"])
+    p.add_argument("--exit-threshold", type=float, default=1.0, metavar="Q")
+    p.add_argument("--fixed-depth", type=int, default=None)
+    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--save-rollout", metavar="FILE.npz", help="save the RolloutBatch")
+    p.set_defaults(func=run_generate)
