@@ -27,8 +27,9 @@ whose invariant replay is not exact, and then the invariant result stays in the 
 `invariant_exact_fraction`).
 
 Bits hold for one jax/jaxlib build, backend, CPU model / device kind and thread count; the
-report's `env` records them. The CLI pins XLA CPU to one intra-op thread
-(`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`) unless XLA_FLAGS is already set.
+report's `env` records them. The CLI pins XLA CPU to one intra-op thread by appending
+`--xla_cpu_multi_thread_eigen=false` to XLA_FLAGS (with looprl's required
+`--xla_cpu_use_fusion_emitters=false`, see `looprl.determinism`) unless the user set them.
 """
 from __future__ import annotations
 
@@ -463,7 +464,8 @@ def run_verify(args) -> int:
     """`looprl verify`: run the matrix (or re-verify `--rollout`), write the report, return the
     exit status (0 only if every replay cell is exact and every negative control mismatches
     within 1e-4 in fp32, and every cell met its size requirements)."""
-    os.environ.setdefault("XLA_FLAGS", PINNED_XLA_FLAGS)
+    from looprl import determinism
+    determinism.configure_xla(pin_threads=True)  # one intra-op thread + looprl's required flags
     import jax
     import numpy as np
 
