@@ -58,18 +58,26 @@ def exit_hidden(cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_B
 
     if remat:
         one_loop = jax.checkpoint(one_loop)
-    h = embed(w, tokens_BxS)
-    h_exit = jnp.zeros_like(h)
-    k = v = jnp.zeros(kv_shape, dt) if copy_kv else None
-    lams = []
-    for d in range(1, T + 1):
+
+    # The T loops run as a `lax.scan` (an XLA while loop), not unrolled: each loop's input h is
+    # then read from memory, as in the sampler's loop-by-loop while loop. Unrolled, XLA fuses
+    # loop d's final norm (`h = (x * rsqrt) * w`) into loop d+1's residual add, where LLVM's
+    # FMA contraction rounds `x + h` differently than when h comes from memory (seen with
+    # L = 1, whose layer scan XLA inlines: tests/learner/test_small_dims_exact.py).
+    def body(carry, d):
+        h, h_exit, k, v = carry
         h, k_new, v_new = one_loop(h, k, v, d)
         if copy_kv:
             k, v = k_new, v_new
         h_exit = jnp.where((exit_loop_BxS == d)[..., None], h, h_exit)
-        if with_lambda:
-            lams.append(exit_lambda(w, h, stock))
-    return (h_exit, jnp.stack(lams)) if with_lambda else h_exit
+        lam = exit_lambda(w, h, stock) if with_lambda else None
+        return (h, h_exit, k, v), lam
+
+    h = embed(w, tokens_BxS)
+    kv0 = jnp.zeros(kv_shape, dt) if copy_kv else jnp.zeros((), dt)
+    (_, h_exit, _, _), lams = jax.lax.scan(body, (h, jnp.zeros_like(h), kv0, kv0),
+                                           jnp.arange(1, T + 1, dtype=jnp.int32))
+    return (h_exit, lams) if with_lambda else h_exit
 
 
 def token_logprobs(w, h_exit_BxSxD, tokens_BxS, exit_loop_BxS, temperature: float,
