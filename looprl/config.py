@@ -164,6 +164,9 @@ class TaskConfig(_Section):
     rl_terms: Optional[tuple[int, ...]] = None
     rl_digits: Optional[tuple[int, ...]] = None
     eval_size: int = 1000                 # held-out set size (train streams exclude all of it)
+    solution_style: Optional[str] = None  # arithmetic: 'steps' (chain_sum) or 'answer'; none:
+                                          # the task's default ('steps' for chain_sum)
+    spaces: bool = True                   # arithmetic: `12 + 7` (true) or `12+7` (false)
 
     def _validate(self):
         self._require(len(self.train_datasets) > 0, "train_datasets", "at least one dataset")
@@ -176,6 +179,8 @@ class TaskConfig(_Section):
             self._require(v is None or (len(v) == 2 and 1 <= v[0] <= v[1]), name,
                           "two ints lo,hi with 1 <= lo <= hi")
         self._require(self.eval_size >= 1, "eval_size", "a positive int")
+        self._require(self.solution_style in (None, "steps", "answer"), "solution_style",
+                      "'steps', 'answer' or none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,11 +197,13 @@ class WarmStartConfig(_Section):
     eval_problems: int = 200              # held-out problems per plateau check
     plateau_last_fraction: float = 0.2    # plateaued when the last fifth of the curve ...
     plateau_min_gain: float = 0.02        # ... gains less than this accuracy (a fraction)
+    plateau_min_evals: int = 5            # judged once the curve has this many points
     gate_steps: int = 300                 # stage-II steps (LM frozen)
     gate_learning_rate: float = 1e-3
 
     def _validate(self):
-        for name in ("max_steps", "batch_size", "eval_every_steps", "eval_problems"):
+        for name in ("max_steps", "batch_size", "eval_every_steps", "eval_problems",
+                     "plateau_min_evals"):
             self._require(getattr(self, name) >= 1, name, "a positive int")
         self._require(self.gate_steps >= 0, "gate_steps", "an int >= 0")
         self._require(self.learning_rate > 0, "learning_rate", "a float > 0")
@@ -493,6 +500,21 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | tuple[str, ...
 def load_experiment(path: str | Path) -> ExperimentConfig:
     """Import `path` (an `experiments/*.py` file) and return its `CONFIG`, or `config()`'s
     result. Raises ConfigError if the file is missing, does not import, or defines neither."""
+    return load_experiment_module(path)[0]
+
+
+def load_experiment_module(path: str | Path
+                           ) -> tuple[ExperimentConfig, dict[str, list[str]] | None, bool]:
+    """(config, variants, shared_warm_start) of an experiment file.
+
+    An experiment file may declare variants of its `CONFIG` as
+    `VARIANTS = {"name": ["key=value", ...], ...}` (each a list of overrides, checked here by
+    applying it); `looprl train` then runs every variant into `out_dir/<name>`. With
+    `SHARED_WARM_START = True` the warm start runs once (into `out_dir/warm_start_run`) and
+    every variant starts from its checkpoint (`model.checkpoint=...`,
+    `warm_start.enabled=false`), so only what the variants override differs.
+    Raises ConfigError for a malformed VARIANTS or a variant whose overrides fail.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"experiment file {str(path)!r} not found")
@@ -519,7 +541,26 @@ def load_experiment(path: str | Path) -> ExperimentConfig:
     if not isinstance(cfg, ExperimentConfig):
         raise ConfigError(f"experiment file {str(path)!r}: CONFIG must be an ExperimentConfig, "
                           f"found {type(cfg).__name__}")
-    return cfg
+    variants = getattr(module, "VARIANTS", None)
+    if variants is not None:
+        ok = isinstance(variants, dict) and len(variants) > 0 and all(
+            isinstance(k, str) and k and "/" not in k and isinstance(v, (list, tuple))
+            and all(isinstance(x, str) for x in v) for k, v in variants.items())
+        if not ok:
+            raise ConfigError(f"experiment file {str(path)!r}: VARIANTS must be a non-empty dict "
+                              f"{{name: [\"key=value\", ...]}} (names without '/'), found "
+                              f"{variants!r}")
+        variants = {k: list(v) for k, v in variants.items()}
+        for name, over in variants.items():
+            try:
+                apply_overrides(cfg, over)
+            except ConfigError as e:
+                raise ConfigError(f"experiment file {str(path)!r}: variant {name!r}: {e}") from e
+    shared = getattr(module, "SHARED_WARM_START", False)
+    if not isinstance(shared, bool):
+        raise ConfigError(f"experiment file {str(path)!r}: SHARED_WARM_START must be a bool, "
+                          f"found {shared!r}")
+    return cfg, variants, shared
 
 
 def to_dict(cfg) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`looprl plot RUN_DIR [RUN_DIR ...]`: PNG plots of reward, accuracy, exit depth and mismatch.
 
 Reads each run's `metrics.jsonl` (and `warm_start_curve.json` when present) and writes
-`reward.png`, `accuracy.png`, `exit_depth.png`, `mismatch.png` and `warm_start.png`, one
+`reward.png`, `accuracy.png`, `exit_depth.png`, `mismatch.png`, `optimization.png`,
+`timing.png` and `warm_start.png`, one
 curve per run (labelled by directory name), so several runs plot side by side.
 """
 from __future__ import annotations
@@ -17,6 +18,9 @@ PANELS = {
     "exit_depth": [("mean_exit_loop", "mean exit loop")],
     "mismatch": [("replay_exact_fraction", "replay exact fraction"),
                  ("stock_max_abs_diff", "stock max |delta logprob|")],
+    "optimization": [("grad_norm", "grad norm"), ("clip_frac", "clip fraction"),
+                     ("kl", "k3 KL to reference")],
+    "timing": [("rollout_s", "rollout seconds / step"), ("learner_s", "learner seconds / step")],
 }
 
 

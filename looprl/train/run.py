@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from looprl.config import ExperimentConfig, apply_overrides, load_experiment, save_json
+from looprl.config import (ExperimentConfig, apply_overrides, load_experiment_module,
+                           save_json)
 from looprl.errors import ConfigError, TrainingError
 
 
@@ -40,7 +41,8 @@ def build_tasks(cfg: ExperimentConfig):
                           f"dataset (the same for eval_datasets), found {t.train_datasets} / "
                           f"{t.eval_datasets}")
     common = dict(seed=t.data_seed, dataset=t.train_datasets[0], eval_terms=t.eval_terms,
-                  eval_digits=t.eval_digits, eval_size=t.eval_size)
+                  eval_digits=t.eval_digits, eval_size=t.eval_size,
+                  solution_style=t.solution_style, spaces=t.spaces)
     warm = get_task("arithmetic", train_terms=t.train_terms, train_digits=t.train_digits,
                     **common)
     rl = get_task("arithmetic", train_terms=t.rl_terms or t.eval_terms,
@@ -73,7 +75,7 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> Path:
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
                           f"needs an empty or new directory (or resume={str(out)!r})")
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    return out.resolve()   # absolute: orbax refuses relative checkpoint paths
 
 
 def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
@@ -95,7 +97,7 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
     eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
 
     if cfg.model.checkpoint:
-        params, mcfg, _, _ = load_model_checkpoint(cfg.model.checkpoint)
+        params, mcfg, _, _ = load_model_checkpoint(Path(cfg.model.checkpoint).resolve())
         say(f"loaded {cfg.model.checkpoint}")
     else:
         mcfg = model_config(cfg)
@@ -121,7 +123,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
             learning_rate=ws.learning_rate, seed=cfg.run.seed, gate_steps=ws.gate_steps,
             gate_learning_rate=ws.gate_learning_rate, entropy_beta=ws.entropy_beta,
             eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
-            plateau_last_fraction=ws.plateau_last_fraction, plateau_min_gain=ws.plateau_min_gain)
+            plateau_last_fraction=ws.plateau_last_fraction, plateau_min_gain=ws.plateau_min_gain,
+            plateau_min_evals=ws.plateau_min_evals)
     (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
     params = jax.tree.map(np.asarray, params)
     save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
@@ -173,7 +176,9 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
             writer.close()
 
     params = jax.tree.map(np.asarray, learner.params)
-    after = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set)
+    # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
+    after = before if n_steps == 0 else evaluate(mcfg, params, warm_task, tokenizer, cfg,
+                                                 eval_set)
     say(f"eval after GRPO: {after}")
     save_model_checkpoint(out / "checkpoint", params, mcfg, tokenizer.to_json(),
                           extra_meta={"stage": "grpo", "grpo_steps": n_steps})
@@ -191,10 +196,64 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
     return summary
 
 
+_HEADLINE = ("eval_accuracy_before", "eval_accuracy_after", "eval_problems", "grpo_steps",
+             "wall_s")
+
+
+def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overrides: list[str],
+                   *, shared_warm_start: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Run each variant (`cfg` + its overrides + the command line's `overrides`, which win) into
+    `out_dir/<name>`, one after another; with `shared_warm_start`, first a warm-start-only run
+    (`grpo_steps=0`) into `out_dir/warm_start_run` whose checkpoint every variant starts from.
+    Writes `out_dir/variants.json` (each variant's overrides and summary headline) and the
+    side-by-side plots into `out_dir/plots`; returns the variants.json dict."""
+    t0 = time.time()
+    parent = Path(cfg.run.out_dir)
+    if cfg.run.resume is not None:
+        raise ConfigError("config key 'run.resume': resuming a multi-variant experiment is not "
+                          "supported; resume one variant's directory with its own config.json")
+    if parent.exists() and (not parent.is_dir() or any(parent.iterdir())):
+        raise ConfigError(f"config key 'run.out_dir': {str(parent)!r} is not empty; a fresh run "
+                          f"needs an empty or new directory")
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    common: list[str] = []
+    result: dict[str, Any] = {"variants": {}, "shared_warm_start": None}
+    if shared_warm_start:
+        ws_dir = parent / "warm_start_run"
+        say(f"== shared warm start -> {ws_dir}")
+        ws_cfg = cfg.replace(run=cfg.run.replace(out_dir=str(ws_dir), grpo_steps=0,
+                                                 stop_after=None))
+        ws_summary = train(ws_cfg, quiet=quiet)
+        common = [f"model.checkpoint={ws_dir / 'warm_start'}", "warm_start.enabled=false"]
+        result["shared_warm_start"] = {"dir": str(ws_dir), **{k: ws_summary[k] for k in
+                                                               _HEADLINE}}
+    for name, over in variants.items():
+        vcfg = apply_overrides(cfg, common + list(over) + list(overrides)
+                               + [f"run.out_dir={parent / name}"])
+        say(f"== variant {name}: {' '.join(over)}")
+        summary = train(vcfg, quiet=quiet)
+        result["variants"][name] = {"overrides": list(over), "dir": str(parent / name),
+                                    **{k: summary[k] for k in _HEADLINE}}
+    result["wall_s"] = time.time() - t0
+    (parent / "variants.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        from looprl.train.plots import plot_runs
+        plot_runs([parent / n for n in variants], parent / "plots")
+    except ImportError as e:  # matplotlib missing: the runs themselves are complete
+        say(f"plots skipped: {e}")
+    return result
+
+
 def run_train(args) -> int:
-    """CLI entry: `looprl train CONFIG [key=value ...]`."""
-    cfg = apply_overrides(load_experiment(args.config), args.overrides)
+    """CLI entry: `looprl train CONFIG [key=value ...]`; an experiment file with `VARIANTS`
+    runs every variant (`train_variants`)."""
+    base, variants, shared = load_experiment_module(args.config)
+    cfg = apply_overrides(base, args.overrides)
+    if variants:
+        result = train_variants(cfg, variants, list(args.overrides), shared_warm_start=shared)
+        print(json.dumps({n: {k: v[k] for k in _HEADLINE}
+                          for n, v in result["variants"].items()}))
+        return 0
     summary = train(cfg)
-    print(json.dumps({k: summary[k] for k in ("eval_accuracy_before", "eval_accuracy_after",
-                                               "eval_problems", "grpo_steps", "wall_s")}))
+    print(json.dumps({k: summary[k] for k in _HEADLINE}))
     return 0

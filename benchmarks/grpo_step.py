@@ -1,0 +1,100 @@
+"""Seconds per GRPO step, split into rollout and learner, for `dense` and `deferred` rollouts.
+
+Main job shapes (`experiments/tiny_arith.py`: hidden 64, 1 layer, T = 4, 32 prompts x G = 8,
+answer-only chain sums, its q and learner settings). The model is first warm-started briefly
+(stage I then stage II, a few hundred steps) so completions and exit depths look like a trained
+model's rather than a random one's. Then, for each KV policy, a fresh `GRPOLearner` from those
+parameters runs one untimed step (compilation) and `STEPS` timed steps (`rollout_s`,
+`learner_s` as the trainer reports them; the learner part includes the replay/stock
+measurements). The policies run in ABBA blocks (dense, deferred, deferred, dense) so drift of a
+shared machine hits both alike; medians over both blocks are reported.
+
+Run: `python benchmarks/grpo_step.py` (no arguments; well under 400 s on 2 CPU cores). The last
+line is one JSON object with `deferred_vs_dense_step` = deferred step seconds / dense step
+seconds (below 1: deferred is faster end to end).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from looprl.config import apply_overrides, load_experiment
+from looprl.rl.trainer import GRPOLearner
+from looprl.model.looped import init_params
+from looprl.train.run import build_tasks, model_config
+from looprl.train.warm_start import warm_start
+
+ROOT = Path(__file__).resolve().parents[1]
+WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 6
+
+
+def main() -> dict:
+    t_start = time.time()
+    cfg = load_experiment(ROOT / "experiments" / "tiny_arith.py")
+    warm_task, rl_task = build_tasks(cfg)
+    tok = warm_task.tokenizer()
+    mcfg = model_config(cfg)
+    ws = cfg.warm_start
+    params, _ = warm_start(mcfg, init_params(mcfg, cfg.run.seed), warm_task, tok,
+                           steps=WARM_STEPS, batch_size=ws.batch_size,
+                           learning_rate=ws.learning_rate, seed=cfg.run.seed,
+                           gate_steps=GATE_STEPS, entropy_beta=ws.entropy_beta)
+    params = jax.tree.map(np.asarray, params)
+    warm_s = time.time() - t_start
+
+    rows: dict[str, list[dict]] = {"dense": [], "deferred": []}
+    compile_s: dict[str, float] = {}
+    for policy in ("dense", "deferred", "deferred", "dense"):
+        pcfg = apply_overrides(cfg, [f"rollout.kv_policy={policy}"])
+        learner = GRPOLearner(pcfg, mcfg, params, rl_task, tok)
+        t0 = time.perf_counter()
+        learner.step(0)                       # compile (first block) / warm caches
+        compile_s.setdefault(policy, time.perf_counter() - t0)
+        for i in range(1, STEPS + 1):
+            m = learner.step(i)
+            rows[policy].append({k: m[k] for k in ("rollout_s", "learner_s", "mean_exit_loop",
+                                                   "response_length")})
+
+    def med(policy, key):
+        return statistics.median(r[key] for r in rows[policy])
+
+    out: dict = {"benchmark": "grpo_step"}
+    for p in ("dense", "deferred"):
+        out[f"{p}_rollout_s"] = round(med(p, "rollout_s"), 4)
+        out[f"{p}_learner_s"] = round(med(p, "learner_s"), 4)
+        out[f"{p}_step_s"] = round(statistics.median(r["rollout_s"] + r["learner_s"]
+                                                     for r in rows[p]), 4)
+        out[f"{p}_first_step_s"] = round(compile_s[p], 2)
+        out[f"{p}_mean_exit_loop"] = round(statistics.mean(r["mean_exit_loop"]
+                                                           for r in rows[p]), 3)
+    out.update({
+        "sequences_per_step": cfg.rollout.sequences_per_step,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "exit_threshold": cfg.rollout.exit_threshold,
+        "model": {"hidden_size": mcfg.hidden_size, "num_layers": mcfg.num_layers,
+                  "total_ut_steps": mcfg.total_ut_steps},
+        "timed_steps_per_policy": 2 * STEPS, "warm_start_s": round(warm_s, 1),
+        "threads": {"cpu_count": os.cpu_count(),
+                    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else None,
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                    "jax_devices": len(jax.devices())},
+        "load_avg": os.getloadavg(), "python": sys.version.split()[0],
+        "platform": platform.platform(), "jax": jax.__version__,
+        "deferred_vs_dense_rollout": round(out["deferred_rollout_s"] / out["dense_rollout_s"], 3),
+        "deferred_vs_dense_step": round(out["deferred_step_s"] / out["dense_step_s"], 3),
+        "wall_s": round(time.time() - t_start, 1),
+    })
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
