@@ -240,7 +240,7 @@ def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: i
             full_B = live_B
         elif scfg.kv_policy == "deferred":
             if st.forced:
-                full_B = jax.lax.dynamic_index_in_dim(st_rows_flush(rows), p, 1, False)
+                full_B = jax.lax.dynamic_index_in_dim(rows.forced_flush_BxS, p, 1, False)
             else:
                 full_B = policies.pending_count(s.depth_BxS, p, st.P, T) >= C - 1
             full_B = full_B & live_B
@@ -249,7 +249,6 @@ def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: i
         else:
             full_B = jnp.zeros_like(live_B)
         eligible = (layout_C <= p) & ((layout_C >= st.P) | (layout_C == p))
-        exit_before = s.exit_loop_BxS
         s = _run_chunk(st, w, s, rows, step, w0=w0, C=C, emit_p=p, eligible_C=eligible,
                        force_full_B=full_B, running_B=live_B)
         if scfg.kv_policy == "copy":
@@ -260,7 +259,6 @@ def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: i
                 v_cache=policies.copy_fill(s.v_cache, p, k_B, rows_B),
                 depth_BxS=jax.lax.dynamic_update_index_in_dim(
                     s.depth_BxS, jnp.where(rows_B, T, 0), p, 1))
-        del exit_before
         return s._replace(p=p + 1), i + 1
 
     def cond(carry):
@@ -269,10 +267,6 @@ def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: i
 
     s, _ = jax.lax.while_loop(cond, one_step, (s, jnp.int32(0)))
     return s
-
-
-def st_rows_flush(rows: RowInfo):
-    return rows.forced_flush_BxS
 
 
 def layout_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int | None):
