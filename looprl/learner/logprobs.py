@@ -135,7 +135,11 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
     """Learner log-probs for rows `rows` of a `RolloutBatch` (all rows by default), as numpy.
 
     `stock` trims the layout to the live prefix (P + the longest completion), as common code
-    does; the others keep the recorded cache length S. Returns (logprob_BxS, processed_BxS)."""
+    does; the others keep the recorded cache length S. A rollout sampled with `kernels="stock"`
+    has no invariant pass that reproduces it: its `replay` (and `hybrid`, whose value is
+    replay's) is `forced_replay_logprobs`. Returns (logprob_BxS, processed_BxS)."""
+    if method in ("replay", "hybrid") and batch.schedule.kernels != "invariant":
+        return forced_replay_logprobs(cfg, params, batch, rows)
     sub = batch if rows is None else batch.select(rows)
     sch = sub.schedule
     tokens, pad = np.asarray(sub.tokens_BxS), np.asarray(sub.pad_B)
@@ -176,7 +180,8 @@ def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None):
         exit_threshold=1.0 if sch.exit_threshold is None else sch.exit_threshold,
         fixed_depth=sch.fixed_depth, kv_policy=sch.kv_policy,
         deferred_max_pending=sch.deferred_max_pending, stop_ids=tuple(sch.stop_ids),
-        compute_dtype=sch.compute_dtype, max_seq_len=sch.seq_len)
+        compute_dtype=sch.compute_dtype, max_seq_len=sch.seq_len,
+        kernels=sch.kernels)
     out = generate(cfg, params, [[0]], scfg, forced=batch.to_numpy())
     if not np.array_equal(np.asarray(out.exit_loop_BxS), np.asarray(batch.exit_loop_BxS)):
         raise ScheduleError("forced replay did not follow the recorded exit loops")

@@ -46,7 +46,8 @@ def run_generate(args) -> int:
     scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, exit_threshold=args.exit_threshold,
                           fixed_depth=args.fixed_depth, kv_policy=args.kv_policy,
-                          compute_dtype=args.dtype, stop_ids=(tok.end_of_turn_id,))
+                          compute_dtype=args.dtype, stop_ids=(tok.end_of_turn_id,),
+                          kernels=args.kernels)
     bar = tqdm(total=args.max_new_tokens, desc="decode", unit="tok", disable=not sys.stderr.isatty()
                or args.max_new_tokens < 64, leave=False)
 
@@ -90,6 +91,9 @@ def add_parser(sub):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kernels", default="invariant", choices=["invariant", "stock"],
+                   help="invariant (default): replayable by the learner's dense pass; stock: "
+                        "plain matmuls, faster at small batch, replayed by forced re-run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--save-rollout", metavar="FILE.npz", help="save the RolloutBatch")

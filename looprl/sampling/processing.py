@@ -12,6 +12,8 @@ log-prob is recorded as well, and the PPO ratio uses that one.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -29,17 +31,20 @@ def row_keys(seed: int, step, prompt_index_B, sample_index_B, position):
     return jax.vmap(one)(prompt_index_B, sample_index_B)
 
 
-def process_logits(logits_BxV, temperature: float, top_k: int, top_p: float):
+def process_logits(logits_BxV, temperature: float, top_k: int, top_p: float,
+                   stock: bool = False):
     """Returns (full_logprobs_BxV, processed_logprobs_BxV), fp32.
 
     full = log_softmax(logits / T). processed = log_softmax over the tokens kept by top-k then
     top-p (nucleus over the top-k-renormalised distribution, always keeping the most likely
     token), -inf elsewhere; equal to `full` when both are off. Temperature 0 means greedy and
-    records the temperature-1 log-probs.
+    records the temperature-1 log-probs. `stock` uses `jax.nn.log_softmax` (XLA's reduce, not
+    row-invariant) instead of the row-invariant `looprl.model.kernels.log_softmax`.
     """
+    lsm = functools.partial(jax.nn.log_softmax, axis=-1) if stock else kn.log_softmax
     logits = logits_BxV.astype(jnp.float32)
     scaled = logits / jnp.float32(temperature) if temperature > 0 else logits
-    full = kn.log_softmax(scaled)
+    full = lsm(scaled)
     if top_k <= 0 and top_p >= 1.0:
         return full, full
     keep = jnp.ones_like(scaled, dtype=bool)
@@ -57,7 +62,7 @@ def process_logits(logits_BxV, temperature: float, top_k: int, top_p: float):
         keep_sorted = keep_sorted.at[..., 0].set(True)
         inv = jnp.argsort(order, axis=-1)
         keep &= jnp.take_along_axis(keep_sorted, inv, axis=-1)
-    processed = kn.log_softmax(jnp.where(keep, scaled, -jnp.inf))
+    processed = lsm(jnp.where(keep, scaled, -jnp.inf))
     return full, processed
 
 

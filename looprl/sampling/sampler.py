@@ -24,12 +24,16 @@ import numpy as np
 
 from looprl.errors import SamplingError
 from looprl.model.config import OuroConfig
+from looprl.model.kernels import ROW_TILE
 from looprl.model.layers import stack_pass
 from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
                                  exit_state_update, lm_logits, q_exit_decision)
 from looprl.sampling import policies
 from looprl.sampling.processing import process_logits, row_keys, sample_tokens
 from looprl.sampling.schedule import RolloutBatch, Schedule, params_fingerprint
+
+
+KERNELS = ("invariant", "stock")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,9 @@ class SamplingConfig:
     stop_ids: tuple[int, ...] = (2,)
     compute_dtype: str = "float32"
     max_seq_len: int | None = None  # cache length S; default P + max_new_tokens
+    kernels: str = "invariant"  # "invariant" (row-tiled, replayable by the learner's dense pass)
+    #                             or "stock" (plain matmuls: faster at small batch; its bits are
+    #                             reproduced only by re-running the sampler in forced mode)
 
     def validate(self, T: int) -> None:
         """Raises SamplingError naming the bad field."""
@@ -66,6 +73,8 @@ class SamplingConfig:
             raise SamplingError(f"fixed_depth must lie in 1..{T}, got {self.fixed_depth}")
         if self.deferred_max_pending < 1:
             raise SamplingError("deferred_max_pending must be >= 1")
+        if self.kernels not in KERNELS:
+            raise SamplingError(f"kernels must be one of {list(KERNELS)}, got {self.kernels!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise SamplingError(f"compute_dtype must be float32 or bfloat16, "
                                 f"got {self.compute_dtype!r}")
@@ -106,34 +115,40 @@ class _Static:
 
 
 def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: int, emit_p,
-               eligible_C, force_full_B, running_B):
+               eligible_C, force_full_B, running_B, peel_first_loop: bool = False):
     """Run loops 1..(as needed) for the chunk [w0, w0+C), then emit from position `emit_p`.
 
     A chunk position is computed at loop d iff its row is running and it has computed exactly
     d - 1 loops. The emitting position's exit loop comes from the Q-exit rule (or fixed depth,
     or the forced schedule); rows in `force_full_B` keep looping to T after they exit.
+    `peel_first_loop` runs loop 1 as a chunk of the emitting position alone: in a decode step
+    every other chunk position has already computed loop 1 (deferred keeps only loops >= 2
+    pending), so loop 1 costs what it costs under `dense`; the kernels are row-invariant, so
+    the bits do not change.
     Returns the updated state (tokens, log-probs, exits written at emit_p / emit_p + 1).
     """
     cfg, scfg = st.cfg, st.scfg
+    stock = scfg.kernels == "stock"
     T = cfg.total_ut_steps
     B = s.tokens_BxS.shape[0]
-    layout_C = w0 + jnp.arange(C)
-    positions = jax.lax.dynamic_slice_in_dim(Layout(rows.pad_B).positions(st.S), w0, C, axis=1)
-    e = emit_p - w0
     q = scfg.exit_threshold
+    positions_BxS = Layout(rows.pad_B).positions(st.S)
     forced_exit_B = (jax.lax.dynamic_index_in_dim(rows.forced_exit_BxS, emit_p, 1, False)
                      if st.forced else None)
 
-    def body(c):
+    def loop(c, w0, C, eligible_C):
+        """One loop d over the chunk [w0, w0 + C) (C static)."""
         d, s, xs, exited, exit_loop, h_exit, running = c
         d = d + 1
+        layout_C = w0 + jnp.arange(C)
+        positions = jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1)
         k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
         v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
         h_in = jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1)
         depth_win = jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1)
         active = running[:, None] & eligible_C[None, :] & (depth_win == d - 1)
         h_new, k_slots, v_slots = stack_pass(cfg, w, h_in, positions, layout_C, rows.pad_B,
-                                             k_slots, v_slots, active, w0)
+                                             k_slots, v_slots, active, w0, stock)
         h_store = jnp.where(active[..., None], h_new, h_in)
         s = s._replace(
             k_cache=jax.lax.dynamic_update_index_in_dim(s.k_cache, k_slots, d - 1, 0),
@@ -141,8 +156,8 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
             h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_store, w0, 1),
             depth_BxS=jax.lax.dynamic_update_slice_in_dim(
                 s.depth_BxS, jnp.where(active, d, depth_win), w0, 1))
-        h_cur = jax.lax.dynamic_index_in_dim(h_new, e, 1, keepdims=True)  # B,1,D
-        lam = exit_lambda(w, h_cur)[:, 0]
+        h_cur = jax.lax.dynamic_index_in_dim(h_new, emit_p - w0, 1, keepdims=True)  # B,1,D
+        lam = exit_lambda(w, h_cur, stock)[:, 0]
         xs, _ = exit_state_update(xs, lam, d, T)
         if st.forced:
             decide = d == forced_exit_B
@@ -161,14 +176,17 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
         return jnp.any(c[-1])
 
     D = cfg.hidden_size
-    init = (jnp.int32(0), s, exit_state_init((B,)), jnp.zeros((B,), bool),
-            jnp.zeros((B,), jnp.int32), jnp.zeros((B, D), w["embed_tokens"].dtype), running_B)
-    _, s, _, exited, exit_loop, h_exit, _ = jax.lax.while_loop(cond, body, init)
+    c = (jnp.int32(0), s, exit_state_init((B,)), jnp.zeros((B,), bool),
+         jnp.zeros((B,), jnp.int32), jnp.zeros((B, D), w["embed_tokens"].dtype), running_B)
+    if peel_first_loop and C > 1:
+        c = loop(c, emit_p, 1, jnp.ones((1,), bool))
+    c = jax.lax.while_loop(cond, lambda c: loop(c, w0, C, eligible_C), c)
+    _, s, _, exited, exit_loop, h_exit, _ = c
 
     # Emit token emit_p + 1 from the exit loop's logits.
     emitting = exited & ~s.done_B
-    logits = lm_logits(w, h_exit[:, None])[:, 0]
-    full, processed = process_logits(logits, scfg.temperature, scfg.top_k, scfg.top_p)
+    logits = lm_logits(w, h_exit[:, None], stock)[:, 0]
+    full, processed = process_logits(logits, scfg.temperature, scfg.top_k, scfg.top_p, stock)
     if st.forced:
         token = jax.lax.dynamic_index_in_dim(rows.forced_tokens_BxS, emit_p + 1, 1, False)
     else:
@@ -250,7 +268,7 @@ def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: i
             full_B = jnp.zeros_like(live_B)
         eligible = (layout_C <= p) & ((layout_C >= st.P) | (layout_C == p))
         s = _run_chunk(st, w, s, rows, step, w0=w0, C=C, emit_p=p, eligible_C=eligible,
-                       force_full_B=full_B, running_B=live_B)
+                       force_full_B=full_B, running_B=live_B, peel_first_loop=True)
         if scfg.kv_policy == "copy":
             k_B = jax.lax.dynamic_index_in_dim(s.exit_loop_BxS, p, 1, False)
             rows_B = live_B & (k_B > 0)
@@ -356,7 +374,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         total_ut_steps=T, compute_dtype=scfg.compute_dtype, temperature=float(scfg.temperature),
         top_k=int(scfg.top_k), top_p=float(scfg.top_p), seed=int(seed), step=int(step),
         params_fingerprint=params_fingerprint(params), devices=1,
-        backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids))
+        backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
+        row_tile=ROW_TILE if scfg.kernels == "invariant" else 1, kernels=scfg.kernels)
     return RolloutBatch(
         tokens_BxS=np.asarray(s.tokens_BxS), pad_B=np.asarray(pad),
         exit_loop_BxS=np.asarray(s.exit_loop_BxS), logprob_BxS=np.asarray(s.logprob_BxS),

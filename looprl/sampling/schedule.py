@@ -8,7 +8,9 @@ whose logits emitted `tokens_BxS[:, i + 1]` and `logprob_BxS[:, i]` its recorded
 
 The schedule is everything dynamic that determined the numbers: exit loops, the KV policy and
 its deferred flushes, how work was grouped (chunk size, batch shape, padding), devices, compute
-dtype, and a fingerprint of the sampler's parameters. The learner never re-decides any of it.
+dtype, the sampler's kernels (`invariant`: row tile `row_tile`, reproduced by the learner's dense
+pass; `stock`: reproduced only by a forced re-run of the sampler), and a fingerprint of the
+sampler's parameters. The learner never re-decides any of it.
 
 On disk (`save`/`load`): one `.npz` file holding the arrays and a JSON `meta` string with
 `format_version` (currently 1) and the schedule fields.
@@ -56,6 +58,7 @@ class Schedule:
     backend: str = ""
     row_tile: int = 64
     stop_ids: tuple[int, ...] = (2,)
+    kernels: str = "invariant"  # the sampler's kernels: "invariant" or "stock" (replay = forced)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -65,7 +68,8 @@ class Schedule:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Schedule":
         known = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids"})
+        missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids",
+                                            "kernels"})
         if missing:
             raise ScheduleError(f"schedule meta is missing keys {missing}")
         d = {k: v for k, v in d.items() if k in known}

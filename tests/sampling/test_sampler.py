@@ -319,3 +319,33 @@ def test_rollout_save_load_round_trip_keeps_bits_and_checks_version(params, tmp_
     np.savez(tmp_path / "bad.npz", **data)
     with pytest.raises(ScheduleError, match="format_version"):
         RolloutBatch.load(tmp_path / "bad.npz")
+
+
+# --- stock kernels ------------------------------------------------------------------------------
+
+def test_stock_kernels_same_math_and_replayed_exactly_by_forced_rerun(params):
+    """`kernels="stock"` (plain matmuls) samples the same distribution (greedy tokens equal to the
+    invariant sampler's, log-probs within 1e-5), records its kernels in the schedule, and its
+    `replay` is the forced re-run: bit-exact, whereas the invariant learner pass is not."""
+    from looprl.learner.logprobs import batch_logprobs
+
+    kw = dict(max_new_tokens=10, temperature=0.0, exit_threshold=0.6, kv_policy="deferred",
+              deferred_max_pending=3, stop_ids=())
+    inv = generate(CFG, params, PROMPTS, SamplingConfig(**kw))
+    stk = generate(CFG, params, PROMPTS, SamplingConfig(kernels="stock", **kw))
+    assert stk.schedule.kernels == "stock" and stk.schedule.row_tile == 1
+    assert inv.schedule.kernels == "invariant"
+    np.testing.assert_array_equal(stk.tokens_BxS, inv.tokens_BxS)
+    np.testing.assert_array_equal(stk.exit_loop_BxS, inv.exit_loop_BxS)
+    emit = _emit(stk)
+    assert np.max(np.abs(stk.logprob_BxS - inv.logprob_BxS)[emit]) < 1e-5
+    assert not np.array_equal(_bits(stk.logprob_BxS)[emit], _bits(inv.logprob_BxS)[emit])
+    replay, _ = batch_logprobs(CFG, params, stk, "replay", rows=[2, 0])
+    assert np.array_equal(_bits(replay), _bits(stk.logprob_BxS[[2, 0]]))
+    dense, _ = batch_logprobs(CFG, params, stk, "dense")
+    assert not np.array_equal(_bits(dense)[emit], _bits(stk.logprob_BxS)[emit])
+
+
+def test_unknown_kernels_is_a_clear_error(params):
+    with pytest.raises(SamplingError, match="kernels must be one of"):
+        generate(CFG, params, PROMPTS, SamplingConfig(kernels="fast"))
