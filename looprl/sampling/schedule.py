@@ -175,15 +175,17 @@ def params_fingerprint(params) -> str:
     checkpoints."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     leaves.sort(key=lambda kv: jax.tree_util.keystr(kv[0]))
-    acc = []
-    for i, (_, leaf) in enumerate(leaves):
-        acc.append(_leaf_digest(jnp.asarray(leaf), i))
-    total = jnp.sum(jnp.stack(acc), axis=0, dtype=jnp.uint32) if acc else jnp.zeros(2, jnp.uint32)
-    a, b = (int(x) for x in np.asarray(total))
+    a, b = (int(x) for x in np.asarray(_tree_digest(tuple(leaf for _, leaf in leaves))))
     return f"{a:08x}{b:08x}"
 
 
 @jax.jit
+def _tree_digest(leaves):
+    """One compiled program for the whole tree (a dispatch per leaf cost ~10 ms a rollout)."""
+    acc = [_leaf_digest(jnp.asarray(leaf), i) for i, leaf in enumerate(leaves)]
+    return jnp.sum(jnp.stack(acc), axis=0, dtype=jnp.uint32) if acc else jnp.zeros(2, jnp.uint32)
+
+
 def _digest_words(words, salt):
     n = words.shape[0]
     idx = jnp.arange(n, dtype=jnp.uint32) + salt * jnp.uint32(0x9E3779B9)
