@@ -14,11 +14,13 @@ Layout of `CKPT/`:
                       resolved experiment config as `experiment_config.json`)
   looprl_meta.json    {"format": "looprl-checkpoint", "version": 1, "has_tokenizer",
                       "has_train_state", "train_state_leaves", "extra_files", "source_dtype",
-                      ...extra_meta}
+                      ...extra_meta, "files": {relative path: size in bytes}}
 
 `looprl_meta.json` is written last inside a temporary sibling directory which is then renamed
 to `CKPT`, so a directory is either a complete checkpoint or absent; a directory without the
-meta file (or with a part it names missing) is refused with a CheckpointError.
+meta file, with a part it names missing, or with a file whose size differs from the manifest
+(`files`: every file's size, fsync'ed before the meta is written) is refused with a
+CheckpointError.
 
 Restores never cast: parameters must be stored as fp32, and `load_train_state(path, template)`
 checks every array's name, shape and dtype against the template, raising a CheckpointError that
@@ -152,8 +154,11 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
             (tmp / name).write_text(text)
         meta = {"format": FORMAT, "version": VERSION, "has_tokenizer": tokenizer_json is not None,
                 "has_train_state": train_state is not None, "train_state_leaves": records,
-                "extra_files": sorted(extra_files), **(extra_meta or {})}
+                "extra_files": sorted(extra_files), **(extra_meta or {}),
+                "files": _synced_manifest(tmp)}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _fsync(tmp / META_FILE)
+        _fsync(tmp)
         old = None
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -165,6 +170,29 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _synced_manifest(root: Path) -> dict[str, int]:
+    """{relative path: size in bytes} of every file under `root`, each fsync'ed (so that a
+    crash after the rename cannot leave a complete-looking checkpoint with truncated files)."""
+    files = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            p = Path(dirpath) / name
+            _fsync(p)
+            files[p.relative_to(root).as_posix()] = p.stat().st_size
+        _fsync(Path(dirpath))
+    return dict(sorted(files.items()))
 
 
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
@@ -198,6 +226,13 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     for part in needed:
         if not (path / part).exists():
             raise CheckpointError(f"{path}: incomplete looprl checkpoint: {part} missing")
+    for rel, size in (meta.get("files") or {}).items():  # absent in older checkpoints
+        f = path / rel
+        found = f.stat().st_size if f.is_file() else None
+        if found != size:
+            raise CheckpointError(f"{path}: incomplete looprl checkpoint: {rel} "
+                                  f"{'missing' if found is None else f'has {found} bytes'}, "
+                                  f"{META_FILE} lists {size}")
     return meta
 
 
