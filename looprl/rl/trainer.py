@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from looprl.config import ExperimentConfig
-from looprl.errors import TrainingError
+from looprl.errors import CheckpointError, TrainingError
 from looprl.learner.logprobs import batch_logprobs, loop_logprobs, sequence_logprobs
 from looprl.model.config import OuroConfig
 from looprl.model.looped import exit_distribution
@@ -278,12 +278,13 @@ class GRPOLearner:
         """Continue from a checkpoint: `params` (fp32 tree) and `state` (a `train_state`
         pytree already checked against `self.train_state(0)` as template). The frozen
         reference is left as constructed. Returns the next GRPO step.
-        Raises: TrainingError if the stored run key is not this run's (another seed)."""
+        Raises: CheckpointError if the stored run key is not this run's (another seed)."""
         stored = np.asarray(jax.random.key_data(state["rng_key"]))
         mine = np.asarray(jax.random.key_data(self.rng_key))
         if not np.array_equal(stored, mine):
-            raise TrainingError(f"checkpoint run key {stored.tolist()} is not this run's "
-                                f"{mine.tolist()} (run.seed {self.cfg.run.seed}): another seed")
+            raise CheckpointError(f"checkpoint run key {stored.tolist()} is not this run's "
+                                  f"{mine.tolist()} (run.seed {self.cfg.run.seed}): another "
+                                  f"seed")
         self.params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         self.opt_state = jax.tree.map(jnp.asarray, state["opt_state"])
         self.data_position = int(state["data_position"])

@@ -20,7 +20,6 @@ constant learning rate (the schedule's length depends on it).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -166,7 +165,3 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
     state = load_train_state(ckpt, template=learner.train_state(0))
     return learner.restore_train_state(params, state)
 
-
-def replace_run(cfg: ExperimentConfig, **kw) -> ExperimentConfig:
-    """`cfg` with run-section fields replaced."""
-    return dataclasses.replace(cfg, run=cfg.run.replace(**kw))

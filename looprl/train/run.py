@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from looprl.config import (ExperimentConfig, apply_overrides, load_experiment_module,
-                           resolve_key, save_json)
+                           load_json, resolve_key, save_json)
 from looprl.errors import CheckpointError, ConfigError, TrainingError
 
 EVAL_BEFORE_FILE = "eval_before.json"
@@ -314,7 +314,8 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
     parent = Path(cfg.run.out_dir)
     if cfg.run.resume is not None:
         raise ConfigError("config key 'run.resume': resuming a multi-variant experiment is not "
-                          "supported; resume one variant's directory with its own config.json")
+                          "supported; resume one variant's directory with its own config.json: "
+                          "looprl train RUN_DIR/NAME/config.json resume=RUN_DIR/NAME")
     if parent.exists() and (not parent.is_dir() or any(parent.iterdir())):
         raise ConfigError(f"config key 'run.out_dir': {str(parent)!r} is not empty; a fresh run "
                           f"needs an empty or new directory")
@@ -349,8 +350,13 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
 
 def run_train(args) -> int:
     """CLI entry: `looprl train CONFIG [key=value ...]`; an experiment file with `VARIANTS`
-    runs every variant (`train_variants`)."""
-    base, variants, shared = load_experiment_module(args.config)
+    runs every variant (`train_variants`). CONFIG may also be a run directory's `config.json`.
+    With `resume=` and no `out_dir=`, out_dir is the resumed directory. Returns the exit
+    status: 0, or 143 (128 + SIGTERM) when SIGTERM stopped the run after a checkpoint."""
+    if str(args.config).endswith(".json"):  # a run directory's config.json
+        base, variants, shared = load_json(args.config), None, False
+    else:
+        base, variants, shared = load_experiment_module(args.config)
     cfg = apply_overrides(base, args.overrides)
     if cfg.run.resume is not None and not any(
             resolve_key(type(cfg), o.partition("=")[0].strip()) == ("run", "out_dir")

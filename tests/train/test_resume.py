@@ -139,8 +139,8 @@ def test_stop_and_resume_gives_the_uninterrupted_run_bit_for_bit(runs):
 
 def test_sigterm_saves_after_the_step_and_the_run_resumes_exactly(runs, tmp_path, capsys):
     """A copy of run A cut back to step 2 is resumed in this process; SIGTERM arrives during
-    step 3 (0-based), so the run checkpoints at 4 and stops (exit 143); resuming again
-    finishes with A's bits."""
+    step 3 (0-based), so the run checkpoints at 4 and stops (exit 143); resuming again (from
+    the run directory's config.json) finishes with A's bits."""
     from looprl.cli import main
     from looprl.rl.trainer import GRPOLearner
 
@@ -167,7 +167,7 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_exactly(runs, tmp_path
     assert pre["preempted_at_step"] == 4 and latest_checkpoint(c)[0] == 4
     assert "resume=" in capsys.readouterr().out
     assert [r["step"] for r in read_jsonl(c / "metrics.jsonl")] == [0, 1, 2, 3]
-    assert main(["train", str(SMOKE), *SHRINK, f"resume={c}"]) == 0
+    assert main(["train", str(c / "config.json"), f"resume={c}"]) == 0  # a run's config.json
     assert not (c / "preempted.json").exists()
     sc = json.loads((c / "summary.json").read_text())
     sa = json.loads((runs["A"] / "summary.json").read_text())
