@@ -189,12 +189,9 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
         raise ConfigError(f"config keys 'run.grpo_steps'/'run.stop_after': the run resumes at "
                           f"GRPO step {start}, past the requested end {n_steps}")
     metrics_path = out / "metrics.jsonl"
-    kept = []
     if resume_at is not None:  # drop rows of steps after the checkpoint (they are rerun)
         _truncate_jsonl(metrics_path, start, inclusive=False)
         _truncate_jsonl(out / "checkpoints" / "index.jsonl", start, inclusive=True)
-        kept = (metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists()
-                else [])
     writer = None
     if cfg.run.tensorboard:
         from tensorboardX import SummaryWriter
@@ -206,8 +203,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
     tok_json = tokenizer.to_json()
     preempted = None
     try:
-        with metrics_path.open("w") as f, _SigtermFlag() as sigterm:
-            f.writelines(kept)
+        with metrics_path.open("w" if resume_at is None else "a") as f, \
+                _SigtermFlag() as sigterm:
             for step in range(start, n_steps):
                 try:
                     m = learner.step(step)
@@ -246,6 +243,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
             f"{preempted['checkpoint']}; continue with resume={out}")
         return preempted
     (out / "preempted.json").unlink(missing_ok=True)
+    if n_steps == start == 0 and cfg.run.stop_after == 0:  # warm start only, resumable
+        save_training_checkpoint(out, 0, learner, mcfg, tok_json, cfg)
     params = jax.tree.map(np.asarray, learner.params)
     # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
     after = before if n_steps == 0 else evaluate(mcfg, params, warm_task, tokenizer, cfg,
@@ -275,7 +274,9 @@ def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:
     rows = [line for line in path.read_text().splitlines() if line.strip()]
     keep = [r for r in rows if (json.loads(r)["step"] <= step if inclusive
                                 else json.loads(r)["step"] < step)]
-    path.write_text("".join(r + "\n" for r in keep))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(r + "\n" for r in keep))
+    tmp.replace(path)
 
 
 class _SigtermFlag:
