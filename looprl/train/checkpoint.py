@@ -102,6 +102,10 @@ def _flatten_train_state(state) -> tuple[dict[str, np.ndarray], list[dict[str, A
         flat[f"leaf_{i:05d}"] = a
         records.append({"name": leaf_name(path), "dtype": a.dtype.name,
                         "shape": list(a.shape), "prng_impl": impl})
+    names = [r["name"] for r in records]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise CheckpointError(f"train_state: leaf names {dup[:3]} are ambiguous (a key holds '/')")
     return flat, records
 
 
