@@ -13,6 +13,9 @@ One GRPO step (`GRPOLearner.step`):
      makes this split-invariant), then one optax update (AdamW, global-norm clipping, schedule).
      The exit gate's update is zeroed (`optax.multi_transform`) unless `learner.train_gate`.
 
+Each step's metrics include `rollout_sha256` (`rollout_sha256`: tokens, exit loops and recorded
+log-prob bits), so two runs can be checked to have sampled the same completions.
+
 The learner's log-probs are `hybrid` by default, so the first update's ratio is exactly 1.
 A non-finite loss or gradient raises `TrainingError` naming the tensor and step before anything
 is written.
