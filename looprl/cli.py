@@ -47,7 +47,8 @@ def _add_verify(sub):
 
 def _add_train(sub):
     p = sub.add_parser("train", help="warm start, GRPO and evaluation of an experiment config")
-    p.add_argument("config", metavar="CONFIG", help="experiments/*.py file defining CONFIG")
+    p.add_argument("config", metavar="CONFIG", help="experiments/*.py file defining CONFIG, "
+                                                    "or a run directory's config.json")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. out_dir=runs/x seed=1 stop_after=4")
     p.set_defaults(func=lambda a: _lazy("looprl.train.run", "run_train")(a))

@@ -13,6 +13,9 @@ One GRPO step (`GRPOLearner.step`):
      makes this split-invariant), then one optax update (AdamW, global-norm clipping, schedule).
      The exit gate's update is zeroed (`optax.multi_transform`) unless `learner.train_gate`.
 
+Each step's metrics include `rollout_sha256` (`rollout_sha256`: tokens, exit loops and recorded
+log-prob bits), so two runs can be checked to have sampled the same completions.
+
 The learner's log-probs are `hybrid` by default, so the first update's ratio is exactly 1.
 A non-finite loss or gradient raises `TrainingError` naming the tensor and step before anything
 is written.
@@ -30,7 +33,7 @@ import numpy as np
 import optax
 
 from looprl.config import ExperimentConfig
-from looprl.errors import TrainingError
+from looprl.errors import CheckpointError, TrainingError
 from looprl.learner.logprobs import batch_logprobs, loop_logprobs, sequence_logprobs
 from looprl.model.config import OuroConfig
 from looprl.model.looped import exit_distribution
@@ -211,6 +214,22 @@ def nonfinite_leaves(tree) -> list[str]:
     return bad
 
 
+def rollout_sha256(batch) -> str:
+    """SHA-256 (hex) of what a rollout sampled: tokens_BxS (int32), exit_loop_BxS (int32) and
+    the recorded logprob_BxS (fp32 bits), each little-endian, in that order. Two runs sampled
+    the same completions at a step exactly when their values agree."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for a, dt in ((batch.tokens_BxS, "<i4"), (batch.exit_loop_BxS, "<i4"),
+                  (batch.logprob_BxS, "<f4")):
+        a = np.ascontiguousarray(np.asarray(a))
+        if a.dtype != np.dtype(dt):
+            raise TypeError(f"rollout array of dtype {a.dtype}, expected {dt}")
+        h.update(a.astype(dt, copy=False).tobytes())
+    return h.hexdigest()
+
+
 def bits_equal_fraction(a, b, mask) -> float:
     """Fraction of masked entries whose fp32 bits are equal."""
     a, b, m = np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(mask, bool)
@@ -221,7 +240,14 @@ def bits_equal_fraction(a, b, mask) -> float:
 
 class GRPOLearner:
     """Holds the policy parameters, the optimizer state and the frozen reference; `step(i)` runs
-    one GRPO step and returns its metrics (a flat dict of floats)."""
+    one GRPO step and returns its metrics (a flat dict of floats).
+
+    RNG state: `rng_key` is the run's typed PRNG key, `jax.random.key(cfg.run.seed)`; every
+    sampled token's key is `fold_in`-derived from its data (= `jax.random.PRNGKey(seed)`), the
+    GRPO step, the prompt's global id, the sample and the position
+    (`looprl.sampling.processing.row_keys`), so (rng_key, step) is the whole RNG state and the
+    data stream's state is `data_position`. `train_state(next_step)` / `restore_train_state`
+    are what a training checkpoint stores and restores (exact resume)."""
 
     def __init__(self, cfg: ExperimentConfig, model_cfg: OuroConfig, params, task, tokenizer,
                  ref_params=None):
@@ -231,6 +257,7 @@ class GRPOLearner:
         self.opt = make_optimizer(cfg, self.params)
         self.opt_state = self.opt.init(self.params)
         self.data_position = 0
+        self.rng_key = jax.random.key(cfg.run.seed)
         self.scfg = sampling_config(cfg)
         r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
         self.spec = _LossSpec(
@@ -240,6 +267,31 @@ class GRPOLearner:
             loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens, kl_beta=g.kl_beta,
             tis_cap=g.tis_cap, loop_credit=g.loop_credit, loop_credit_alpha=g.loop_credit_alpha,
             train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef)
+
+    # --- checkpointed state ---------------------------------------------------------------------
+    def train_state(self, next_step: int) -> dict[str, Any]:
+        """The state a training checkpoint stores besides the parameters: {"opt_state" (the
+        optax state pytree), "rng_key" (typed key), "step" (int64, the next GRPO step to run),
+        "data_position" (int64, problems consumed from the training stream)}."""
+        return {"opt_state": self.opt_state, "rng_key": self.rng_key,
+                "step": np.asarray(next_step, np.int64),
+                "data_position": np.asarray(self.data_position, np.int64)}
+
+    def restore_train_state(self, params, state) -> int:
+        """Continue from a checkpoint: `params` (fp32 tree) and `state` (a `train_state`
+        pytree already checked against `self.train_state(0)` as template). The frozen
+        reference is left as constructed. Returns the next GRPO step.
+        Raises: CheckpointError if the stored run key is not this run's (another seed)."""
+        stored = np.asarray(jax.random.key_data(state["rng_key"]))
+        mine = np.asarray(jax.random.key_data(self.rng_key))
+        if not np.array_equal(stored, mine):
+            raise CheckpointError(f"checkpoint run key {stored.tolist()} is not this run's "
+                                  f"{mine.tolist()} (run.seed {self.cfg.run.seed}): another "
+                                  f"seed")
+        self.params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+        self.opt_state = jax.tree.map(jnp.asarray, state["opt_state"])
+        self.data_position = int(state["data_position"])
+        return int(state["step"])
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
@@ -348,7 +400,8 @@ class GRPOLearner:
                "ratio_max": max(v for v, _ in stats_acc["ratio_max"]),
                "approx_kl_old": wmean("approx_kl"),
                "degenerate_groups": int(adv.num_degenerate),
-               "tokens": int(emit.sum()), "rollout_s": rollout_s, "learner_s": learner_s}
+               "tokens": int(emit.sum()), "rollout_s": rollout_s, "learner_s": learner_s,
+               "rollout_sha256": rollout_sha256(batch)}
         if "gate_loss" in stats_acc:
             out["gate_loss"] = wmean("gate_loss")
         if "tis_weight_mean" in stats_acc:

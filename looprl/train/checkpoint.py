@@ -4,16 +4,27 @@ Layout of `CKPT/`:
   params/             Orbax PyTree checkpoint of the fp32 master parameter dict
                       (`looprl.model.looped.param_dict` layout)
   train_state/        optional Orbax PyTree checkpoint of a training checkpoint's extra state
-                      (optimizer state, RNG key data, step, data position, ...): any pytree of
-                      arrays and scalars the trainer passes as `train_state`
+                      (optimizer state, run PRNG key, step, data position, ...), stored flat:
+                      leaf i of the pytree as entry `leaf_{i:05d}`; the leaves' names (their
+                      `/`-joined pytree paths), dtypes, shapes and PRNG implementations (typed
+                      keys are stored as their `jax.random.key_data`) are in the meta file
   model_config.json   `OuroConfig.to_dict()`
   tokenizer.json      HF `tokenizers` JSON (absent when the source had none)
+  <extra files>       optional text files the writer names (a training checkpoint stores the
+                      resolved experiment config as `experiment_config.json`)
   looprl_meta.json    {"format": "looprl-checkpoint", "version": 1, "has_tokenizer",
-                      "has_train_state", "source_dtype", ...extra_meta}
+                      "has_train_state", "train_state_leaves", "extra_files", "source_dtype",
+                      ...extra_meta, "files": {relative path: size in bytes}}
 
 `looprl_meta.json` is written last inside a temporary sibling directory which is then renamed
 to `CKPT`, so a directory is either a complete checkpoint or absent; a directory without the
-meta file (or with a part it names missing) is refused with a CheckpointError.
+meta file, with a part it names missing, or with a file whose size differs from the manifest
+(`files`: every file's size, fsync'ed before the meta is written) is refused with a
+CheckpointError.
+
+Restores never cast: parameters must be stored as fp32, and `load_train_state(path, template)`
+checks every array's name, shape and dtype against the template, raising a CheckpointError that
+names the array. Paths are made absolute here (orbax refuses relative ones).
 """
 from __future__ import annotations
 
@@ -49,9 +60,59 @@ def _to_numpy(tree, dtype=None):
                         tree)
 
 
+def _abs(path: str | Path) -> Path:
+    """`path` made absolute (orbax refuses relative paths)."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
+def leaf_name(key_path) -> str:
+    """`/`-joined name of a pytree key path (dict keys, sequence indices, attribute names), e.g.
+    `opt_state/0/inner_states/train/inner_state/1/0/mu/layers/q_proj`."""
+    parts = []
+    for k in key_path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _is_prng_key(x) -> bool:
+    import jax
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _flatten_train_state(state) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """(orbax tree {leaf_00000: array, ...}, leaf records [{name, dtype, shape, prng_impl}]).
+
+    Every leaf becomes a numpy array (a Python or numpy scalar a 0-d array of its own dtype); a
+    typed PRNG key becomes its `key_data` (uint32) with the implementation's name recorded."""
+    import jax
+
+    flat, records = {}, []
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_prng_key)[0]
+    for i, (path, leaf) in enumerate(leaves):
+        impl = None
+        if _is_prng_key(leaf):
+            impl = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        a = np.asarray(leaf)
+        flat[f"leaf_{i:05d}"] = a
+        records.append({"name": leaf_name(path), "dtype": a.dtype.name,
+                        "shape": list(a.shape), "prng_impl": impl})
+    names = [r["name"] for r in records]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise CheckpointError(f"train_state: leaf names {dup[:3]} are ambiguous (a key holds '/')")
+    return flat, records
+
+
 def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroConfig,
                           tokenizer_json: str | None, extra_meta: dict[str, Any] | None = None,
-                          train_state: Any = None, overwrite: bool = False) -> Path:
+                          train_state: Any = None, overwrite: bool = False,
+                          extra_files: dict[str, str] | None = None) -> Path:
     """Write a complete looprl checkpoint at `path`, atomically.
 
     Args:
@@ -61,15 +122,23 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
       tokenizer_json: text of an HF `tokenizers` JSON, or None (no tokenizer stored).
       extra_meta: JSON-serialisable entries merged into `looprl_meta.json` (e.g. `source_dtype`,
         `source_dtypes`, `step`).
-      train_state: optional pytree of arrays/scalars (optimizer state, RNG key *data*, step,
-        data position) saved under `train_state/`; read back with `load_train_state`.
+      train_state: optional pytree of arrays/scalars/typed PRNG keys (optimizer state, run key,
+        step, data position) saved under `train_state/` with every leaf's dtype kept (a Python
+        int is stored as numpy's default int); read back with `load_train_state`.
       overwrite: replace an existing checkpoint at `path` (the old one is removed only after
         the new one is complete).
+      extra_files: {file name: text} written into the checkpoint (and required on load).
     Raises: CheckpointError if `path` exists (and not `overwrite`) or params mismatch `cfg`.
     """
     from looprl.model.hf import check_param_tree
 
-    path = Path(path)
+    path = _abs(path)
+    extra_files = dict(extra_files or {})
+    reserved = {PARAMS_DIR, TRAIN_STATE_DIR, CONFIG_FILE, TOKENIZER_FILE, META_FILE}
+    for name in extra_files:
+        if name in reserved or "/" in name or name.startswith("."):
+            raise CheckpointError(f"{path}: extra file name {name!r} is reserved or not a plain "
+                                  f"file name")
     check_param_tree(params, cfg, source=f"{path}: params")
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint")
@@ -78,14 +147,22 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     try:
         ckptr = _checkpointer()
         ckptr.save(tmp / PARAMS_DIR, _to_numpy(params, np.float32))
+        records = None
         if train_state is not None:
-            ckptr.save(tmp / TRAIN_STATE_DIR, _to_numpy(train_state))
+            flat, records = _flatten_train_state(train_state)
+            ckptr.save(tmp / TRAIN_STATE_DIR, flat)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         if tokenizer_json is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+        for name, text in extra_files.items():
+            (tmp / name).write_text(text)
         meta = {"format": FORMAT, "version": VERSION, "has_tokenizer": tokenizer_json is not None,
-                "has_train_state": train_state is not None, **(extra_meta or {})}
+                "has_train_state": train_state is not None, "train_state_leaves": records,
+                "extra_files": sorted(extra_files), **(extra_meta or {}),
+                "files": _synced_manifest(tmp)}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _fsync(tmp / META_FILE)
+        _fsync(tmp)
         old = None
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -99,11 +176,34 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     return path
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _synced_manifest(root: Path) -> dict[str, int]:
+    """{relative path: size in bytes} of every file under `root`, each fsync'ed (so that a
+    crash after the rename cannot leave a complete-looking checkpoint with truncated files)."""
+    files = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            p = Path(dirpath) / name
+            _fsync(p)
+            files[p.relative_to(root).as_posix()] = p.stat().st_size
+        _fsync(Path(dirpath))
+    return dict(sorted(files.items()))
+
+
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """`looprl_meta.json` of a checkpoint, after checking the directory is a complete one.
 
     Raises: CheckpointError naming the directory and the missing or malformed part."""
-    path = Path(path)
+    path = _abs(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a looprl checkpoint directory (does not exist or "
                               f"is a file)")
@@ -126,9 +226,17 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
         needed.append(TOKENIZER_FILE)
     if meta.get("has_train_state"):
         needed.append(TRAIN_STATE_DIR)
+    needed.extend(meta.get("extra_files") or [])
     for part in needed:
         if not (path / part).exists():
             raise CheckpointError(f"{path}: incomplete looprl checkpoint: {part} missing")
+    for rel, size in (meta.get("files") or {}).items():  # absent in older checkpoints
+        f = path / rel
+        found = f.stat().st_size if f.is_file() else None
+        if found != size:
+            raise CheckpointError(f"{path}: incomplete looprl checkpoint: {rel} "
+                                  f"{'missing' if found is None else f'has {found} bytes'}, "
+                                  f"{META_FILE} lists {size}")
     return meta
 
 
@@ -136,13 +244,17 @@ def load_model_checkpoint(path: str | Path
                           ) -> tuple[dict[str, Any], OuroConfig, str | None, dict[str, Any]]:
     """Read a looprl checkpoint (model or training): (params, cfg, tokenizer_json, meta).
 
-    params: nested dict of fp32 numpy arrays in the `param_dict` layout, checked against cfg.
+    params: nested dict of fp32 numpy arrays in the `param_dict` layout, checked against cfg
+    (shapes) and fp32 (a stored array of another dtype is refused, never cast).
     tokenizer_json: the stored `tokenizer.json` text, or None. meta: `looprl_meta.json`.
-    Raises: CheckpointError for an incomplete directory, bad config, or param mismatch.
+    `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, or
+    a param mismatch (naming the array).
     """
+    import jax
+
     from looprl.model.hf import check_param_tree
 
-    path = Path(path)
+    path = _abs(path)
     meta = read_checkpoint_meta(path)
     try:
         cfg = OuroConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()),
@@ -155,23 +267,111 @@ def load_model_checkpoint(path: str | Path
         raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore parameters: {e}") from e
     params = _to_numpy(params)
     check_param_tree(params, cfg, source=f"{path / PARAMS_DIR}")
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if leaf.dtype != np.float32:
+            raise CheckpointError(f"{path / PARAMS_DIR}: parameter {jax.tree_util.keystr(key_path)}"
+                                  f" stored as {leaf.dtype.name}, expected float32 (fp32 master "
+                                  f"weights)")
     tokenizer_json = (path / TOKENIZER_FILE).read_text() if meta.get("has_tokenizer") else None
     return params, cfg, tokenizer_json, meta
 
 
-def load_train_state(path: str | Path) -> Any:
-    """The `train_state` pytree stored with a training checkpoint (numpy leaves).
+def load_train_state(path: str | Path, template: Any = None) -> Any:
+    """The `train_state` pytree stored with a training checkpoint.
 
-    Raises: CheckpointError if the checkpoint is incomplete or holds no train state."""
-    path = Path(path)
+    Without `template`: nested dicts keyed by the leaves' path components (strings), numpy
+    leaves, typed PRNG keys rewrapped (`jax.random.wrap_key_data` with the stored impl).
+    With `template` (a pytree shaped like the saved state, e.g. a fresh `opt.init(params)`):
+    every stored leaf is checked against the template's leaf of the same name (same set of
+    names, equal shape, equal dtype; a typed key against a typed key of the same impl) and the
+    result has the template's structure. Nothing is ever cast.
+
+    Raises: CheckpointError if the checkpoint is incomplete, holds no train state, or (with a
+    template) an array is missing, unexpected, or of another shape or dtype: the message names
+    the array, the expected and the found shape/dtype.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = _abs(path)
     meta = read_checkpoint_meta(path)
     if not meta.get("has_train_state"):
         raise CheckpointError(f"{path}: a model checkpoint without train_state (not a "
                               f"training checkpoint)")
+    records = meta.get("train_state_leaves")
+    if not isinstance(records, list):
+        raise CheckpointError(f"{path / META_FILE}: train_state_leaves missing (a checkpoint "
+                              f"written before the flat train-state format)")
+    keys = [f"leaf_{i:05d}" for i in range(len(records))]
     try:
-        return _to_numpy(_checkpointer().restore(path / TRAIN_STATE_DIR))
+        flat = _checkpointer().restore(
+            path / TRAIN_STATE_DIR,
+            restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys})
     except Exception as e:
         raise CheckpointError(f"{path / TRAIN_STATE_DIR}: cannot restore: {e}") from e
+    if not isinstance(flat, dict) or sorted(flat) != keys:
+        raise CheckpointError(f"{path / TRAIN_STATE_DIR}: holds {len(flat)} arrays, "
+                              f"{META_FILE} lists {len(records)}")
+    stored = {}
+    for k, rec in zip(keys, records):
+        a = np.asarray(flat[k])
+        if a.dtype.name != rec["dtype"] or list(a.shape) != list(rec["shape"]):
+            raise CheckpointError(f"{path / TRAIN_STATE_DIR}: array {rec['name']!r} restored as "
+                                  f"{a.dtype.name}{list(a.shape)}, {META_FILE} says "
+                                  f"{rec['dtype']}{rec['shape']}")
+        impl = rec.get("prng_impl")
+        stored[rec["name"]] = a if impl is None else jax.random.wrap_key_data(a, impl=impl)
+    if template is None:
+        out: dict[str, Any] = {}
+        for name, leaf in stored.items():
+            *parents, last = name.split("/")
+            d = out
+            for p in parents:
+                d = d.setdefault(p, {})
+            d[last] = leaf
+        return out
+    return tree_like_template(stored, template, where=str(path / TRAIN_STATE_DIR))
+
+
+def tree_like_template(stored: dict[str, Any], template: Any, where: str) -> Any:
+    """`stored` ({leaf name: array or typed PRNG key}, names as `leaf_name` makes them) as a
+    pytree with `template`'s structure, after checking that the names are the template's, and
+    every leaf's dtype and shape (for a typed key: its impl and shape) equal the template's.
+
+    Raises: CheckpointError naming the array, the expected and the found dtype/shape; never
+    casts."""
+    import jax
+
+    t_leaves, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_prng_key)
+    names = [leaf_name(p) for p, _ in t_leaves]
+    extra = sorted(set(stored) - set(names))
+    if extra:
+        raise CheckpointError(f"{where}: unexpected array {extra[0]!r} (not in the template; "
+                              f"{len(extra)} unexpected in all)")
+    out = []
+    for name, (_, t) in zip(names, t_leaves):
+        if name not in stored:
+            raise CheckpointError(f"{where}: array {name!r} missing (expected "
+                                  f"{_describe(t)})")
+        a = stored[name]
+        if _is_prng_key(a) != _is_prng_key(t) or (
+                _is_prng_key(a) and str(jax.random.key_impl(a)) != str(jax.random.key_impl(t))):
+            raise CheckpointError(f"{where}: array {name!r} is {_describe(a)}, expected "
+                                  f"{_describe(t)}")
+        if np.shape(a) != np.shape(t) or (not _is_prng_key(a) and
+                                          np.asarray(a).dtype != np.asarray(t).dtype):
+            raise CheckpointError(f"{where}: array {name!r} is {_describe(a)}, expected "
+                                  f"{_describe(t)} (restores never cast)")
+        out.append(a)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _describe(leaf) -> str:
+    import jax
+    if _is_prng_key(leaf):
+        return f"a PRNG key ({jax.random.key_impl(leaf)}) of shape {list(np.shape(leaf))}"
+    a = np.asarray(leaf)
+    return f"dtype {a.dtype.name} shape {list(a.shape)}"
 
 
 def params_sha256(params: dict[str, Any]) -> str:

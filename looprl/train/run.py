@@ -4,19 +4,32 @@ The run directory (`run.out_dir`) receives:
   config.json            the resolved experiment config
   warm_start_curve.json  the warm start's report (stage-I curve with held-out accuracy, stage II)
   warm_start/            looprl checkpoint of the warm-started params (the GRPO reference)
+  eval_before.json       the held-out evaluation of the warm-started model (reused on resume)
   metrics.jsonl          one object per GRPO step (`looprl.rl.trainer.GRPOLearner.step`)
   tb/                    TensorBoard events (tensorboardX) of the same scalars
+  checkpoints/           training checkpoints `step_{N:08d}/` every `run.checkpoint_every_steps`
+                         steps, at the last step run and on SIGTERM; the newest
+                         `run.keep_checkpoints` are kept; `index.jsonl` lists step and
+                         params_sha256 of each (`looprl.train.resume`)
   checkpoint/            final looprl checkpoint (params + model_config.json + tokenizer.json)
   summary.json           eval_accuracy_before/after, eval_problems, grpo_steps,
                          resumed_from_step, params_sha256, wall_s, ...
   failure.json           only when a step failed (non-finite loss/gradient): the diagnostic
+  preempted.json         only when SIGTERM stopped the run: the step and checkpoint to resume
 
-A fresh run into a non-empty out_dir is a ConfigError. `resume=RUN_DIR` is reserved for exact
-resume (issue 6) and is refused until then.
+A fresh run into a non-empty out_dir is a ConfigError. `resume=RUN_DIR` (out_dir = RUN_DIR, set
+from it when not given on the command line) continues from the newest complete training
+checkpoint, skipping the warm start and the evaluation before GRPO, and gives the same
+parameters, batches and samples as an uninterrupted run. `stop_after=k` stops once k GRPO steps
+(counted from the start of the run) are done, with a checkpoint at step k. SIGTERM during GRPO
+finishes the current step, saves a checkpoint and returns `{"preempted_at_step": k, ...}`
+(exit status 143 from the CLI).
 """
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +37,10 @@ from typing import Any
 import numpy as np
 
 from looprl.config import (ExperimentConfig, apply_overrides, load_experiment_module,
-                           save_json)
-from looprl.errors import ConfigError, TrainingError
+                           load_json, resolve_key, save_json)
+from looprl.errors import CheckpointError, ConfigError, TrainingError
+
+EVAL_BEFORE_FILE = "eval_before.json"
 
 
 def build_tasks(cfg: ExperimentConfig):
@@ -69,8 +84,15 @@ def model_config(cfg: ExperimentConfig):
 def _prepare_out_dir(cfg: ExperimentConfig) -> Path:
     out = Path(cfg.run.out_dir)
     if cfg.run.resume is not None:
-        raise ConfigError(f"config key 'run.resume': resuming ({cfg.run.resume!r}) needs training "
-                          f"checkpoints, which are not implemented yet (issue 6)")
+        run_dir = Path(cfg.run.resume)
+        if out.resolve() != run_dir.resolve():
+            raise ConfigError(f"config key 'run.out_dir': a resumed run continues in place, so "
+                              f"out_dir must be the resumed directory {cfg.run.resume!r}, found "
+                              f"{cfg.run.out_dir!r}")
+        if not (run_dir / "config.json").is_file() or not (run_dir / "warm_start").is_dir():
+            raise ConfigError(f"config key 'run.resume': {cfg.run.resume!r} is not a run "
+                              f"directory (config.json or warm_start/ missing)")
+        return run_dir.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
                           f"needs an empty or new directory (or resume={str(out)!r})")
@@ -86,72 +108,104 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
     from looprl.rl.trainer import GRPOLearner, evaluate
     from looprl.train.checkpoint import (load_model_checkpoint, params_sha256,
                                          save_model_checkpoint)
+    from looprl.train.resume import (latest_checkpoint, load_resume_point,
+                                     restore_training_checkpoint, save_training_checkpoint)
     from looprl.train.warm_start import warm_start
 
     t_start = time.time()
     out = _prepare_out_dir(cfg)
+    resume_at = None
+    if cfg.run.resume is not None:
+        resume_at = latest_checkpoint(out)
+        if resume_at is None:
+            raise CheckpointError(f"{out}: no complete training checkpoint under checkpoints/ to "
+                                  f"resume from (the run stopped before its first one; start it "
+                                  f"again into an empty out_dir)")
+        load_resume_point(resume_at[1], cfg)
     save_json(cfg, out / "config.json")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     warm_task, rl_task = build_tasks(cfg)
     tokenizer = warm_task.tokenizer()
     eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
 
-    if cfg.model.checkpoint:
-        params, mcfg, _, _ = load_model_checkpoint(Path(cfg.model.checkpoint).resolve())
-        say(f"loaded {cfg.model.checkpoint}")
-    else:
-        mcfg = model_config(cfg)
-        params = init_params(mcfg, cfg.run.seed)
-    if mcfg.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model vocab {mcfg.vocab_size} < tokenizer vocab "
-                          f"{tokenizer.vocab_size}")
+    if resume_at is None:
+        if cfg.model.checkpoint:
+            params, mcfg, _, _ = load_model_checkpoint(Path(cfg.model.checkpoint).resolve())
+            say(f"loaded {cfg.model.checkpoint}")
+        else:
+            mcfg = model_config(cfg)
+            params = init_params(mcfg, cfg.run.seed)
+        if mcfg.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"model vocab {mcfg.vocab_size} < tokenizer vocab "
+                              f"{tokenizer.vocab_size}")
 
-    ws = cfg.warm_start
-    report: dict[str, Any] = {"enabled": ws.enabled}
-    if ws.enabled:
-        plateau_set = eval_set[:ws.eval_problems]
+        ws = cfg.warm_start
+        report: dict[str, Any] = {"enabled": ws.enabled}
+        if ws.enabled:
+            plateau_set = eval_set[:ws.eval_problems]
 
-        def eval_fn(p):
-            return evaluate(mcfg, p, warm_task, tokenizer, cfg, plateau_set)["accuracy"]
+            def eval_fn(p):
+                return evaluate(mcfg, p, warm_task, tokenizer, cfg, plateau_set)["accuracy"]
 
-        def log(d):
-            if "accuracy" in d:
-                say(f"warm start {d}")
+            def log(d):
+                if "accuracy" in d:
+                    say(f"warm start {d}")
 
-        params, report = warm_start(
-            mcfg, params, warm_task, tokenizer, steps=ws.max_steps, batch_size=ws.batch_size,
-            learning_rate=ws.learning_rate, seed=cfg.run.seed, gate_steps=ws.gate_steps,
-            gate_learning_rate=ws.gate_learning_rate, entropy_beta=ws.entropy_beta,
-            eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
-            plateau_last_fraction=ws.plateau_last_fraction, plateau_min_gain=ws.plateau_min_gain,
-            plateau_min_evals=ws.plateau_min_evals)
-    (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
-    params = jax.tree.map(np.asarray, params)
-    save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
-                          extra_meta={"stage": "warm_start"})
+            params, report = warm_start(
+                mcfg, params, warm_task, tokenizer, steps=ws.max_steps, batch_size=ws.batch_size,
+                learning_rate=ws.learning_rate, seed=cfg.run.seed, gate_steps=ws.gate_steps,
+                gate_learning_rate=ws.gate_learning_rate, entropy_beta=ws.entropy_beta,
+                eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
+                plateau_last_fraction=ws.plateau_last_fraction,
+                plateau_min_gain=ws.plateau_min_gain, plateau_min_evals=ws.plateau_min_evals)
+        (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
+        params = jax.tree.map(np.asarray, params)
+        save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
+                              extra_meta={"stage": "warm_start"})
 
-    before = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set)
-    say(f"eval before GRPO: {before}")
-    before_q1 = None
-    if cfg.rollout.exit_threshold < 1.0:
-        before_q1 = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set, exit_threshold=1.0)
-        say(f"eval before GRPO at q=1.0: {before_q1}")
+        before = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set)
+        say(f"eval before GRPO: {before}")
+        before_q1 = None
+        if cfg.rollout.exit_threshold < 1.0:
+            before_q1 = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set,
+                                 exit_threshold=1.0)
+            say(f"eval before GRPO at q=1.0: {before_q1}")
+        (out / EVAL_BEFORE_FILE).write_text(json.dumps(
+            {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
+    else:  # resume: the reference params, warm-start report and first evaluation are on disk
+        params, mcfg, _, _ = load_model_checkpoint(out / "warm_start")
+        report = json.loads((out / "warm_start_curve.json").read_text())
+        saved_eval = json.loads((out / EVAL_BEFORE_FILE).read_text())
+        before, before_q1 = saved_eval["eval_before"], saved_eval["eval_before_q1"]
 
     learner = GRPOLearner(cfg, mcfg, params, rl_task, tokenizer)
+    start = 0
+    if resume_at is not None:
+        start = restore_training_checkpoint(resume_at[1], learner)
+        say(f"resumed from {resume_at[1]} (GRPO step {start})")
     n_steps = cfg.run.grpo_steps if cfg.run.stop_after is None else min(cfg.run.grpo_steps,
                                                                          cfg.run.stop_after)
+    if n_steps < start:
+        raise ConfigError(f"config keys 'run.grpo_steps'/'run.stop_after': the run resumes at "
+                          f"GRPO step {start}, past the requested end {n_steps}")
+    metrics_path = out / "metrics.jsonl"
+    if resume_at is not None:  # drop rows of steps after the checkpoint (they are rerun)
+        _truncate_jsonl(metrics_path, start, inclusive=False)
+        _truncate_jsonl(out / "checkpoints" / "index.jsonl", start, inclusive=True)
     writer = None
     if cfg.run.tensorboard:
         from tensorboardX import SummaryWriter
-        writer = SummaryWriter(str(out / "tb"))
+        writer = SummaryWriter(str(out / "tb"), purge_step=start if start else None)
     bar = None
     if cfg.run.progress_bar and not quiet:
         from tqdm import tqdm
-        bar = tqdm(total=n_steps, desc="GRPO", unit="step")
-    metrics_path = out / "metrics.jsonl"
+        bar = tqdm(total=n_steps, initial=start, desc="GRPO", unit="step")
+    tok_json = tokenizer.to_json()
+    preempted = None
     try:
-        with metrics_path.open("w") as f:
-            for step in range(n_steps):
+        with metrics_path.open("w" if resume_at is None else "a") as f, \
+                _SigtermFlag() as sigterm:
+            for step in range(start, n_steps):
                 try:
                     m = learner.step(step)
                 except TrainingError as e:
@@ -169,23 +223,40 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}",
                                     exact=f"{m['replay_exact_fraction']:.2f}",
                                     exit=f"{m['mean_exit_loop']:.2f}")
+                done = step + 1
+                if (done % cfg.run.checkpoint_every_steps == 0 or done == n_steps
+                        or sigterm.received):
+                    path, _ = save_training_checkpoint(out, done, learner, mcfg, tok_json, cfg)
+                if sigterm.received and done < n_steps:
+                    preempted = {"preempted_at_step": done, "checkpoint": str(path),
+                                 "resume": f"looprl train CONFIG resume={out}"}
+                    (out / "preempted.json").write_text(json.dumps(preempted, indent=2) + "\n")
+                    break
     finally:
         if bar is not None:
             bar.close()
         if writer is not None:
             writer.close()
 
+    if preempted is not None:
+        say(f"SIGTERM: stopped after GRPO step {preempted['preempted_at_step']}, checkpoint "
+            f"{preempted['checkpoint']}; continue with resume={out}")
+        return preempted
+    (out / "preempted.json").unlink(missing_ok=True)
+    if n_steps == start == 0 and cfg.run.stop_after == 0:  # warm start only, resumable
+        save_training_checkpoint(out, 0, learner, mcfg, tok_json, cfg)
     params = jax.tree.map(np.asarray, learner.params)
     # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
     after = before if n_steps == 0 else evaluate(mcfg, params, warm_task, tokenizer, cfg,
                                                  eval_set)
     say(f"eval after GRPO: {after}")
-    save_model_checkpoint(out / "checkpoint", params, mcfg, tokenizer.to_json(),
-                          extra_meta={"stage": "grpo", "grpo_steps": n_steps})
+    save_model_checkpoint(out / "checkpoint", params, mcfg, tok_json,
+                          extra_meta={"stage": "grpo", "grpo_steps": n_steps}, overwrite=True)
     summary = {"eval_accuracy_before": before["accuracy"],
                "eval_accuracy_after": after["accuracy"],
                "eval_problems": len(eval_set), "grpo_steps": n_steps,
-               "resumed_from_step": None, "params_sha256": params_sha256(params),
+               "resumed_from_step": None if resume_at is None else start,
+               "params_sha256": params_sha256(params),
                "wall_s": time.time() - t_start,
                "eval_before": before, "eval_after": after, "eval_before_q1": before_q1,
                "exit_threshold": cfg.rollout.exit_threshold,
@@ -194,6 +265,39 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
                "seed": cfg.run.seed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:
+    """Keep the rows of a JSON-lines file whose "step" is < `step` (<= with `inclusive`)."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [r for r in rows if (json.loads(r)["step"] <= step if inclusive
+                                else json.loads(r)["step"] < step)]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(r + "\n" for r in keep))
+    tmp.replace(path)
+
+
+class _SigtermFlag:
+    """Context manager: while active (main thread only), SIGTERM sets `received` instead of
+    killing the process, so the GRPO loop can finish its step and checkpoint; the previous
+    handler is restored on exit."""
+
+    def __enter__(self):
+        self.received = None
+        self._prev = None
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGTERM, self._prev)
+        return False
 
 
 _HEADLINE = ("eval_accuracy_before", "eval_accuracy_after", "eval_problems", "grpo_steps",
@@ -211,7 +315,8 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
     parent = Path(cfg.run.out_dir)
     if cfg.run.resume is not None:
         raise ConfigError("config key 'run.resume': resuming a multi-variant experiment is not "
-                          "supported; resume one variant's directory with its own config.json")
+                          "supported; resume one variant's directory with its own config.json: "
+                          "looprl train RUN_DIR/NAME/config.json resume=RUN_DIR/NAME")
     if parent.exists() and (not parent.is_dir() or any(parent.iterdir())):
         raise ConfigError(f"config key 'run.out_dir': {str(parent)!r} is not empty; a fresh run "
                           f"needs an empty or new directory")
@@ -246,14 +351,26 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
 
 def run_train(args) -> int:
     """CLI entry: `looprl train CONFIG [key=value ...]`; an experiment file with `VARIANTS`
-    runs every variant (`train_variants`)."""
-    base, variants, shared = load_experiment_module(args.config)
+    runs every variant (`train_variants`). CONFIG may also be a run directory's `config.json`.
+    With `resume=` and no `out_dir=`, out_dir is the resumed directory. Returns the exit
+    status: 0, or 143 (128 + SIGTERM) when SIGTERM stopped the run after a checkpoint."""
+    if str(args.config).endswith(".json"):  # a run directory's config.json
+        base, variants, shared = load_json(args.config), None, False
+    else:
+        base, variants, shared = load_experiment_module(args.config)
     cfg = apply_overrides(base, args.overrides)
+    if cfg.run.resume is not None and not any(
+            resolve_key(type(cfg), o.partition("=")[0].strip()) == ("run", "out_dir")
+            for o in args.overrides):
+        cfg = apply_overrides(cfg, [f"run.out_dir={cfg.run.resume}"])  # continue in place
     if variants:
         result = train_variants(cfg, variants, list(args.overrides), shared_warm_start=shared)
         print(json.dumps({n: {k: v[k] for k in _HEADLINE}
                           for n, v in result["variants"].items()}))
         return 0
     summary = train(cfg)
+    if "preempted_at_step" in summary:
+        print(json.dumps(summary))
+        return 128 + signal.SIGTERM
     print(json.dumps({k: summary[k] for k in _HEADLINE}))
     return 0

@@ -26,6 +26,15 @@ def u32(a):
     return np.asarray(a).view(np.uint32)
 
 
+def rewrite_manifest(ckpt):
+    """Rewrite looprl_meta.json's file manifest after a test changed files on purpose."""
+    meta_path = ckpt / "looprl_meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["files"] = {p.relative_to(ckpt).as_posix(): p.stat().st_size
+                     for p in sorted(ckpt.rglob("*")) if p.is_file() and p != meta_path}
+    meta_path.write_text(json.dumps(meta))
+
+
 def test_round_trip_bits_config_tokenizer_meta(tmp_path):
     params = random_params()
     params["norm"][3] = -0.0
@@ -98,5 +107,89 @@ def test_params_must_match_config(tmp_path):
     save_model_checkpoint(tmp_path / "ok", random_params(), CFG, TOK)
     cfg_path = tmp_path / "ok" / "model_config.json"
     cfg_path.write_text(json.dumps({**CFG.to_dict(), "num_layers": 3}))
+    rewrite_manifest(tmp_path / "ok")  # a checkpoint whose config really says 3 layers
     with pytest.raises(CheckpointError, match=r"\['layers'\]\['down_proj'\].*expected \[3,"):
         load_model_checkpoint(tmp_path / "ok")
+
+
+def test_relative_paths_save_and_load(tmp_path, monkeypatch):
+    """orbax refuses relative paths; the checkpoint functions make them absolute."""
+    monkeypatch.chdir(tmp_path)
+    state = {"step": np.int64(3)}
+    save_model_checkpoint("runs/ck", random_params(), CFG, TOK, train_state=state)
+    got, cfg, tok, _ = load_model_checkpoint("runs/ck")
+    assert cfg == CFG and tok == TOK
+    assert np.array_equal(u32(got["norm"]), u32(random_params()["norm"]))
+    assert int(load_train_state("runs/ck")["step"]) == 3
+
+
+def test_prng_key_round_trips_as_a_typed_key(tmp_path):
+    key = jax.random.fold_in(jax.random.key(5), 7)
+    state = {"rng_key": key, "step": np.int64(4), "count": np.int32(2)}
+    save_model_checkpoint(tmp_path / "ck", random_params(), CFG, TOK, train_state=state)
+    for got in (load_train_state(tmp_path / "ck"),
+                load_train_state(tmp_path / "ck", template=state)):
+        k = got["rng_key"]
+        assert jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)
+        assert str(jax.random.key_impl(k)) == str(jax.random.key_impl(key))
+        assert np.array_equal(jax.random.key_data(k), jax.random.key_data(key))
+        assert np.array_equal(u32(jax.random.uniform(k, (8,))), u32(jax.random.uniform(key, (8,))))
+        # scalars keep their dtype (orbax alone would give back Python ints)
+        assert got["step"].dtype == np.int64 and got["count"].dtype == np.int32
+    with pytest.raises(CheckpointError, match=r"array 'rng_key' is a PRNG key .*expected dtype "
+                                              r"uint32 shape \[2\]"):
+        load_train_state(tmp_path / "ck", template={**state, "rng_key": np.zeros(2, np.uint32)})
+
+
+def _adam_state(num_layers):
+    import optax
+    cfg = preset("tiny", num_layers=num_layers)
+    params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), expected_param_shapes(cfg))
+    return {"opt_state": optax.adam(1e-3).init(params), "step": np.int64(5)}
+
+
+def test_mismatched_restore_names_the_array_and_never_casts(tmp_path):
+    save_model_checkpoint(tmp_path / "ck", random_params(), CFG, TOK, train_state=_adam_state(2))
+    assert CFG.num_layers == 2
+    # 2 layers into a 3-layer optimizer state
+    with pytest.raises(CheckpointError, match=r"train_state: array 'opt_state/0/mu/layers/"
+                                              r"\w+' is dtype float32 shape \[2, .*expected "
+                                              r"dtype float32 shape \[3, "):
+        load_train_state(tmp_path / "ck", template=_adam_state(3))
+    # an int step into a float step
+    with pytest.raises(CheckpointError, match=r"array 'step' is dtype int64 shape \[\], expected "
+                                              r"dtype float32 shape \[\] \(restores never cast\)"):
+        load_train_state(tmp_path / "ck", template={**_adam_state(2), "step": np.float32(5)})
+    with pytest.raises(CheckpointError, match=r"array 'extra' missing"):
+        load_train_state(tmp_path / "ck", template={**_adam_state(2), "extra": np.zeros(1)})
+    with pytest.raises(CheckpointError, match=r"unexpected array 'step'"):
+        load_train_state(tmp_path / "ck", template={"opt_state": _adam_state(2)["opt_state"]})
+    got = load_train_state(tmp_path / "ck", template=_adam_state(2))
+    assert jax.tree.structure(got) == jax.tree.structure(_adam_state(2))
+
+
+def test_params_stored_in_another_dtype_are_refused(tmp_path):
+    import shutil
+
+    import orbax.checkpoint as ocp
+    save_model_checkpoint(tmp_path / "ck", random_params(), CFG, TOK)
+    shutil.rmtree(tmp_path / "ck" / "params")
+    ocp.PyTreeCheckpointer().save(tmp_path / "ck" / "params",
+                                  jax.tree.map(lambda a: a.astype(np.float16), random_params()))
+    rewrite_manifest(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"parameter \['early_exit_gate'\]\['bias'\] stored "
+                                              r"as float16, expected float32"):
+        load_model_checkpoint(tmp_path / "ck")
+
+
+def test_truncated_file_makes_a_checkpoint_incomplete(tmp_path):
+    """A checkpoint whose meta survived but a data file did not (a crash between rename and
+    the data reaching disk) is refused, naming the file."""
+    save_model_checkpoint(tmp_path / "ck", random_params(), CFG, TOK, train_state={"s": 1})
+    meta = json.loads((tmp_path / "ck" / "looprl_meta.json").read_text())
+    biggest = max(meta["files"], key=meta["files"].get)
+    f = tmp_path / "ck" / biggest
+    f.write_bytes(f.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match=rf"incomplete looprl checkpoint: {biggest} has 10 "
+                                              rf"bytes"):
+        load_model_checkpoint(tmp_path / "ck")

@@ -1,0 +1,167 @@
+"""Training checkpoints of a run directory: save every N steps, retention, latest, exact resume.
+
+Layout under `RUN_DIR/checkpoints/`:
+  step_{N:08d}/   a complete looprl checkpoint (`looprl.train.checkpoint`; any CLI command's
+                  `--checkpoint` takes it) of the parameters after N GRPO steps, with
+                  `train_state` = `GRPOLearner.train_state(N)` (optax state, run PRNG key,
+                  step N = the next step to run, data position), `experiment_config.json` (the
+                  resolved config that produced it) and meta entries `step`, `params_sha256`
+  index.jsonl     one object per checkpoint written: {"step", "params_sha256", "dir"} (kept
+                  when retention deletes the directory, so runs can be compared step by step)
+
+A checkpoint counts only if it is complete (`read_checkpoint_meta` accepts it: meta written last,
+every part present, a train state) and its meta's step is the one its name says; the temporary
+`.step_*.tmp-*` directories an interrupted save leaves, and step directories without their meta
+or with a part missing, are never picked as the latest.
+
+Resuming (`resume=RUN_DIR`) requires the new resolved config to equal the checkpoint's in every
+key except the run-control ones (`RESUMABLE_KEYS`); `run.grpo_steps` may change only under a
+constant learning rate (the schedule's length depends on it).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from looprl.config import ExperimentConfig, from_json, to_dict, to_json
+from looprl.errors import CheckpointError, ConfigError
+
+CHECKPOINTS_DIR = "checkpoints"
+INDEX_FILE = "index.jsonl"
+CONFIG_IN_CHECKPOINT = "experiment_config.json"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+_LEFTOVER_RE = re.compile(r"^\.step_\d{8}\.(tmp|old)-")
+
+# keys that may differ between a run and its resumption (they steer the process, not the math)
+RESUMABLE_KEYS = ("run.out_dir", "run.resume", "run.stop_after", "run.checkpoint_every_steps",
+                  "run.keep_checkpoints", "run.tensorboard", "run.progress_bar",
+                  "run.grpo_steps")
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """`RUN_DIR/checkpoints/step_{step:08d}`."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """[(step, dir)] of the complete training checkpoints under `RUN_DIR/checkpoints`, by step.
+    Incomplete ones (interrupted writes, missing parts, a meta step that disagrees with the
+    name) are skipped."""
+    from looprl.train.checkpoint import read_checkpoint_meta
+
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    found = []
+    if not root.is_dir():
+        return found
+    for d in root.iterdir():
+        m = _STEP_RE.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        try:
+            meta = read_checkpoint_meta(d)
+        except CheckpointError:
+            continue
+        if meta.get("has_train_state") and meta.get("step") == int(m.group(1)):
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """(step, dir) of the newest complete training checkpoint, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
+                             tokenizer_json: str | None, cfg: ExperimentConfig) -> tuple[Path, str]:
+    """Write `step_dir(run_dir, step)` from `learner` (after `step` GRPO steps), append to the
+    index, then keep only the newest `cfg.run.keep_checkpoints` complete checkpoints (and remove
+    leftovers of interrupted writes). An existing (e.g. incomplete) directory of that step is
+    replaced. Returns (dir, params_sha256)."""
+    import jax
+    import numpy as np
+
+    from looprl.train.checkpoint import params_sha256, save_model_checkpoint
+
+    run_dir = Path(run_dir)
+    params = jax.tree.map(np.asarray, learner.params)
+    sha = params_sha256(params)
+    path = save_model_checkpoint(
+        step_dir(run_dir, step), params, model_cfg, tokenizer_json,
+        extra_meta={"stage": "grpo", "step": step, "params_sha256": sha},
+        train_state=learner.train_state(step), overwrite=True,
+        extra_files={CONFIG_IN_CHECKPOINT: to_json(cfg) + "\n"})
+    with (run_dir / CHECKPOINTS_DIR / INDEX_FILE).open("a") as f:
+        f.write(json.dumps({"step": step, "params_sha256": sha, "dir": path.name}) + "\n")
+    root = run_dir / CHECKPOINTS_DIR
+    for d in root.iterdir():
+        if _LEFTOVER_RE.match(d.name):
+            shutil.rmtree(d, ignore_errors=True)
+    for _, old in complete_checkpoints(run_dir)[:-cfg.run.keep_checkpoints]:
+        shutil.rmtree(old)
+    return path, sha
+
+
+def check_resume_config(saved: ExperimentConfig, cfg: ExperimentConfig, source: str) -> None:
+    """Raise ConfigError naming every key (outside `RESUMABLE_KEYS`) whose value in `cfg`
+    differs from the checkpoint's config `saved` (read from `source`)."""
+    a, b = _flat(to_dict(saved)), _flat(to_dict(cfg))
+    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
+                  and k not in RESUMABLE_KEYS)
+    if (a.get("run.grpo_steps") != b.get("run.grpo_steps")
+            and (cfg.optim.lr_schedule != "constant")):
+        diff.append("run.grpo_steps")
+    if diff:
+        shown = ", ".join(f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in diff[:8])
+        raise ConfigError(f"config key(s) {diff} differ from the run being resumed ({source}): "
+                          f"{shown}; only {list(RESUMABLE_KEYS)} may change on resume "
+                          f"(run.grpo_steps only with optim.lr_schedule='constant')")
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_resume_point(ckpt: Path, cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config stored in training checkpoint `ckpt`, after `check_resume_config` against
+    `cfg`. Raises CheckpointError (unreadable) or ConfigError (differs)."""
+    p = Path(ckpt) / CONFIG_IN_CHECKPOINT
+    try:
+        saved = from_json(p.read_text(), source=str(p))
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read: {e}") from e
+    check_resume_config(saved, cfg, str(p))
+    return saved
+
+
+def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
+    """Load training checkpoint `ckpt` into `learner` (parameters and `train_state`, each array
+    checked by name, shape and dtype against the learner's own, so a checkpoint of another
+    model or optimizer is a CheckpointError naming the array). Returns the next GRPO step."""
+    import jax
+    import numpy as np
+
+    from looprl.train.checkpoint import (leaf_name, load_model_checkpoint, load_train_state,
+                                         read_checkpoint_meta, tree_like_template)
+
+    ckpt = Path(ckpt)
+    meta = read_checkpoint_meta(ckpt)
+    if not meta.get("has_train_state"):
+        raise CheckpointError(f"{ckpt}: a model checkpoint without train_state (not a "
+                              f"training checkpoint); resume needs RUN_DIR/checkpoints/step_*")
+    params, _, _, _ = load_model_checkpoint(ckpt)
+    stored = {leaf_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    template = jax.tree.map(np.asarray, learner.params)
+    params = tree_like_template(stored, template, where=f"{ckpt}/params")
+    state = load_train_state(ckpt, template=learner.train_state(0))
+    return learner.restore_train_state(params, state)
+

@@ -1,0 +1,267 @@
+"""Training checkpoints, exact resume and whole-run determinism (issue 6).
+
+The determinism claims run `experiments/tiny_arith_smoke.py` (shrunk: 40 warm-start steps, 16
+held-out problems; still 6 GRPO steps with non-zero gradients) in separate processes with one
+XLA CPU thread (`--xla_cpu_multi_thread_eigen=false`, also pinned by tests/conftest.py) and
+compare parameter trees after bitcasting to unsigned integers:
+  run A: the whole run, a checkpoint after every step (all kept);
+  run B: `stop_after=3` in a second process, then `resume=B` in a third.
+A's and B's first three steps ran in two processes from the same config and seed; B's last three
+ran after a restore. The SIGTERM test continues a copy of A in this process.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from looprl.config import apply_overrides, load_experiment
+from looprl.errors import CheckpointError, ConfigError
+from looprl.train.checkpoint import (load_model_checkpoint, load_train_state,
+                                     read_checkpoint_meta, save_model_checkpoint)
+from looprl.train.resume import (check_resume_config, complete_checkpoints, latest_checkpoint,
+                                 restore_training_checkpoint, save_training_checkpoint, step_dir)
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "experiments" / "tiny_arith_smoke.py"
+SHRINK = ["warm_start.max_steps=40", "warm_start.eval_every_steps=20", "eval.eval_problems=16",
+          "warm_start.eval_problems=16", "progress_bar=false", "tensorboard=false",
+          "checkpoint_every_steps=1", "keep_checkpoints=10"]
+N_STEPS, STOP = 6, 3
+TIMING = {"rollout_s", "learner_s"}
+
+
+def u_bits(tree):
+    """Leaves bitcast to unsigned ints of their width (so -0.0 != +0.0 and NaN payloads count)."""
+    def bits(a):
+        a = np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(
+            getattr(a, "dtype", np.float32), jax.dtypes.prng_key) else a)
+        return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
+    return jax.tree.map(bits, tree, is_leaf=lambda x: hasattr(x, "dtype")
+                        and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def assert_trees_bit_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(u_bits(a))[0],
+                            jax.tree.leaves(u_bits(b))):
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+        assert np.array_equal(x, y), f"{jax.tree_util.keystr(path)} differs"
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def no_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def looprl_train(*overrides):
+    """`looprl train SMOKE ...` in a fresh process running this tree, one XLA CPU thread."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ["XLA_FLAGS"]}
+    assert "--xla_cpu_multi_thread_eigen=false" in env["XLA_FLAGS"]
+    return subprocess.Popen([sys.executable, "-m", "looprl.cli", "train", str(SMOKE), *SHRINK,
+                             *overrides], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc):
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("determinism")
+    a, b = root / "A", root / "B"
+    pa = looprl_train(f"out_dir={a}")                        # process 1 (in parallel with 2)
+    pb = looprl_train(f"out_dir={b}", f"stop_after={STOP}")  # process 2
+    finish(pa)
+    finish(pb)
+    stopped = {"metrics": read_jsonl(b / "metrics.jsonl"),
+               "summary": json.loads((b / "summary.json").read_text()),
+               "checkpoints": [s for s, _ in complete_checkpoints(b)]}
+    finish(looprl_train(f"resume={b}", "tensorboard=true"))  # process 3: out_dir from resume
+    return {"A": a, "B": b, "stopped": stopped}
+
+
+def test_smoke_run_has_at_least_4_steps_with_nonzero_gradients(runs):
+    rows = read_jsonl(runs["A"] / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(N_STEPS))
+    assert sum(r["grad_norm"] > 0 for r in rows) >= 4
+    assert all(r["replay_exact_fraction"] == 1.0 for r in rows)
+
+
+def test_same_config_and_seed_in_two_processes_give_identical_bits(runs):
+    a, stopped = runs["A"], runs["stopped"]
+    assert stopped["checkpoints"] == [1, 2, 3] and stopped["summary"]["grpo_steps"] == STOP
+    assert stopped["summary"]["resumed_from_step"] is None
+    for name in ("warm_start", f"checkpoints/step_{STOP:08d}"):
+        pa, _, _, _ = load_model_checkpoint(a / name)
+        pb, _, _, _ = load_model_checkpoint(runs["B"] / name)
+        assert_trees_bit_equal(pa, pb)
+    # same batches and samples, step by step (rollout_sha256: tokens, exits, log-prob bits)
+    assert no_timing(stopped["metrics"]) == no_timing(read_jsonl(a / "metrics.jsonl"))[:STOP]
+
+
+def test_stop_and_resume_gives_the_uninterrupted_run_bit_for_bit(runs):
+    a, b = runs["A"], runs["B"]
+    sa = json.loads((a / "summary.json").read_text())
+    sb = json.loads((b / "summary.json").read_text())
+    assert sa["resumed_from_step"] is None and sb["resumed_from_step"] == STOP
+    assert sa["grpo_steps"] == sb["grpo_steps"] == N_STEPS
+    assert sa["params_sha256"] == sb["params_sha256"]
+    assert sa["eval_after"] == sb["eval_after"] and sa["eval_before"] == sb["eval_before"]
+    ca, cb = step_dir(a, N_STEPS), step_dir(b, N_STEPS)
+    assert_trees_bit_equal(load_model_checkpoint(ca)[0], load_model_checkpoint(cb)[0])
+    assert_trees_bit_equal(load_train_state(ca), load_train_state(cb))  # optimizer state too
+    assert_trees_bit_equal(load_model_checkpoint(a / "checkpoint")[0],
+                           load_model_checkpoint(b / "checkpoint")[0])
+    # metrics.jsonl: one row per step, the resumed run's rows equal the uninterrupted run's
+    assert no_timing(read_jsonl(b / "metrics.jsonl")) == no_timing(read_jsonl(a / "metrics.jsonl"))
+    # index.jsonl: params_sha256 of every checkpoint; retention kept B's own 10 newest
+    ia = {r["step"]: r["params_sha256"] for r in read_jsonl(a / "checkpoints" / "index.jsonl")}
+    ib = read_jsonl(b / "checkpoints" / "index.jsonl")
+    assert [r["step"] for r in ib] == list(range(1, N_STEPS + 1))
+    assert all(ia[r["step"]] == r["params_sha256"] for r in ib)
+    assert read_checkpoint_meta(cb)["params_sha256"] == sb["params_sha256"]
+    assert (b / "tb").is_dir()
+
+
+def test_sigterm_saves_after_the_step_and_the_run_resumes_exactly(runs, tmp_path, capsys):
+    """A copy of run A cut back to step 2 is resumed in this process; SIGTERM arrives during
+    step 3 (0-based), so the run checkpoints at 4 and stops (exit 143); resuming again (from
+    the run directory's config.json) finishes with A's bits."""
+    from looprl.cli import main
+    from looprl.rl.trainer import GRPOLearner
+
+    c = tmp_path / "C"
+    shutil.copytree(runs["A"], c)
+    for s in (3, 4, 5, 6):
+        shutil.rmtree(step_dir(c, s))
+    real_step = GRPOLearner.step
+
+    def step_then_sigterm(self, i):
+        if i == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled (a flag) while the step runs
+        return real_step(self, i)
+
+    before = signal.getsignal(signal.SIGTERM)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(GRPOLearner, "step", step_then_sigterm)
+    try:
+        assert main(["train", str(SMOKE), *SHRINK, f"resume={c}"]) == 128 + signal.SIGTERM
+    finally:
+        mp.undo()
+    assert signal.getsignal(signal.SIGTERM) is before
+    pre = json.loads((c / "preempted.json").read_text())
+    assert pre["preempted_at_step"] == 4 and latest_checkpoint(c)[0] == 4
+    assert "resume=" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(c / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert main(["train", str(c / "config.json"), f"resume={c}"]) == 0  # a run's config.json
+    assert not (c / "preempted.json").exists()
+    sc = json.loads((c / "summary.json").read_text())
+    sa = json.loads((runs["A"] / "summary.json").read_text())
+    assert sc["resumed_from_step"] == 4 and sc["params_sha256"] == sa["params_sha256"]
+    assert no_timing(read_jsonl(c / "metrics.jsonl")) == no_timing(
+        read_jsonl(runs["A"] / "metrics.jsonl"))
+    assert_trees_bit_equal(load_train_state(step_dir(c, N_STEPS)),
+                           load_train_state(step_dir(runs["A"], N_STEPS)))
+
+
+# --- no training below ---------------------------------------------------------------------
+
+def _learner(*overrides):
+    from looprl.model.looped import init_params
+    from looprl.rl.trainer import GRPOLearner
+    from looprl.train.run import build_tasks, model_config
+
+    cfg = apply_overrides(load_experiment(SMOKE), list(overrides))
+    mcfg = model_config(cfg)
+    _, rl_task = build_tasks(cfg)
+    return cfg, mcfg, GRPOLearner(cfg, mcfg, init_params(mcfg, 0), rl_task, rl_task.tokenizer())
+
+
+def _copy_as_step(src, run, step, *, meta_step=True):
+    dst = step_dir(run, step)
+    shutil.copytree(src, dst)
+    if meta_step:
+        meta = json.loads((dst / "looprl_meta.json").read_text())
+        (dst / "looprl_meta.json").write_text(json.dumps({**meta, "step": step}))
+    return dst
+
+
+def test_latest_skips_interrupted_or_damaged_checkpoints_and_retention_keeps_the_newest(tmp_path):
+    cfg, mcfg, learner = _learner("keep_checkpoints=2")
+    run = tmp_path / "run"
+    for s in (1, 2, 3):
+        save_training_checkpoint(run, s, learner, mcfg, None, cfg)
+    assert [s for s, _ in complete_checkpoints(run)] == [2, 3]      # retention: newest 2
+    good = step_dir(run, 3)
+    (_copy_as_step(good, run, 4) / "looprl_meta.json").unlink()     # meta never written
+    f = max((p for p in _copy_as_step(good, run, 5).rglob("*") if p.is_file()
+             and p.name != "looprl_meta.json"), key=lambda p: p.stat().st_size)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])           # a file cut short
+    shutil.rmtree(_copy_as_step(good, run, 6) / "train_state")       # a part missing
+    _copy_as_step(good, run, 7, meta_step=False)                    # meta says step 3
+    shutil.copytree(good, run / "checkpoints" / ".step_00000008.tmp-x")  # unrenamed temp dir
+    assert latest_checkpoint(run) == (3, step_dir(run, 3).absolute())
+    with pytest.raises(CheckpointError, match="incomplete"):
+        read_checkpoint_meta(step_dir(run, 5))
+    # the next save replaces the broken step 4, removes the temp dir, keeps the newest two
+    save_training_checkpoint(run, 4, learner, mcfg, None, cfg)
+    assert [s for s, _ in complete_checkpoints(run)] == [3, 4]
+    assert not (run / "checkpoints" / ".step_00000008.tmp-x").exists()
+    assert [r["step"] for r in read_jsonl(run / "checkpoints" / "index.jsonl")] == [1, 2, 3, 4]
+
+
+def test_restore_into_a_learner_of_another_shape_names_the_array(tmp_path):
+    cfg, mcfg, learner = _learner()
+    assert mcfg.num_layers == 1
+    save_training_checkpoint(tmp_path, 2, learner, mcfg, None, cfg)
+    _, _, bigger = _learner("model.num_layers=2")
+    with pytest.raises(CheckpointError, match=r"params: array 'layers/\w+' is dtype float32 "
+                                              r"shape \[1, .*expected dtype float32 shape \[2, "):
+        restore_training_checkpoint(step_dir(tmp_path, 2), bigger)
+    _, _, same = _learner()
+    assert restore_training_checkpoint(step_dir(tmp_path, 2), same) == 2
+    model_only = tmp_path / "model_only"
+    save_model_checkpoint(model_only, jax.tree.map(np.asarray, learner.params), mcfg, None)
+    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+        restore_training_checkpoint(model_only, same)
+
+
+def test_resume_refuses_a_config_that_changes_more_than_run_control_keys():
+    cfg = load_experiment(SMOKE)
+    ok = apply_overrides(cfg, ["stop_after=2", "resume=x", "out_dir=x", "grpo_steps=9",
+                               "keep_checkpoints=5", "progress_bar=false"])
+    check_resume_config(cfg, ok, "ck")
+    bad = apply_overrides(cfg, ["grpo.eps_high=0.3", "seed=1"])
+    with pytest.raises(ConfigError, match=r"\['grpo.eps_high', 'run.seed'\] differ from the run "
+                                          r"being resumed \(ck\): grpo.eps_high \(0.28 -> 0.3\)"):
+        check_resume_config(cfg, bad, "ck")
+    cosine = apply_overrides(cfg, ["optim.lr_schedule=cosine"])
+    with pytest.raises(ConfigError, match=r"\['run.grpo_steps'\]"):
+        check_resume_config(cosine, apply_overrides(cosine, ["grpo_steps=9"]), "ck")
+
+
+def test_resume_needs_the_same_out_dir_and_a_checkpoint(tmp_path):
+    from looprl.train.run import train
+    cfg = load_experiment(SMOKE)
+    with pytest.raises(ConfigError, match="out_dir must be the resumed directory"):
+        train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path / 'other'}"]))
+    with pytest.raises(ConfigError, match="is not a run directory"):
+        train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "warm_start").mkdir()
+    with pytest.raises(CheckpointError, match="no complete training checkpoint"):
+        train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
