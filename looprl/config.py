@@ -33,6 +33,8 @@ LogprobMethod = Literal["hybrid", "replay", "dense", "stock"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr-grpo"]
 LoopCredit = Literal["none", "uniform", "progressive", "exit_dist"]
 LrSchedule = Literal["constant", "cosine", "linear"]
+PromptStyle = Literal["chatml", "thinking", "compact"]
+TaskSource = Literal["jsonl", "hub"]
 
 
 # --- typed, self-checking sections --------------------------------------------------------------
@@ -167,6 +169,12 @@ class TaskConfig(_Section):
     solution_style: Optional[str] = None  # arithmetic: 'steps' (chain_sum) or 'answer'; none:
                                           # the task's default ('steps' for chain_sum)
     spaces: bool = True                   # arithmetic: `12 + 7` (true) or `12+7` (false)
+    prompt_style: Optional[PromptStyle] = None  # none: the task's default (arithmetic 'compact',
+                                          # gsm8k 'chatml'; 'thinking' for Ouro Thinking models)
+    # gsm8k knobs (looprl.tasks.gsm8k): held-out set = test.jsonl in file order (its first
+    # eval.eval_problems), train stream = train.jsonl in seeded epochs (seed data_seed)
+    data_dir: str = "../shared/data/gsm8k"  # relative: to the working directory, else the repo root
+    source: TaskSource = "jsonl"          # 'hub': openai/gsm8k through the `datasets` package
 
     def _validate(self):
         self._require(len(self.train_datasets) > 0, "train_datasets", "at least one dataset")
@@ -181,6 +189,7 @@ class TaskConfig(_Section):
         self._require(self.eval_size >= 1, "eval_size", "a positive int")
         self._require(self.solution_style in (None, "steps", "answer"), "solution_style",
                       "'steps', 'answer' or none")
+        self._require(len(self.data_dir) > 0, "data_dir", "a non-empty path")
 
 
 @dataclasses.dataclass(frozen=True)
