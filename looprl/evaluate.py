@@ -84,6 +84,8 @@ def _check_args(args) -> list[float]:
         raise ConfigError(f"--temperature: expected >= 0 (0 = greedy), found {args.temperature}")
     if args.task not in EVAL_TASKS:
         raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {args.task!r}")
+    if not Path(args.checkpoint).expanduser().exists():
+        raise CheckpointError(f"{args.checkpoint}: no such checkpoint directory")
     out = Path(args.out)
     if (out / "results.json").exists():
         raise ConfigError(f"--out: {str(out)!r} already holds results.json; choose a new directory")

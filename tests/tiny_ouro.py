@@ -59,3 +59,16 @@ def write_tiny_hf(path, seed: int = 0, dtype: str = "bfloat16", gate_bias: float
                                                      gate_bias)
     hf.save_hf(params, cfg, path, dtype, tokenizer_json=byte_level_tokenizer_json())
     return path
+
+
+def tiny_looprl_checkpoint(directory):
+    """Write the tiny HF directory under `directory/hf` and convert it (`looprl convert --hf`) into
+    the looprl checkpoint `directory/ckpt`; returns (ckpt path, tokenizer.json text)."""
+    from pathlib import Path
+
+    from looprl.cli import main
+
+    directory = Path(directory)
+    hf_dir = write_tiny_hf(directory / "hf")
+    assert main(["convert", "--hf", str(hf_dir), "--out", str(directory / "ckpt")]) == 0
+    return directory / "ckpt", (hf_dir / "tokenizer.json").read_text()
