@@ -25,6 +25,8 @@ Settings and where they come from:
     Temperature 1, top-p/top-k off: the recorded log-prob is then the behaviour probability.
     Group size 8 and 16 prompts per step (128 completions); up to 512 new tokens (GSM8K
     solutions of instruct models are mostly far shorter; verl's GSM8K GRPO quick-start allows 1024).
+    Prompts are left-padded to a multiple of 64 tokens: every compiled shape (sampler and learner)
+    depends on the prompt length, so without it nearly every step would compile anew.
   * learner: `hybrid` log-probs (value = replay of the recorded schedule, gradient = dense), two
     optimizer updates per step (minibatches of 64), microbatches of 8 sequences to bound memory
     (lower it if the backward pass does not fit).
@@ -46,7 +48,8 @@ CONFIG = ExperimentConfig(
     warm_start=WarmStartConfig(enabled=False),   # GRPO starts from the released weights
     rollout=RolloutConfig(prompts_per_step=16, group_size=8, max_new_tokens=512,
                           temperature=1.0, top_p=1.0, top_k=0, exit_threshold=0.9,
-                          kv_policy="deferred", deferred_max_pending=4),
+                          kv_policy="deferred", deferred_max_pending=4,
+                          prompt_len_multiple=64),
     learner=LearnerConfig(logprob_method="hybrid", ppo_epochs=1, minibatches=2,
                           microbatch_size=8, train_gate=False, measure_stock=True),
     grpo=GRPOConfig(eps_low=0.2, eps_high=0.28, loss_agg="token-mean", scale_adv_by_std=True,

@@ -236,13 +236,16 @@ class RolloutConfig(_Section):
     fixed_exit_loop: Optional[int] = None  # exit at this loop instead of the Q-exit rule
     kv_policy: KVPolicy = "dense"
     deferred_max_pending: int = 4         # deferred policy: pending positions before a flush
+    prompt_len_multiple: int = 1          # left-pad prompts to a multiple of this many tokens, so
+                                          # steps with different prompts share compiled shapes
 
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
     def _validate(self):
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "deferred_max_pending"):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "deferred_max_pending",
+                     "prompt_len_multiple"):
             self._require(getattr(self, name) >= 1, name, "a positive int")
         self._require(self.temperature > 0, "temperature", "a float > 0")
         self._require(0 < self.top_p <= 1, "top_p", "a float in (0, 1]")

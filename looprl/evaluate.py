@@ -3,7 +3,8 @@
     looprl eval --checkpoint CKPT --task gsm8k --out DIR [--limit N] [--exit-threshold Q[,Q...]]
                 [--kv-policy dense|deferred|copy] [--compute-dtype float32|bfloat16]
                 [--max-new-tokens N] [--batch-size N] [--data-dir DIR] [--source jsonl|hub]
-                [--prompt-style chatml|thinking] [--temperature T] [--seed S]
+                [--prompt-style chatml|thinking] [--prompt-len-multiple N] [--temperature T]
+                [--seed S]
 
 `--checkpoint` takes a looprl checkpoint (`looprl convert --hf ...`, a run's `checkpoint/` or
 `warm_start/`) or an HF directory; its `tokenizer.json` encodes the prompts (a checkpoint without
@@ -23,8 +24,10 @@ tokens, the completions cut at `--max-new-tokens`, and the wall time; it writes
                             (key: q as text) completion, extracted, correct, mean_exit_loop, tokens
   DIR/accuracy_vs_depth.png pass@1 against mean exit loop, one point per q (with several q)
 
-Every batch is padded to the batch's longest prompt; the sampler compiles once per distinct
-(prompt length, batch size), so a larger `--batch-size` means fewer compilations.
+The sampler compiles once per distinct (padded prompt length, batch size, q): prompts are left-padded
+to a multiple of `--prompt-len-multiple` tokens (default 64), so most batches share one
+compilation. Greedy completions do not depend on that padding (a test checks tokens and exit loops;
+fp32 log-probs may move in the last bits, as attention then sums over a longer cache).
 
 Raises (printed by `looprl.cli` as one line, exit status 2): CheckpointError (missing checkpoint,
 no tokenizer, tokenizer larger than the model's vocabulary), ConfigError (unknown task, q outside
@@ -77,7 +80,8 @@ def build_eval_task(name: str, data_dir: str, source: str, prompt_style: str):
 
 def _check_args(args) -> list[float]:
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size),
-                        ("--max-new-tokens", args.max_new_tokens)):
+                        ("--max-new-tokens", args.max_new_tokens),
+                        ("--prompt-len-multiple", args.prompt_len_multiple)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag}: expected a positive int, found {value}")
     if args.temperature < 0:
@@ -213,7 +217,8 @@ def run_eval(args) -> int:
     for q in thresholds:
         scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               exit_threshold=q, kv_policy=args.kv_policy,
-                              compute_dtype=args.compute_dtype, stop_ids=(tok.end_of_turn_id,))
+                              compute_dtype=args.compute_dtype, stop_ids=(tok.end_of_turn_id,),
+                              prompt_len_multiple=args.prompt_len_multiple)
         bar = tqdm(total=len(problems), desc=f"eval q={q:g}", unit="problem", file=sys.stderr)
         t0 = time.time()
         try:
@@ -240,6 +245,7 @@ def run_eval(args) -> int:
     settings = {"limit": args.limit, "problems": len(problems), "kv_policy": args.kv_policy,
                 "compute_dtype": args.compute_dtype, "max_new_tokens": args.max_new_tokens,
                 "batch_size": args.batch_size, "temperature": args.temperature,
+                "prompt_len_multiple": args.prompt_len_multiple,
                 "seed": args.seed, "total_ut_steps": cfg.total_ut_steps,
                 "task_config": task.config()}
     results = {"checkpoint": str(args.checkpoint), "task": args.task, "settings": settings,
@@ -275,6 +281,8 @@ def add_parser(sub) -> None:
                    help="GSM8K: read the JSONL files, or openai/gsm8k through `datasets`")
     p.add_argument("--prompt-style", default="chatml", choices=["chatml", "thinking"],
                    help="thinking: the prompt ends with <think>\\n (Ouro Thinking models)")
+    p.add_argument("--prompt-len-multiple", type=int, default=64, metavar="N",
+                   help="left-pad prompts to a multiple of N tokens (fewer compilations)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling noise (with --temperature > 0)")
     p.set_defaults(func=run_eval)
