@@ -24,8 +24,8 @@ tokens, the completions cut at `--max-new-tokens`, and the wall time; it writes
                             (key: q as text) completion, extracted, correct, mean_exit_loop, tokens
   DIR/accuracy_vs_depth.png pass@1 against mean exit loop, one point per q (with several q)
 
-The sampler compiles once per distinct (padded prompt length, batch size, q): prompts are left-padded
-to a multiple of `--prompt-len-multiple` tokens (default 64), so most batches share one
+The sampler compiles once per distinct (padded prompt length, batch size, q): prompts are
+left-padded to a multiple of `--prompt-len-multiple` tokens (default 64), so most batches share one
 compilation. Greedy completions do not depend on that padding (a test checks tokens and exit loops;
 fp32 log-probs may move in the last bits, as attention then sums over a longer cache).
 
@@ -260,7 +260,8 @@ def run_eval(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="pass@1 on a task's held-out set at one or more exit thresholds")
+    p = sub.add_parser("eval", help="pass@1 on a task's held-out set at one or more exit "
+                                    "thresholds")
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
                    help="looprl checkpoint (or HF directory) with a tokenizer.json")
     p.add_argument("--task", required=True, help=f"one of {', '.join(EVAL_TASKS)}")

@@ -44,7 +44,7 @@ def test_eval_two_thresholds_writes_results_problems_and_plot(tiny, tmp_path, ca
     rows = [json.loads(line) for line in (out / "problems.jsonl").read_text().splitlines()]
     test_lines = TEST_FILE.read_text().splitlines()
     assert [r["id"] for r in rows] == [0, 1]
-    assert [r["gold"] for r in rows] == ["18", "3"]  # test.jsonl records 0 and 1 (`#### 18`, `#### 3`)
+    assert [r["gold"] for r in rows] == ["18", "3"]  # test.jsonl records 0, 1: `#### 18`, `#### 3`
     assert rows[1]["question"] == json.loads(test_lines[1])["question"].strip()
     for q, s in by_q.items():
         per = [r["by_threshold"][f"{q:g}"] for r in rows]

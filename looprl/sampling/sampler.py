@@ -3,7 +3,8 @@ cache, recording the schedule (DESIGN.md §3).
 
 Layout: B = prompts x G rows, left-padded to the longest prompt rounded up to a multiple of
 `prompt_len_multiple` (P; the compiled shapes depend on P, so a multiple > 1 lets batches of
-different prompts share one compilation); the cache holds S = P + max_new_tokens positions for each of the T x L (loop, layer) slots: `[T, L, B, S, Hkv, K]`.
+different prompts share one compilation); the cache holds S = P + max_new_tokens positions for
+each of the T x L (loop, layer) slots: `[T, L, B, S, Hkv, K]`.
 Prefill runs every prompt position through all T loops as one chunk; each decode step runs the
 current position (plus, under `deferred`, the pending window) loop by loop in a
 `lax.while_loop` that stops as soon as every row of the batch is done with the step, so early

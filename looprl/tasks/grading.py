@@ -88,7 +88,7 @@ def candidate_value(candidate: str) -> str | None:
     c = _clean(candidate)
     if _LATEX_EXPRESSION_RE.match(c):  # starts with a fraction or a root
         return c.rstrip(". ")
-    m = _ARITHMETIC_RE.match(c)  # numbers joined by operators: `144/2`, `1.92 * 10^8`, not `10/hour`
+    m = _ARITHMETIC_RE.match(c)  # numbers joined by operators: `144/2`, `10^8`; not `10/hour`
     if m:
         return m.group(0).strip()
     m = _NUM_RE.search(c)

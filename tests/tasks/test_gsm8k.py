@@ -80,7 +80,7 @@ CASES = [
     # rates and units right after the number are not divisions
     (1, lambda g: f"She earned 0.2 x 50 = 10 dollars. The answer is ${g}/hour.", 1.0),
     (1, lambda g: f"\\boxed{{\\${g}/\\text{{hour}}}}", 1.0),
-    (14, lambda g: f"It takes 120/8 = 15 units of 20 minutes = 300 minutes. **Answer:** {g} hrs", 1.0),
+    (14, lambda g: f"120/8 = 15 units of 20 minutes = 300 minutes. **Answer:** {g} hrs", 1.0),
     # unevaluated arithmetic inside the answer goes to math-verify
     (0, lambda g: "\\boxed{144 \\div 2}", 1.0),
     (0, lambda g: "\\boxed{48 + 24}", 1.0),

@@ -71,6 +71,21 @@ def test_gsm8k_with_warm_start_is_a_clear_error(tiny, tmp_path):
         build_tasks(cfg)
 
 
+@needs_data
+def test_gsm8k_task_keys_reach_the_task(tiny):
+    from looprl.train.run import build_tasks
+
+    cfg = apply_overrides(load_experiment(CFG_1P4B), [f"model.checkpoint={tiny[0]}",
+                                                      "task.prompt_style=thinking"])
+    warm, rl = build_tasks(cfg)
+    assert warm is rl and rl.resolved_dir == DATA.resolve()
+    assert rl.format_prompt(rl.eval_problems(1)[0]).endswith("<|im_start|>assistant\n<think>\n")
+    for bad in ("task.prompt_style=chat", "task.source=ftp", "task.data_dir=",
+                "rollout.prompt_len_multiple=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            apply_overrides(cfg, [bad])
+
+
 def run_one_step(cfg_path, ckpt, out, monkeypatch):
     from looprl.train.run import train
 
