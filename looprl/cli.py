@@ -68,6 +68,11 @@ def _add_generate(sub):
     add_parser(sub)
 
 
+def _add_eval(sub):
+    from looprl.evaluate import add_parser
+    add_parser(sub)
+
+
 def _lazy(module: str, name: str):
     import importlib
     return getattr(importlib.import_module(module), name)
@@ -80,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_convert(sub)
     _add_verify(sub)
+    _add_eval(sub)
     _add_plot(sub)
     return parser
 

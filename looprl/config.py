@@ -33,6 +33,8 @@ LogprobMethod = Literal["hybrid", "replay", "dense", "stock"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr-grpo"]
 LoopCredit = Literal["none", "uniform", "progressive", "exit_dist"]
 LrSchedule = Literal["constant", "cosine", "linear"]
+PromptStyle = Literal["chatml", "thinking", "compact"]
+TaskSource = Literal["jsonl", "hub"]
 
 
 # --- typed, self-checking sections --------------------------------------------------------------
@@ -167,6 +169,12 @@ class TaskConfig(_Section):
     solution_style: Optional[str] = None  # arithmetic: 'steps' (chain_sum) or 'answer'; none:
                                           # the task's default ('steps' for chain_sum)
     spaces: bool = True                   # arithmetic: `12 + 7` (true) or `12+7` (false)
+    prompt_style: Optional[PromptStyle] = None  # none: the task's default (arithmetic 'compact',
+                                          # gsm8k 'chatml'; 'thinking' for Ouro Thinking models)
+    # gsm8k knobs (looprl.tasks.gsm8k): held-out set = test.jsonl in file order (its first
+    # eval.eval_problems), train stream = train.jsonl in seeded epochs (seed data_seed)
+    data_dir: str = "../shared/data/gsm8k"  # relative: to the working directory, else the repo root
+    source: TaskSource = "jsonl"          # 'hub': openai/gsm8k through the `datasets` package
 
     def _validate(self):
         self._require(len(self.train_datasets) > 0, "train_datasets", "at least one dataset")
@@ -181,6 +189,7 @@ class TaskConfig(_Section):
         self._require(self.eval_size >= 1, "eval_size", "a positive int")
         self._require(self.solution_style in (None, "steps", "answer"), "solution_style",
                       "'steps', 'answer' or none")
+        self._require(len(self.data_dir) > 0, "data_dir", "a non-empty path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,13 +236,16 @@ class RolloutConfig(_Section):
     fixed_exit_loop: Optional[int] = None  # exit at this loop instead of the Q-exit rule
     kv_policy: KVPolicy = "dense"
     deferred_max_pending: int = 4         # deferred policy: pending positions before a flush
+    prompt_len_multiple: int = 1          # left-pad prompts to a multiple of this many tokens, so
+                                          # steps with different prompts share compiled shapes
 
     @property
     def sequences_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
     def _validate(self):
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "deferred_max_pending"):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "deferred_max_pending",
+                     "prompt_len_multiple"):
             self._require(getattr(self, name) >= 1, name, "a positive int")
         self._require(self.temperature > 0, "temperature", "a float > 0")
         self._require(0 < self.top_p <= 1, "top_p", "a float in (0, 1]")

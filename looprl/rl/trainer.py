@@ -49,7 +49,8 @@ def sampling_config(cfg: ExperimentConfig, *, greedy: bool = False) -> SamplingC
                           top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
                           exit_threshold=r.exit_threshold, fixed_depth=r.fixed_exit_loop,
                           kv_policy=r.kv_policy, deferred_max_pending=r.deferred_max_pending,
-                          stop_ids=(2,), compute_dtype=cfg.model.compute_dtype)
+                          stop_ids=(2,), compute_dtype=cfg.model.compute_dtype,
+                          prompt_len_multiple=r.prompt_len_multiple)
 
 
 def completion_rewards(task, tokenizer, problems, batch, group_size: int):

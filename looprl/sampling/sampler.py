@@ -1,8 +1,10 @@
 """The rollout engine: jitted prefill + decode with per-token early exit and a (loop, layer) KV
 cache, recording the schedule (DESIGN.md §3).
 
-Layout: B = prompts x G rows, left-padded to the longest prompt P; the cache holds S = P +
-max_new_tokens positions for each of the T x L (loop, layer) slots: `[T, L, B, S, Hkv, K]`.
+Layout: B = prompts x G rows, left-padded to the longest prompt rounded up to a multiple of
+`prompt_len_multiple` (P; the compiled shapes depend on P, so a multiple > 1 lets batches of
+different prompts share one compilation); the cache holds S = P + max_new_tokens positions for
+each of the T x L (loop, layer) slots: `[T, L, B, S, Hkv, K]`.
 Prefill runs every prompt position through all T loops as one chunk; each decode step runs the
 current position (plus, under `deferred`, the pending window) loop by loop in a
 `lax.while_loop` that stops as soon as every row of the batch is done with the step, so early
@@ -55,6 +57,7 @@ class SamplingConfig:
     kernels: str = "invariant"  # "invariant" (row-tiled, replayable by the learner's dense pass)
     #                             or "stock" (plain matmuls: faster at small batch; its bits are
     #                             reproduced only by re-running the sampler in forced mode)
+    prompt_len_multiple: int = 1    # P = the longest prompt rounded up to a multiple of this
 
     def validate(self, T: int) -> None:
         """Raises SamplingError naming the bad field."""
@@ -75,6 +78,8 @@ class SamplingConfig:
             raise SamplingError("deferred_max_pending must be >= 1")
         if self.kernels not in KERNELS:
             raise SamplingError(f"kernels must be one of {list(KERNELS)}, got {self.kernels!r}")
+        if self.prompt_len_multiple < 1:
+            raise SamplingError(f"prompt_len_multiple must be >= 1, got {self.prompt_len_multiple}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise SamplingError(f"compute_dtype must be float32 or bfloat16, "
                                 f"got {self.compute_dtype!r}")
@@ -287,15 +292,17 @@ def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: i
     return s
 
 
-def layout_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int | None):
-    """Left-pad prompts into `[B, S]` int32; returns (tokens, pad_B, P, S). Raises SamplingError
-    for an empty prompt or a prompt that does not fit the cache."""
+def layout_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int | None,
+                   prompt_len_multiple: int = 1):
+    """Left-pad prompts into `[B, S]` int32; returns (tokens, pad_B, P, S), P = the longest prompt
+    rounded up to a multiple of `prompt_len_multiple`. Raises SamplingError for an empty prompt
+    or a prompt that does not fit the cache."""
     if not prompts:
         raise SamplingError("no prompts given")
     for i, pr in enumerate(prompts):
         if len(pr) == 0:
             raise SamplingError(f"prompt {i} is empty (needs at least one token)")
-    P = max(len(pr) for pr in prompts)
+    P = -(-max(len(pr) for pr in prompts) // prompt_len_multiple) * prompt_len_multiple
     S = P + max_new_tokens
     if max_seq_len is not None:
         if P >= max_seq_len:
@@ -341,7 +348,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         G = group_size
         idx = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
         rows_prompts = [pr for pr in prompts for _ in range(G)]
-        tokens, pad, P, S = layout_prompts(rows_prompts, scfg.max_new_tokens, scfg.max_seq_len)
+        tokens, pad, P, S = layout_prompts(rows_prompts, scfg.max_new_tokens, scfg.max_seq_len,
+                                           scfg.prompt_len_multiple)
         prompt_index = np.repeat(np.asarray(idx, np.int32), G)
         sample_index = np.tile(np.arange(G, dtype=np.int32), len(prompts))
         frows = (None, None, None)

@@ -5,14 +5,17 @@ How an answer is found in a completion (`extract_answer`):
      model's answer follows its reasoning); if nothing is found there, the whole text is.
   2. Candidates are the marked answers: every `\\boxed{...}` / `\\fbox{...}` (nested braces
      matched), every `#### ...` line, and every `answer is ...` / `Answer: ...` / `final answer = ...`
-     phrase (up to the end of its line or sentence). The **last** candidate (by position) that holds
-     a value counts, so a corrected answer wins and text after the answer is ignored.
+     phrase (the rest of its line, up to the end of the sentence; a marker that ends its line, as in
+     `The answer is:` followed by a list, is no candidate). The **last** candidate (by position)
+     that holds a value counts, so a corrected answer wins and text after the answer is ignored.
   3. Without a marked candidate that holds a value, the last number in the text counts.
-A candidate's value: LaTeX and Markdown dressing removed (`$`, `\\$`, `\\text{}`, `\\left`, `**`,
-`\\,`, `{,}`), the part after its last `=` kept (`\\boxed{48 + 24 = 72}`), then its first number
-(thousands separators dropped; sign kept; `18.00` stays `18.00`); a candidate that starts with a
-fraction, root, division or power (`\\frac{144}{2}`, `144/2`) is returned as LaTeX for
-math-verify instead.
+A candidate's value: LaTeX and Markdown dressing removed (`$`, `\\$`, `\\text{}`, `\\left`, `**`),
+thousands separators dropped (`,`, `{,}`, `\\,`, `\\ `, thin and no-break spaces between digit
+groups of three), the part after its last `=` kept (`\\boxed{48 + 24 = 72}`); then
+  * a candidate that starts with `\\frac` / `\\sqrt`, or with numbers joined by operators
+    (`144/2`, `144 \\div 2`, `48 + 24`, `1.92 \\times 10^8`), is handed to math-verify (only the
+    arithmetic prefix: `$10/hour` is the number 10, not a division);
+  * otherwise its first number (sign kept; `18.00` stays `18.00`).
 
 Grading (`grade_answer`): a plain number equals the gold when their `Decimal` values are equal
 (`18.00` == `18`, `1,080` == `1080`); anything else is compared with `math_verify.verify`.
@@ -28,10 +31,13 @@ from looprl.errors import TaskError
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
 _HASH_RE = re.compile(r"####\s*([^\n]*)")
 _PHRASE_RE = re.compile(
-    r"(?i)\banswer\b\s*(?:\*\*)?\s*(?:is|was|=|:)\s*(?:\*\*)?\s*:?\s*")
+    r"(?i)\banswer\b[ \t]*(?:\*\*)?[ \t]*(?:is|was|=|:)[ \t]*(?:\*\*)?[ \t]*:?[ \t]*")
 _NUM_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
-_EXPRESSION_RE = re.compile(r"[-+]?\s*(?:\\frac|\\sqrt|\d+(?:\.\d+)?\s*[/^])")
+_LATEX_EXPRESSION_RE = re.compile(r"[-+]?\s*\\(?:frac|sqrt)")
+_OPERAND = r"\(?\s*[-+]?(?:\d+(?:\.\d+)?|\.\d+)\s*\)?"
+_ARITHMETIC_RE = re.compile(rf"[-+]?\s*{_OPERAND}(?:\s*[-+*/^]\s*{_OPERAND})+")
+_THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\{,\}|\\,|\\ |\\!|\u2009|\u202f|\u00a0)(?=\d{3}(?!\d))")
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)(?!\d)")
 _MAX_CANDIDATE_CHARS = 200
 
@@ -64,13 +70,13 @@ def _phrase_candidates(text: str) -> list[tuple[int, str]]:
 
 
 def _clean(candidate: str) -> str:
-    c = candidate[:_MAX_CANDIDATE_CHARS]
+    c = _THOUSANDS_RE.sub("", candidate[:_MAX_CANDIDATE_CHARS])
     for _ in range(3):  # nested \text{\textbf{...}}
         c = _TEXT_CMD_RE.sub(r" \1 ", c)
     for old, new in (("\\$", ""), ("$", ""), ("\\%", "%"), ("{,}", ""), ("\\,", ""), ("\\!", ""),
                      ("\\;", " "), ("\\ ", " "), ("~", " "), ("\\left", ""), ("\\right", ""),
                      ("**", ""), ("\u2212", "-"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                     ("\\cdot", "*"), ("\\times", "*")):
+                     ("\\cdot", "*"), ("\\times", "*"), ("\\div", "/")):
         c = c.replace(old, new)
     if "=" in c:
         c = c.rsplit("=", 1)[1]
@@ -80,8 +86,11 @@ def _clean(candidate: str) -> str:
 def candidate_value(candidate: str) -> str | None:
     """Return the value of one answer candidate: a plain number string, LaTeX for math-verify, or None."""
     c = _clean(candidate)
-    if _EXPRESSION_RE.match(c):  # starts with a fraction, root, division or power
+    if _LATEX_EXPRESSION_RE.match(c):  # starts with a fraction or a root
         return c.rstrip(". ")
+    m = _ARITHMETIC_RE.match(c)  # numbers joined by operators: `144/2`, `10^8`; not `10/hour`
+    if m:
+        return m.group(0).strip()
     m = _NUM_RE.search(c)
     if m is None:
         return None
@@ -95,7 +104,7 @@ def _extract(text: str) -> str | None:
         value = candidate_value(candidate)
         if value is not None:
             return value
-    numbers = _NUM_RE.findall(text.replace("\\$", "").replace("$", "").replace("{,}", ""))
+    numbers = _NUM_RE.findall(_THOUSANDS_RE.sub("", text.replace("\\$", "").replace("$", "")))
     return numbers[-1].replace(",", "").lstrip("+") if numbers else None
 
 

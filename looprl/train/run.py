@@ -44,13 +44,31 @@ EVAL_BEFORE_FILE = "eval_before.json"
 
 
 def build_tasks(cfg: ExperimentConfig):
-    """(warm-start task, GRPO task) sharing one held-out set (same seed and eval knobs)."""
+    """(warm-start task, GRPO task) sharing one held-out set (same seed and eval knobs).
+
+    `task.name` `arithmetic` (tiny models; its own character tokenizer) or `gsm8k` (real Ouro
+    models: one task for both roles, the tokenizer from `model.checkpoint`, no warm start).
+    Raises ConfigError for an unknown task, a GSM8K run without `model.checkpoint` or with
+    `warm_start.enabled`, or bad task knobs.
+    """
     from looprl.tasks import get_task
 
     t = cfg.task
+    if t.name == "gsm8k":
+        if not cfg.model.checkpoint:
+            raise ConfigError("config key 'model.checkpoint': task 'gsm8k' has no tokenizer of its "
+                              "own, so it needs a converted Ouro checkpoint (looprl convert --hf "
+                              "DIR --out CKPT), e.g. model.checkpoint=/path/to/ouro-1.4b-looprl")
+        if cfg.warm_start.enabled:
+            raise ConfigError("config key 'warm_start.enabled': the supervised warm start is for "
+                              "tiny models; task 'gsm8k' starts from model.checkpoint, set "
+                              "warm_start.enabled=false")
+        task = get_task("gsm8k", data_dir=t.data_dir, source=t.source, seed=t.data_seed,
+                        prompt_style=t.prompt_style or "chatml")
+        return task, task
     if t.name != "arithmetic":
-        raise ConfigError(f"config key 'task.name': only 'arithmetic' is wired into `looprl "
-                          f"train` so far, found {t.name!r}")
+        raise ConfigError(f"config key 'task.name': expected 'arithmetic' or 'gsm8k', found "
+                          f"{t.name!r}")
     if len(t.train_datasets) != 1 or t.eval_datasets != t.train_datasets:
         raise ConfigError(f"config key 'task.train_datasets': the arithmetic task takes one "
                           f"dataset (the same for eval_datasets), found {t.train_datasets} / "
@@ -58,11 +76,28 @@ def build_tasks(cfg: ExperimentConfig):
     common = dict(seed=t.data_seed, dataset=t.train_datasets[0], eval_terms=t.eval_terms,
                   eval_digits=t.eval_digits, eval_size=t.eval_size,
                   solution_style=t.solution_style, spaces=t.spaces)
+    if t.prompt_style is not None:
+        common["prompt_style"] = t.prompt_style
     warm = get_task("arithmetic", train_terms=t.train_terms, train_digits=t.train_digits,
                     **common)
     rl = get_task("arithmetic", train_terms=t.rl_terms or t.eval_terms,
                   train_digits=t.rl_digits or t.eval_digits, **common)
     return warm, rl
+
+
+def run_tokenizer(task, checkpoint_tokenizer_json: str | None, checkpoint: str | None):
+    """The run's tokenizer: the task's own (tiny tasks), else the model checkpoint's
+    `tokenizer.json`. Raises CheckpointError when neither exists."""
+    from looprl.errors import CheckpointError
+    from looprl.tokenizer import tokenizer_from_json
+
+    tokenizer = task.tokenizer()
+    if tokenizer is not None:
+        return tokenizer
+    if checkpoint_tokenizer_json is None:
+        raise CheckpointError(f"{checkpoint}: task {task.name!r} uses the model's tokenizer, but "
+                              f"the checkpoint has no tokenizer.json (convert with --tokenizer)")
+    return tokenizer_from_json(checkpoint_tokenizer_json)
 
 
 def model_config(cfg: ExperimentConfig):
@@ -125,16 +160,18 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
     save_json(cfg, out / "config.json")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     warm_task, rl_task = build_tasks(cfg)
-    tokenizer = warm_task.tokenizer()
     eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
 
     if resume_at is None:
+        ckpt_tokenizer = None
         if cfg.model.checkpoint:
-            params, mcfg, _, _ = load_model_checkpoint(Path(cfg.model.checkpoint).resolve())
+            params, mcfg, ckpt_tokenizer, _ = load_model_checkpoint(
+                Path(cfg.model.checkpoint).resolve())
             say(f"loaded {cfg.model.checkpoint}")
         else:
             mcfg = model_config(cfg)
             params = init_params(mcfg, cfg.run.seed)
+        tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, cfg.model.checkpoint)
         if mcfg.vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"model vocab {mcfg.vocab_size} < tokenizer vocab "
                               f"{tokenizer.vocab_size}")
@@ -173,7 +210,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
         (out / EVAL_BEFORE_FILE).write_text(json.dumps(
             {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
     else:  # resume: the reference params, warm-start report and first evaluation are on disk
-        params, mcfg, _, _ = load_model_checkpoint(out / "warm_start")
+        params, mcfg, ckpt_tokenizer, _ = load_model_checkpoint(out / "warm_start")
+        tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, str(out / "warm_start"))
         report = json.loads((out / "warm_start_curve.json").read_text())
         saved_eval = json.loads((out / EVAL_BEFORE_FILE).read_text())
         before, before_q1 = saved_eval["eval_before"], saved_eval["eval_before_q1"]

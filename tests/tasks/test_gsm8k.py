@@ -33,8 +33,9 @@ def thousands(g):
 
 
 # (record index, completion built from the gold g, expected reward). Index 0: 72 (clips),
-# 1: 10 ($ per hour), 2: 5, 3: 42, 4: 624 (pages), 5: 35, 15: 448000, 345: "1,080" in the file,
-# 5715: -7 (temperatures), 5844: -47.
+# 1: 10 ($ per hour), 2: 5, 3: 42, 4: 624 (pages), 5: 35, 9: 990 ($18.00 an hour), 14: 5 (hours),
+# 15: 448000, 345: "1,080" in the file, 402: 192000000, 5715: -7 (temperatures), 5844: -47,
+# 6189: -12.
 CASES = [
     # the #### convention
     (0, lambda g: f"Natalia sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72 clips.\n#### {g}", 1.0),
@@ -76,6 +77,27 @@ CASES = [
     # Thinking models: the answer after </think> counts
     (0, lambda g: f"<think>\nmaybe the answer is 70\n</think>\nThe answer is \\boxed{{{g}}}.", 1.0),
     (0, lambda g: f"<think>\nso the answer is {g}\n</think>\nI am done.", 1.0),
+    # rates and units right after the number are not divisions
+    (1, lambda g: f"She earned 0.2 x 50 = 10 dollars. The answer is ${g}/hour.", 1.0),
+    (1, lambda g: f"\\boxed{{\\${g}/\\text{{hour}}}}", 1.0),
+    (14, lambda g: f"120/8 = 15 units of 20 minutes = 300 minutes. **Answer:** {g} hrs", 1.0),
+    # unevaluated arithmetic inside the answer goes to math-verify
+    (0, lambda g: "\\boxed{144 \\div 2}", 1.0),
+    (0, lambda g: "\\boxed{48 + 24}", 1.0),
+    (402, lambda g: "\\boxed{1.92 \\times 10^8}", 1.0),
+    (402, lambda g: f"#### {thousands(g)}", 1.0),
+    (402, lambda g: f"\\boxed{{{thousands(g).replace(',', chr(92) + ',')}}}", 1.0),
+    (15, lambda g: f"The total is {thousands(g).replace(',', chr(0x202f))} dollars.", 1.0),
+    (9, lambda g: f"Tina makes \\$18.00 an hour; in total she makes $\\boxed{{\\${g}.00}}$.", 1.0),
+    (9, lambda g: f"\\boxed{{{g}.}}", 1.0),
+    (6189, lambda g: f"\\boxed{{-\\${g.lstrip('-')}}}", 1.0),
+    (6189, lambda g: f"The answer is $({g})$ dollars.", 1.0),
+    # a marker that ends its line (a list follows): the last number counts
+    (0, lambda g: f"The answer is:\n- April: 48\n- May: 24\n- Total: {g}", 1.0),
+    (0, lambda g: f"**Final Answer**\n\\[\n\\boxed{{{g}}}\n\\]", 1.0),
+    # an unclosed box (truncated generation) and an empty later box
+    (3, lambda g: f"Julie read 12 + 24 = 36 pages, so 84 remain; half is \\boxed{{{g}", 1.0),
+    (3, lambda g: f"\\boxed{{{g}}} \\boxed{{}}", 1.0),
     # wrong or missing answers
     (0, lambda g: f"#### {int(g) + 1}", 0.0),
     (0, lambda g: f"The answer is {g}0.", 0.0),
@@ -84,6 +106,9 @@ CASES = [
     (15, lambda g: "\\boxed{448}", 0.0),
     (0, lambda g: "\\boxed{\\frac{1}{2}}", 0.0),
     (0, lambda g: "I don't know.", 0.0),
+    (0, lambda g: f"The answer is {g[0]},{g[1:]}", 0.0),  # `7,2` is no thousands separator
+    (402, lambda g: "The answer is 192 million.", 0.0),  # number words are not read
+    (6189, lambda g: f"\\boxed{{{g.lstrip('-')}}}", 0.0),  # the sign matters
     (0, lambda g: "", 0.0),
 ]
 

@@ -1,0 +1,289 @@
+"""`looprl eval`: pass@1 of a checkpoint on a task's held-out set, at one or more exit thresholds.
+
+    looprl eval --checkpoint CKPT --task gsm8k --out DIR [--limit N] [--exit-threshold Q[,Q...]]
+                [--kv-policy dense|deferred|copy] [--compute-dtype float32|bfloat16]
+                [--max-new-tokens N] [--batch-size N] [--data-dir DIR] [--source jsonl|hub]
+                [--prompt-style chatml|thinking] [--prompt-len-multiple N] [--temperature T]
+                [--seed S]
+
+`--checkpoint` takes a looprl checkpoint (`looprl convert --hf ...`, a run's `checkpoint/` or
+`warm_start/`) or an HF directory; its `tokenizer.json` encodes the prompts (a checkpoint without
+one is refused). Decoding is greedy unless `--temperature` > 0; a completion ends at `<|im_end|>`
+or after `--max-new-tokens`. The held-out set is the task's (GSM8K: `test.jsonl` in file order),
+its first `--limit` problems.
+
+Per threshold q (the Q-exit rule, DESIGN.md §1; q = 1.0 always runs all T loops) the command
+prints one table row: pass@1 (the fraction of problems whose completion's final answer equals the
+gold, `looprl.tasks.grading`), the mean exit loop over all completion tokens, the completion
+tokens, the completions cut at `--max-new-tokens`, and the wall time; it writes
+
+  DIR/results.json          {"checkpoint", "task", "settings", "thresholds": [{"exit_threshold",
+                            "pass_at_1", "correct", "problems", "mean_exit_loop", "tokens",
+                            "truncated", "wall_s"}, ...], "env"}
+  DIR/problems.jsonl        one object per problem: id, question, gold, and per threshold
+                            (key: q as text) completion, extracted, correct, mean_exit_loop, tokens
+  DIR/accuracy_vs_depth.png pass@1 against mean exit loop, one point per q (with several q)
+
+The sampler compiles once per distinct (padded prompt length, batch size, q): prompts are
+left-padded to a multiple of `--prompt-len-multiple` tokens (default 64), so most batches share one
+compilation. Greedy completions do not depend on that padding (a test checks tokens and exit loops;
+fp32 log-probs may move in the last bits, as attention then sums over a longer cache).
+
+Raises (printed by `looprl.cli` as one line, exit status 2): CheckpointError (missing checkpoint,
+no tokenizer, tokenizer larger than the model's vocabulary), ConfigError (unknown task, q outside
+(0, 1], limit/batch size/max new tokens < 1, DIR already holding results.json).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from looprl.errors import CheckpointError, ConfigError
+
+EVAL_TASKS = ("gsm8k",)
+
+
+def parse_thresholds(text: str) -> list[float]:
+    """`"0.5,0.9,1"` -> [0.5, 0.9, 1.0]. Raises ConfigError for a value that is not a float in
+    (0, 1], an empty list or a repeated value."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            q = float(part)
+        except ValueError:
+            raise ConfigError(f"--exit-threshold: expected floats in (0, 1] separated by commas, "
+                              f"found {part!r} in {text!r}") from None
+        if not 0.0 < q <= 1.0:
+            raise ConfigError(f"--exit-threshold: q must lie in (0, 1], found {q} in {text!r}")
+        out.append(q)
+    if not out:
+        raise ConfigError(f"--exit-threshold: no threshold in {text!r}")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"--exit-threshold: repeated threshold in {text!r}")
+    return out
+
+
+def build_eval_task(name: str, data_dir: str, source: str, prompt_style: str):
+    """The task whose held-out set is evaluated. Raises ConfigError for an unknown task."""
+    from looprl.tasks import get_task
+
+    if name not in EVAL_TASKS:
+        raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {name!r}")
+    return get_task(name, data_dir=data_dir, source=source, prompt_style=prompt_style)
+
+
+def _check_args(args) -> list[float]:
+    for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size),
+                        ("--max-new-tokens", args.max_new_tokens),
+                        ("--prompt-len-multiple", args.prompt_len_multiple)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}: expected a positive int, found {value}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature: expected >= 0 (0 = greedy), found {args.temperature}")
+    if args.task not in EVAL_TASKS:
+        raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {args.task!r}")
+    if not Path(args.checkpoint).expanduser().exists():
+        raise CheckpointError(f"{args.checkpoint}: no such checkpoint directory")
+    out = Path(args.out)
+    if (out / "results.json").exists():
+        raise ConfigError(f"--out: {str(out)!r} already holds results.json; choose a new directory")
+    return parse_thresholds(args.exit_threshold)
+
+
+def _load(checkpoint: str):
+    """(params, OuroConfig, TextTokenizer) of a looprl checkpoint or HF directory."""
+    from looprl.sampling.generate import load_any_checkpoint
+    from looprl.tokenizer import tokenizer_from_json
+
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{checkpoint}: no such checkpoint directory")
+    params, cfg, tok_json, _ = load_any_checkpoint(str(path.resolve()))  # orbax: absolute paths
+    if tok_json is None:
+        raise CheckpointError(f"{checkpoint}: the checkpoint has no tokenizer.json (convert it "
+                              f"with `looprl convert --hf DIR --out CKPT --tokenizer FILE`)")
+    tok = tokenizer_from_json(tok_json)
+    if tok.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{checkpoint}: tokenizer.json has {tok.vocab_size} ids, the model's "
+                              f"vocabulary only {cfg.vocab_size}")
+    return params, cfg, tok
+
+
+def evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg, *, batch_size: int,
+                      seed: int = 0, progress=None) -> list[dict[str, Any]]:
+    """Generate one completion per problem and grade it.
+
+    Returns one dict per problem (in order): completion (text before the end of turn), extracted
+    (the final answer `looprl.tasks.grading.extract_answer` finds, or None), correct (bool),
+    tokens (completion tokens, the end of turn included), truncated (no end of turn within
+    `scfg.max_new_tokens`), exit_loops (the exit loop of each completion token, DESIGN.md §3).
+    `progress(n)` is called after each batch with its number of problems.
+    """
+    from looprl.sampling.sampler import generate
+    from looprl.tasks.grading import extract_answer
+
+    rows = []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        prompts = [tokenizer.encode(task.format_prompt(p)) for p in chunk]
+        batch = generate(model_cfg, params, prompts, scfg, group_size=1, seed=seed, step=0,
+                         prompt_indices=[p.id for p in chunk])
+        P = batch.schedule.prompt_len
+        toks = np.asarray(batch.tokens_BxS)
+        exits = np.asarray(batch.exit_loop_BxS)
+        lens = np.asarray(batch.completion_len_B)
+        for b, p in enumerate(chunk):
+            n = int(lens[b])
+            ids = toks[b, P:P + n].tolist()
+            text = tokenizer.decode_completion(ids)
+            rows.append({"completion": text, "extracted": extract_answer(text),
+                         "correct": task.reward(p, text) == 1.0, "tokens": n,
+                         "truncated": tokenizer.end_of_turn_id not in ids,
+                         "exit_loops": exits[b, P - 1:P - 1 + n].tolist()})
+        if progress is not None:
+            progress(len(chunk))
+    return rows
+
+
+def summarize(q: float, rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """One threshold's summary: pass@1, the token-weighted mean exit loop, token counts."""
+    exits = [k for r in rows for k in r["exit_loops"]]
+    correct = sum(r["correct"] for r in rows)
+    return {"exit_threshold": q, "pass_at_1": correct / len(rows), "correct": correct,
+            "problems": len(rows), "mean_exit_loop": float(np.mean(exits)) if exits else 0.0,
+            "tokens": len(exits), "truncated": sum(r["truncated"] for r in rows),
+            "wall_s": wall_s}
+
+
+def plot_accuracy_vs_depth(summaries: list[dict[str, Any]], total_loops: int, path: Path) -> Path:
+    """Write pass@1 against mean exit loop (one labelled point per q) to `path` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted(summaries, key=lambda s: s["mean_exit_loop"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([s["mean_exit_loop"] for s in pts], [s["pass_at_1"] for s in pts], marker="o")
+    for s in pts:
+        ax.annotate(f"q={s['exit_threshold']:g}", (s["mean_exit_loop"], s["pass_at_1"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel(f"mean exit loop (of T = {total_loops})")
+    ax.set_ylabel("pass@1")
+    ax.set_xlim(0.9, total_loops + 0.1)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _print_table(summaries, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("q", "pass@1", "correct", "mean exit loop", "tokens", "truncated", "wall s"):
+        table.add_column(col, justify="right")
+    for s in summaries:
+        table.add_row(f"{s['exit_threshold']:g}", f"{s['pass_at_1']:.4f}",
+                      f"{s['correct']}/{s['problems']}", f"{s['mean_exit_loop']:.3f}",
+                      str(s["tokens"]), str(s["truncated"]), f"{s['wall_s']:.1f}")
+    Console(width=120).print(table)
+
+
+def run_eval(args) -> int:
+    """CLI entry (`looprl eval`); see the module docstring."""
+    from tqdm import tqdm
+
+    from looprl.determinism import environment
+    from looprl.sampling.sampler import SamplingConfig
+
+    thresholds = _check_args(args)
+    task = build_eval_task(args.task, args.data_dir, args.source, args.prompt_style)
+    held_out = task.eval_problems()
+    problems = held_out[:args.limit] if args.limit else held_out
+    params, cfg, tok = _load(args.checkpoint)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    per_q: dict[float, list[dict[str, Any]]] = {}
+    summaries = []
+    for q in thresholds:
+        scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              exit_threshold=q, kv_policy=args.kv_policy,
+                              compute_dtype=args.compute_dtype, stop_ids=(tok.end_of_turn_id,),
+                              prompt_len_multiple=args.prompt_len_multiple)
+        bar = tqdm(total=len(problems), desc=f"eval q={q:g}", unit="problem", file=sys.stderr)
+        t0 = time.time()
+        try:
+            rows = evaluate_problems(cfg, params, task, tok, problems, scfg,
+                                     batch_size=args.batch_size, seed=args.seed,
+                                     progress=bar.update)
+        finally:
+            bar.close()
+        per_q[q] = rows
+        summaries.append(summarize(q, rows, time.time() - t0))
+
+    with (out / "problems.jsonl").open("w") as f:
+        for i, p in enumerate(problems):
+            by_q = {}
+            for q, rows in per_q.items():
+                r = rows[i]
+                by_q[f"{q:g}"] = {"completion": r["completion"], "extracted": r["extracted"],
+                                  "correct": r["correct"], "tokens": r["tokens"],
+                                  "truncated": r["truncated"],
+                                  "mean_exit_loop": (float(np.mean(r["exit_loops"]))
+                                                     if r["exit_loops"] else 0.0)}
+            f.write(json.dumps({"id": p.id, "question": p.prompt, "gold": p.answer,
+                                "by_threshold": by_q}) + "\n")
+    settings = {"limit": args.limit, "problems": len(problems), "kv_policy": args.kv_policy,
+                "compute_dtype": args.compute_dtype, "max_new_tokens": args.max_new_tokens,
+                "batch_size": args.batch_size, "temperature": args.temperature,
+                "prompt_len_multiple": args.prompt_len_multiple,
+                "seed": args.seed, "total_ut_steps": cfg.total_ut_steps,
+                "task_config": task.config()}
+    results = {"checkpoint": str(args.checkpoint), "task": args.task, "settings": settings,
+               "thresholds": summaries, "env": environment()}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    if len(summaries) > 1:
+        plot_accuracy_vs_depth(summaries, cfg.total_ut_steps, out / "accuracy_vs_depth.png")
+    _print_table(summaries, f"{args.task}: {len(problems)} held-out problems, "
+                            f"{args.checkpoint}")
+    print(f"wrote {out / 'results.json'} and {out / 'problems.jsonl'}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="pass@1 on a task's held-out set at one or more exit "
+                                    "thresholds")
+    p.add_argument("--checkpoint", required=True, metavar="CKPT",
+                   help="looprl checkpoint (or HF directory) with a tokenizer.json")
+    p.add_argument("--task", required=True, help=f"one of {', '.join(EVAL_TASKS)}")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for results.json, problems.jsonl (and the plot)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="evaluate the first N held-out problems (default: all)")
+    p.add_argument("--exit-threshold", default="1.0", metavar="Q[,Q...]",
+                   help="q of the Q-exit rule, several separated by commas (default 1.0)")
+    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32, help="problems per sampler call")
+    p.add_argument("--data-dir", default="../shared/data/gsm8k",
+                   help="GSM8K: directory of train.jsonl/test.jsonl (relative: to the working "
+                        "directory, else to the repository root)")
+    p.add_argument("--source", default="jsonl", choices=["jsonl", "hub"],
+                   help="GSM8K: read the JSONL files, or openai/gsm8k through `datasets`")
+    p.add_argument("--prompt-style", default="chatml", choices=["chatml", "thinking"],
+                   help="thinking: the prompt ends with <think>\\n (Ouro Thinking models)")
+    p.add_argument("--prompt-len-multiple", type=int, default=64, metavar="N",
+                   help="left-pad prompts to a multiple of N tokens (fewer compilations)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling noise (with --temperature > 0)")
+    p.set_defaults(func=run_eval)
