@@ -3,7 +3,10 @@
 The run directory (`run.out_dir`) receives:
   config.json            the resolved experiment config
   warm_start_curve.json  the warm start's report (stage-I curve with held-out accuracy, stage II)
-  warm_start/            looprl checkpoint of the warm-started params (the GRPO reference)
+  warm_start/            looprl checkpoint of the warm-started params (the GRPO reference);
+                         with the warm start off and `model.checkpoint` given, instead
+  reference.json         {"checkpoint": that directory, "params_sha256"} (no multi-GB copy;
+                         a resume checks the SHA-256)
   eval_before.json       the held-out evaluation of the warm-started model (reused on resume)
   metrics.jsonl          one object per GRPO step (`looprl.rl.trainer.GRPOLearner.step`)
   tb/                    TensorBoard events (tensorboardX) of the same scalars
@@ -41,6 +44,7 @@ from looprl.config import (ExperimentConfig, apply_overrides, load_experiment_mo
 from looprl.errors import CheckpointError, ConfigError, TrainingError
 
 EVAL_BEFORE_FILE = "eval_before.json"
+REFERENCE_FILE = "reference.json"
 
 
 def build_tasks(cfg: ExperimentConfig):
@@ -124,15 +128,37 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> Path:
             raise ConfigError(f"config key 'run.out_dir': a resumed run continues in place, so "
                               f"out_dir must be the resumed directory {cfg.run.resume!r}, found "
                               f"{cfg.run.out_dir!r}")
-        if not (run_dir / "config.json").is_file() or not (run_dir / "warm_start").is_dir():
+        if not (run_dir / "config.json").is_file() or not (
+                (run_dir / "warm_start").is_dir() or (run_dir / REFERENCE_FILE).is_file()):
             raise ConfigError(f"config key 'run.resume': {cfg.run.resume!r} is not a run "
-                              f"directory (config.json or warm_start/ missing)")
+                              f"directory (config.json, or both warm_start/ and "
+                              f"{REFERENCE_FILE}, missing)")
         return run_dir.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
                           f"needs an empty or new directory (or resume={str(out)!r})")
     out.mkdir(parents=True, exist_ok=True)
     return out.resolve()   # absolute: orbax refuses relative checkpoint paths
+
+
+def _load_reference(out: Path):
+    """The reference (pre-GRPO) policy of a run being resumed: its `warm_start/` checkpoint, or
+    the model checkpoint `reference.json` points at (runs without a warm start), checked
+    against the SHA-256 recorded when the run started. Returns (params, cfg, tokenizer_json,
+    dir). Raises CheckpointError if that checkpoint is gone or changed."""
+    from looprl.train.checkpoint import load_model_checkpoint, params_sha256
+
+    if (out / "warm_start").is_dir():
+        params, mcfg, tok, _ = load_model_checkpoint(out / "warm_start")
+        return params, mcfg, tok, out / "warm_start"
+    ref = json.loads((out / REFERENCE_FILE).read_text())
+    params, mcfg, tok, _ = load_model_checkpoint(ref["checkpoint"])
+    sha = params_sha256(params)
+    if sha != ref["params_sha256"]:
+        raise CheckpointError(f"{ref['checkpoint']}: the run's reference checkpoint changed since "
+                              f"the run started (params_sha256 {sha[:12]}..., recorded "
+                              f"{ref['params_sha256'][:12]}... in {out / REFERENCE_FILE})")
+    return params, mcfg, tok, Path(ref["checkpoint"])
 
 
 def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
@@ -197,8 +223,13 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
                 plateau_min_gain=ws.plateau_min_gain, plateau_min_evals=ws.plateau_min_evals)
         (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
         params = jax.tree.map(np.asarray, params)
-        save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
-                              extra_meta={"stage": "warm_start"})
+        if ws.enabled or not cfg.model.checkpoint:
+            save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
+                                  extra_meta={"stage": "warm_start"})
+        else:  # the reference policy is the given checkpoint: point at it, do not copy GBs
+            (out / REFERENCE_FILE).write_text(json.dumps(
+                {"checkpoint": str(Path(cfg.model.checkpoint).resolve()),
+                 "params_sha256": params_sha256(params)}, indent=2) + "\n")
 
         before = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set)
         say(f"eval before GRPO: {before}")
@@ -210,8 +241,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
         (out / EVAL_BEFORE_FILE).write_text(json.dumps(
             {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
     else:  # resume: the reference params, warm-start report and first evaluation are on disk
-        params, mcfg, ckpt_tokenizer, _ = load_model_checkpoint(out / "warm_start")
-        tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, str(out / "warm_start"))
+        params, mcfg, ckpt_tokenizer, ref_dir = _load_reference(out)
+        tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, str(ref_dir))
         report = json.loads((out / "warm_start_curve.json").read_text())
         saved_eval = json.loads((out / EVAL_BEFORE_FILE).read_text())
         before, before_q1 = saved_eval["eval_before"], saved_eval["eval_before_q1"]

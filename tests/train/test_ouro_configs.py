@@ -113,6 +113,10 @@ def check_step(summary, metrics, out, tokenizer_json):
     # the run's tokenizer is the model checkpoint's (GSM8K has none of its own)
     assert (out / "checkpoint" / "tokenizer.json").read_text() == tokenizer_json
     assert json.loads((out / "config.json").read_text())["model"]["compute_dtype"] == "bfloat16"
+    # no warm start: the run points at the converted checkpoint instead of copying it
+    assert not (out / "warm_start").exists()
+    ref = json.loads((out / "reference.json").read_text())
+    assert Path(ref["checkpoint"]).is_absolute() and len(ref["params_sha256"]) == 64
 
 
 @needs_data
@@ -122,6 +126,23 @@ def test_1p4b_config_runs_one_grpo_step_on_cpu(tiny, tmp_path, monkeypatch):
 
 
 @needs_data
-def test_2p6b_config_runs_one_grpo_step_on_cpu(tiny, tmp_path, monkeypatch):
-    summary, metrics = run_one_step(CFG_2P6B, tiny[0], tmp_path / "run", monkeypatch)
-    check_step(summary, metrics, tmp_path / "run", tiny[1])
+def test_2p6b_config_runs_one_grpo_step_on_cpu_and_resumes(tiny, tmp_path, monkeypatch):
+    from looprl.errors import CheckpointError
+    from looprl.train.run import train
+
+    out = tmp_path / "run"
+    summary, metrics = run_one_step(CFG_2P6B, tiny[0], out, monkeypatch)
+    check_step(summary, metrics, out, tiny[1])
+    # resume one more step: the reference policy comes back from reference.json's checkpoint
+    cfg = apply_overrides(load_experiment(CFG_2P6B), [f"model.checkpoint={tiny[0]}",
+                                                      f"resume={out}", f"out_dir={out}"]
+                          + TINY_RUN[1:] + ["grpo_steps=2"])
+    summary = train(cfg, quiet=True)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1] and summary["resumed_from_step"] == 1
+    # a reference checkpoint that changed since the run started is refused, by name
+    ref = json.loads((out / "reference.json").read_text())
+    ref["params_sha256"] = "0" * 64
+    (out / "reference.json").write_text(json.dumps(ref))
+    with pytest.raises(CheckpointError, match="reference checkpoint changed"):
+        train(apply_overrides(cfg, ["grpo_steps=3"]), quiet=True)
