@@ -30,6 +30,8 @@ from looprl.errors import ConfigError
 KVPolicy = Literal["dense", "deferred", "copy"]
 ComputeDtype = Literal["float32", "bfloat16"]
 LogprobMethod = Literal["hybrid", "replay", "dense", "stock"]
+Kernels = Literal["invariant", "stock"]
+ReplayImpl = Literal["auto", "invariant", "forced"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr-grpo"]
 LoopCredit = Literal["none", "uniform", "progressive", "exit_dist"]
 LrSchedule = Literal["constant", "cosine", "linear"]
@@ -235,6 +237,8 @@ class RolloutConfig(_Section):
     exit_threshold: float = 0.9           # q of the Q-exit rule; 1.0 = always loop T
     fixed_exit_loop: Optional[int] = None  # exit at this loop instead of the Q-exit rule
     kv_policy: KVPolicy = "dense"
+    kernels: Kernels = "invariant"        # sampler kernels; "stock" needs learner.replay_impl
+                                          # forced (or auto): its bits have no invariant replay
     deferred_max_pending: int = 4         # deferred policy: pending positions before a flush
     prompt_len_multiple: int = 1          # left-pad prompts to a multiple of this many tokens, so
                                           # steps with different prompts share compiled shapes
@@ -260,6 +264,12 @@ class LearnerConfig(_Section):
     """How the learner computes log-probs and splits the rollout batch into updates."""
     SECTION = "learner"
     logprob_method: LogprobMethod = "hybrid"  # replay alone has no gradient: not for training
+    # where the replay value (hybrid's value, replay_exact_fraction) comes from: "invariant" =
+    # the row-invariant dense pass (free; exact on XLA CPU); "forced" = the sampler re-run in
+    # forced mode on the recorded schedule (one re-run per extra update; exact wherever the
+    # sampler is deterministic); "auto" = invariant on CPU with invariant sampler kernels,
+    # forced otherwise (GPU/TPU, where invariance was not shown: DESIGN.md §4)
+    replay_impl: ReplayImpl = "auto"
     ppo_epochs: int = 1                   # passes over each rollout batch
     minibatches: int = 1                  # optimizer updates per epoch
     microbatch_size: int = 0              # sequences per forward/backward; 0 = whole minibatch
@@ -391,6 +401,9 @@ class ExperimentConfig(_Section):
                 self.rollout.fixed_exit_loop > T:
             raise ConfigError(f"config key 'rollout.fixed_exit_loop': expected an int in [1, {T}] "
                               f"(model.total_ut_steps), found {self.rollout.fixed_exit_loop}")
+        if self.rollout.kernels == "stock" and self.learner.replay_impl == "invariant":
+            raise ConfigError("config key 'learner.replay_impl': 'invariant' cannot reproduce a "
+                              "sampler run with rollout.kernels='stock'; use 'forced' or 'auto'")
 
 
 # --- key=value overrides ------------------------------------------------------------------------

@@ -34,7 +34,8 @@ import optax
 
 from looprl.config import ExperimentConfig
 from looprl.errors import CheckpointError, TrainingError
-from looprl.learner.logprobs import batch_logprobs, loop_logprobs, sequence_logprobs
+from looprl.learner.logprobs import (batch_logprobs, forced_replay_logprobs, loop_logprobs,
+                                     sequence_logprobs)
 from looprl.model.config import OuroConfig
 from looprl.model.looped import exit_distribution
 from looprl.rl import grpo
@@ -50,7 +51,17 @@ def sampling_config(cfg: ExperimentConfig, *, greedy: bool = False) -> SamplingC
                           exit_threshold=r.exit_threshold, fixed_depth=r.fixed_exit_loop,
                           kv_policy=r.kv_policy, deferred_max_pending=r.deferred_max_pending,
                           stop_ids=(2,), compute_dtype=cfg.model.compute_dtype,
-                          prompt_len_multiple=r.prompt_len_multiple)
+                          prompt_len_multiple=r.prompt_len_multiple, kernels=r.kernels)
+
+
+def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> str:
+    """`learner.replay_impl` with "auto" resolved: "invariant" on XLA CPU with invariant sampler
+    kernels (where the dense pass reproduces the sampler bit for bit), "forced" otherwise."""
+    impl = cfg.learner.replay_impl
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    return "invariant" if backend == "cpu" and cfg.rollout.kernels == "invariant" else "forced"
 
 
 def completion_rewards(task, tokenizer, problems, batch, group_size: int):
@@ -143,6 +154,7 @@ class _LossSpec:
     loop_credit_alpha: float
     train_gate: bool
     gate_loss_coef: float
+    forced_replay: bool = False  # hybrid's value from mb["replay_lp"/"replay_lpp"] (forced re-run)
 
     @property
     def truncated(self) -> bool:
@@ -153,10 +165,16 @@ def _policy_loss(params, mb, normalizer, gate_normalizer, spec: _LossSpec):
     """Scalar loss of one microbatch (its share of the minibatch loss) and fp32 stats."""
     tokens, pad, exit_loop, kv_depth = mb["tokens"], mb["pad"], mb["exit_loop"], mb["kv_depth"]
     mask = exit_loop > 0
+    hybrid_forced = spec.forced_replay and spec.method == "hybrid"
     lp, lpp = sequence_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
                                 kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
-                                temperature=spec.temperature, method=spec.method,
+                                temperature=spec.temperature,
+                                method="dense" if hybrid_forced else spec.method,
                                 top_k=spec.top_k, top_p=spec.top_p)
+    if hybrid_forced:  # value: the forced re-run's bits; gradient: dense's (DESIGN.md §4)
+        sg = jax.lax.stop_gradient
+        lp = sg(mb["replay_lp"]) + (lp - sg(lp))
+        lpp = sg(mb["replay_lpp"]) + (lpp - sg(lpp))
     cur = lpp if spec.truncated else lp
     old = mb["old_lp"]
     need_loops = spec.loop_credit != "none" or spec.train_gate
@@ -261,13 +279,15 @@ class GRPOLearner:
         self.rng_key = jax.random.key(cfg.run.seed)
         self.scfg = sampling_config(cfg)
         r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
+        self.replay_impl = resolve_replay_impl(cfg)
         self.spec = _LossSpec(
             cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=cfg.model.compute_dtype,
             temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
             method=lc.logprob_method, eps_low=g.eps_low, eps_high=g.eps_high,
             loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens, kl_beta=g.kl_beta,
             tis_cap=g.tis_cap, loop_credit=g.loop_credit, loop_credit_alpha=g.loop_credit_alpha,
-            train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef)
+            train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef,
+            forced_replay=self.replay_impl == "forced")
 
     # --- checkpointed state ---------------------------------------------------------------------
     def train_state(self, next_step: int) -> dict[str, Any]:
@@ -315,7 +335,11 @@ class GRPOLearner:
         emit = np.asarray(batch.exit_loop_BxS) > 0
         recorded = np.asarray(batch.logprob_BxS)
         # measurements at the sampler's parameters (the first update of this rollout batch)
-        replay_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "replay")
+        forced = self.replay_impl == "forced"
+        if forced:
+            replay_lp, replay_lpp = forced_replay_logprobs(self.model_cfg, self.params, batch)
+        else:
+            replay_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "replay")
         replay_exact = bits_equal_fraction(replay_lp, recorded, emit)
         stock_diff = float("nan")
         if cfg.learner.measure_stock:
@@ -339,6 +363,9 @@ class GRPOLearner:
                                           ("tokens", "pad", "exit_loop", "kv_depth")), spec=spec)
             arrays["old_lp_T"] = np.asarray(old_T)
             arrays["old_gate_z"] = np.asarray(old_z)
+        hybrid_forced = forced and spec.method == "hybrid"
+        if hybrid_forced:
+            arrays["replay_lp"], arrays["replay_lpp"] = replay_lp, replay_lpp
         # per-row arrays: move the T axis of loop arrays behind the row axis for slicing
         B = arrays["tokens"].shape[0]
         stats_acc: dict[str, list[float]] = {}
@@ -347,6 +374,9 @@ class GRPOLearner:
         micro = cfg.learner.microbatch_size or mb_rows
         for epoch in range(cfg.learner.ppo_epochs):
             for m in range(cfg.learner.minibatches):
+                if hybrid_forced and (epoch or m):  # the sampler re-run at the updated params
+                    arrays["replay_lp"], arrays["replay_lpp"] = forced_replay_logprobs(
+                        self.model_cfg, self.params, batch)
                 rows = np.arange(m * mb_rows, (m + 1) * mb_rows)
                 mask = arrays["exit_loop"][rows] > 0
                 norm = grpo.loss_normalizer(jnp.asarray(mask), cfg.grpo.loss_agg,
@@ -395,7 +425,8 @@ class GRPOLearner:
                "kl": kl_ref, "clip_frac": wmean("clip_frac"),
                "entropy": float(-recorded[emit].mean()) if emit.any() else 0.0,
                "grad_norm": float(np.mean(grad_norms)), "loss": float(np.mean(losses)),
-               "replay_exact_fraction": replay_exact, "stock_max_abs_diff": stock_diff,
+               "replay_exact_fraction": replay_exact, "replay_impl": self.replay_impl,
+               "stock_max_abs_diff": stock_diff,
                "ratio_mean": wmean("ratio_mean"),
                "ratio_min": min(v for v, _ in stats_acc["ratio_min"]),
                "ratio_max": max(v for v, _ in stats_acc["ratio_max"]),

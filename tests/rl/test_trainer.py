@@ -65,3 +65,80 @@ def test_non_finite_loss_stops_with_a_diagnostic_and_writes_no_checkpoint(tmp_pa
     assert failure["step"] == 0 and "non-finite" in failure["error"]
     assert not (tmp_path / "run" / "checkpoint").exists()
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_forced_replay_fallback_trains_on_a_stock_kernel_sampler(tmp_path):
+    """`rollout.kernels=stock` has no invariant replay; `learner.replay_impl` auto picks the
+    forced re-run, whose bits equal the sampler's, so the first update's ratio is exactly 1 and
+    the second minibatch (after an update) still trains on the forced re-run's values."""
+    from looprl.rl.trainer import resolve_replay_impl
+    from looprl.train.run import train
+
+    cfg = apply_overrides(load_experiment(SMOKE), FAST + [
+        f"out_dir={tmp_path / 'run'}", "rollout.kernels=stock", "grpo_steps=1",
+        "learner.minibatches=2"])
+    assert resolve_replay_impl(cfg) == "forced"
+    assert resolve_replay_impl(apply_overrides(cfg, ["rollout.kernels=invariant"])) == "invariant"
+    assert resolve_replay_impl(apply_overrides(cfg, ["rollout.kernels=invariant"]),
+                               backend="gpu") == "forced"
+    train(cfg, quiet=True)
+    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["replay_impl"] == "forced" and row["replay_exact_fraction"] == 1.0
+    assert 0 < row["stock_max_abs_diff"] < 1e-4 and row["grad_norm"] > 0
+    assert row["ratio_min"] < 1.0 < row["ratio_max"]  # second minibatch: params moved
+
+
+def test_stock_kernels_with_invariant_replay_is_rejected():
+    from looprl.errors import ConfigError
+    with pytest.raises(ConfigError, match="learner.replay_impl"):
+        apply_overrides(load_experiment(SMOKE), ["rollout.kernels=stock",
+                                                 "learner.replay_impl=invariant"])
+
+
+def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
+    """The trainer's loss with `forced_replay`: the hybrid's value is mb['replay_lp'] bit for bit
+    (old = replay gives a ratio of exactly 1 at every token), its gradient is dense's."""
+    import jax
+    import jax.numpy as jnp
+
+    from looprl.learner.logprobs import sequence_logprobs
+    from looprl.model.config import preset
+    from looprl.model.looped import init_params
+    from looprl.rl.trainer import _LossSpec, _policy_loss
+
+    cfg = preset("tiny", vocab_size=16, hidden_size=32, intermediate_size=64, num_heads=2,
+                 num_kv_heads=2, head_dim=16, num_layers=1)
+    params = init_params(cfg, 0)
+    B, S = 2, 8
+    rng = np.random.default_rng(0)
+    mb = {"tokens": jnp.asarray(rng.integers(3, 16, (B, S)), jnp.int32),
+          "pad": jnp.zeros((B,), jnp.int32),
+          "exit_loop": jnp.asarray(np.r_[[0, 0, 0], [1, 2, 3, 4, 2]][None].repeat(B, 0),
+                                   jnp.int32),
+          "kv_depth": jnp.full((B, S), 4, jnp.int32), "adv": jnp.asarray([1.0, -0.5])}
+    dense, _ = jax.jit(lambda p: sequence_logprobs(
+        cfg, p, mb["tokens"], mb["pad"], mb["exit_loop"], mb["kv_depth"], kv_policy="dense",
+        compute_dtype="float32", temperature=1.0, method="dense"))(params)
+    # a replay that differs from dense in the last bits, as a GPU sampler's would
+    replay = np.asarray(dense) * np.float32(1 + 2 ** -20)
+    spec = dict(cfg=cfg, kv_policy="dense", compute_dtype="float32", temperature=1.0, top_k=0,
+                top_p=1.0, eps_low=0.2, eps_high=0.28, loss_agg="token-mean",
+                max_new_tokens=5, kl_beta=0.0, tis_cap=None, loop_credit="none",
+                loop_credit_alpha=1.0, train_gate=False, gate_loss_coef=1.0)
+    norm, gnorm = jnp.float32(10.0), jnp.float32(1.0)
+
+    def run(mb_, **kw):
+        return jax.jit(jax.value_and_grad(_policy_loss, has_aux=True), static_argnums=4)(
+            params, mb_, norm, gnorm, _LossSpec(**spec, **kw))
+
+    forced_mb = dict(mb, old_lp=jnp.asarray(replay), replay_lp=jnp.asarray(replay),
+                     replay_lpp=jnp.asarray(replay))
+    (_, st), g_forced = run(forced_mb, method="hybrid", forced_replay=True)
+    assert float(st["ratio_min"]) == float(st["ratio_max"]) == 1.0
+    (_, st_inv), _ = run(forced_mb, method="hybrid", forced_replay=False)
+    assert float(st_inv["ratio_min"]) != 1.0 or float(st_inv["ratio_max"]) != 1.0
+    # gradient: dense's, taken where dense's value is the replay's (old = replay, ratio 1)
+    dense_mb = dict(mb, old_lp=dense, replay_lp=dense, replay_lpp=dense)
+    (_, _), g_dense = run(dense_mb, method="dense")
+    for a, b in zip(jax.tree.leaves(g_forced), jax.tree.leaves(g_dense)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
