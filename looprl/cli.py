@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from looprl.errors import LooprlError
+
+COMMAND_START = time.time()  # `wall_s` of `looprl train` counts from here (imports included)
 
 
 def _add_convert(sub):
@@ -92,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.t_start = COMMAND_START
     try:
         rc = args.func(args)
     except LooprlError as e:

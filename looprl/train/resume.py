@@ -46,10 +46,10 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:08d}"
 
 
-def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """[(step, dir)] of the complete training checkpoints under `RUN_DIR/checkpoints`, by step.
-    Incomplete ones (interrupted writes, missing parts, a meta step that disagrees with the
-    name) are skipped."""
+def checkpoint_candidates(run_dir: str | Path) -> list[tuple[int, Path, str | None]]:
+    """[(step, dir, problem)] of every `step_*` directory under `RUN_DIR/checkpoints`, by step;
+    `problem` is None for a complete training checkpoint, else why it cannot be used (an
+    interrupted write, a missing part, a meta step that disagrees with the name)."""
     from looprl.train.checkpoint import read_checkpoint_meta
 
     root = Path(run_dir) / CHECKPOINTS_DIR
@@ -60,13 +60,24 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
         m = _STEP_RE.match(d.name)
         if not m or not d.is_dir():
             continue
+        step, problem = int(m.group(1)), None
         try:
             meta = read_checkpoint_meta(d)
-        except CheckpointError:
-            continue
-        if meta.get("has_train_state") and meta.get("step") == int(m.group(1)):
-            found.append((int(m.group(1)), d))
-    return sorted(found)
+            if not meta.get("has_train_state"):
+                problem = "no train_state (not a training checkpoint)"
+            elif meta.get("step") != step:
+                problem = f"its meta says step {meta.get('step')!r}, its name step {step}"
+        except CheckpointError as e:
+            problem = str(e)
+        found.append((step, d, problem))
+    return sorted(found, key=lambda x: x[0])
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """[(step, dir)] of the complete training checkpoints under `RUN_DIR/checkpoints`, by step.
+    Incomplete ones (interrupted writes, missing parts, a meta step that disagrees with the
+    name) are skipped."""
+    return [(s, d) for s, d, problem in checkpoint_candidates(run_dir) if problem is None]
 
 
 def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
@@ -89,10 +100,12 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
     run_dir = Path(run_dir)
     params = jax.tree.map(np.asarray, learner.params)
     sha = params_sha256(params)
+    state = learner.train_state(step)
     path = save_model_checkpoint(
         step_dir(run_dir, step), params, model_cfg, tokenizer_json,
-        extra_meta={"stage": "grpo", "step": step, "params_sha256": sha},
-        train_state=learner.train_state(step), overwrite=True,
+        extra_meta={"stage": "grpo", "step": step, "params_sha256": sha,
+                    "train_state_sha256": train_state_sha256(state)},
+        train_state=state, overwrite=True,
         extra_files={CONFIG_IN_CHECKPOINT: to_json(cfg) + "\n"})
     with (run_dir / CHECKPOINTS_DIR / INDEX_FILE).open("a") as f:
         f.write(json.dumps({"step": step, "params_sha256": sha, "dir": path.name}) + "\n")
@@ -103,6 +116,22 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
     for _, old in complete_checkpoints(run_dir)[:-cfg.run.keep_checkpoints]:
         shutil.rmtree(old)
     return path, sha
+
+
+def train_state_sha256(state) -> str:
+    """`params_sha256` of a `GRPOLearner.train_state` tree (typed PRNG keys as their key data):
+    recorded at save, compared at restore, so silently damaged optimizer state is caught."""
+    import jax
+    import numpy as np
+
+    from looprl.train.checkpoint import params_sha256
+
+    def plain(x):
+        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return np.asarray(jax.random.key_data(x))
+        return np.asarray(x)
+
+    return params_sha256(jax.tree.map(plain, state))
 
 
 def check_resume_config(saved: ExperimentConfig, cfg: ExperimentConfig, source: str) -> None:
@@ -146,12 +175,15 @@ def load_resume_point(ckpt: Path, cfg: ExperimentConfig) -> ExperimentConfig:
 def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
     """Load training checkpoint `ckpt` into `learner` (parameters and `train_state`, each array
     checked by name, shape and dtype against the learner's own, so a checkpoint of another
-    model or optimizer is a CheckpointError naming the array). Returns the next GRPO step."""
+    model or optimizer is a CheckpointError naming the array; then their SHA-256 against the
+    ones recorded at save, so damaged bytes of the right size are a CheckpointError too, and
+    `learner` is left untouched). Returns the next GRPO step."""
     import jax
     import numpy as np
 
     from looprl.train.checkpoint import (leaf_name, load_model_checkpoint, load_train_state,
-                                         read_checkpoint_meta, tree_like_template)
+                                         params_sha256, read_checkpoint_meta,
+                                         tree_like_template)
 
     ckpt = Path(ckpt)
     meta = read_checkpoint_meta(ckpt)
@@ -163,5 +195,10 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
     template = jax.tree.map(np.asarray, learner.params)
     params = tree_like_template(stored, template, where=f"{ckpt}/params")
     state = load_train_state(ckpt, template=learner.train_state(0))
+    for what, got, key in (("parameters", params_sha256(params), "params_sha256"),
+                           ("train state", train_state_sha256(state), "train_state_sha256")):
+        if key in meta and got != meta[key]:
+            raise CheckpointError(f"{ckpt}: damaged {what}: SHA-256 {got[:12]}... differs from "
+                                  f"the {meta[key][:12]}... recorded when it was saved")
     return learner.restore_train_state(params, state)
 

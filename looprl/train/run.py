@@ -128,11 +128,14 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> Path:
             raise ConfigError(f"config key 'run.out_dir': a resumed run continues in place, so "
                               f"out_dir must be the resumed directory {cfg.run.resume!r}, found "
                               f"{cfg.run.out_dir!r}")
-        if not (run_dir / "config.json").is_file() or not (
-                (run_dir / "warm_start").is_dir() or (run_dir / REFERENCE_FILE).is_file()):
+        if not (run_dir / "config.json").is_file():
             raise ConfigError(f"config key 'run.resume': {cfg.run.resume!r} is not a run "
-                              f"directory (config.json, or both warm_start/ and "
-                              f"{REFERENCE_FILE}, missing)")
+                              f"directory (no config.json)")
+        if not ((run_dir / "warm_start").is_dir() or (run_dir / REFERENCE_FILE).is_file()):
+            raise ConfigError(f"config key 'run.resume': {cfg.run.resume!r} was interrupted "
+                              f"before its warm start finished (no warm_start/ or "
+                              f"{REFERENCE_FILE}), so there is nothing to resume; remove it or "
+                              f"start again with another out_dir")
         return run_dir.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
@@ -149,46 +152,68 @@ def _load_reference(out: Path):
     from looprl.train.checkpoint import load_model_checkpoint, params_sha256
 
     if (out / "warm_start").is_dir():
-        params, mcfg, tok, _ = load_model_checkpoint(out / "warm_start")
-        return params, mcfg, tok, out / "warm_start"
-    ref = json.loads((out / REFERENCE_FILE).read_text())
-    params, mcfg, tok, _ = load_model_checkpoint(ref["checkpoint"])
+        params, mcfg, tok, meta = load_model_checkpoint(out / "warm_start")
+        ref = {"checkpoint": str(out / "warm_start"),
+               "params_sha256": meta.get("params_sha256") or params_sha256(params)}
+    else:
+        ref = json.loads((out / REFERENCE_FILE).read_text())
+        params, mcfg, tok, _ = load_model_checkpoint(ref["checkpoint"])
     sha = params_sha256(params)
     if sha != ref["params_sha256"]:
         raise CheckpointError(f"{ref['checkpoint']}: the run's reference checkpoint changed since "
                               f"the run started (params_sha256 {sha[:12]}..., recorded "
-                              f"{ref['params_sha256'][:12]}... in {out / REFERENCE_FILE})")
+                              f"{ref['params_sha256'][:12]}... at the start)")
     return params, mcfg, tok, Path(ref["checkpoint"])
 
 
-def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
-    """Run the whole experiment; returns the summary dict (also written to summary.json)."""
+def _resume_candidates(out: Path, say) -> list[tuple[int, Path]]:
+    """The complete training checkpoints of run `out`, newest first, after saying which step
+    directories are unusable and why. Raises CheckpointError when there is none."""
+    from looprl.train.resume import checkpoint_candidates
+
+    cands = checkpoint_candidates(out)
+    for _, d, problem in cands:
+        if problem is not None:
+            say(f"skipping {d.name}: {problem}")
+    good = [(s, d) for s, d, problem in reversed(cands) if problem is None]
+    if good:
+        return good
+    if cands:
+        raise CheckpointError(f"{out}: no usable training checkpoint: "
+                              + "; ".join(f"{d.name}: {p}" for _, d, p in cands))
+    raise CheckpointError(f"{out}: no training checkpoint under checkpoints/: the run was "
+                          f"interrupted before its first one (during the warm start or the "
+                          f"evaluation before GRPO), so there is nothing to resume; remove "
+                          f"{out} or start again with another out_dir")
+
+
+def train(cfg: ExperimentConfig, *, quiet: bool = False,
+          t_start: float | None = None) -> dict[str, Any]:
+    """Run the whole experiment; returns the summary dict (also written to summary.json).
+    `t_start`: when the command started (`time.time()`), for `wall_s`; default now."""
     import jax
 
     from looprl.model.looped import init_params
     from looprl.rl.trainer import GRPOLearner, evaluate
     from looprl.train.checkpoint import (load_model_checkpoint, params_sha256,
                                          save_model_checkpoint)
-    from looprl.train.resume import (latest_checkpoint, load_resume_point,
+    from looprl.train.resume import (load_resume_point,
                                      restore_training_checkpoint, save_training_checkpoint)
     from looprl.train.warm_start import warm_start
 
-    t_start = time.time()
+    t_start = time.time() if t_start is None else t_start
     out = _prepare_out_dir(cfg)
-    resume_at = None
-    if cfg.run.resume is not None:
-        resume_at = latest_checkpoint(out)
-        if resume_at is None:
-            raise CheckpointError(f"{out}: no complete training checkpoint under checkpoints/ to "
-                                  f"resume from (the run stopped before its first one; start it "
-                                  f"again into an empty out_dir)")
-        load_resume_point(resume_at[1], cfg)
-    save_json(cfg, out / "config.json")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    resume_from: list[tuple[int, Path]] = []  # complete training checkpoints, newest first
+    if cfg.run.resume is not None:
+        resume_from = _resume_candidates(out, say)
+        load_resume_point(resume_from[0][1], cfg)
+    else:
+        save_json(cfg, out / "config.json")
     warm_task, rl_task = build_tasks(cfg)
     eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
 
-    if resume_at is None:
+    if not resume_from:
         ckpt_tokenizer = None
         if cfg.model.checkpoint:
             params, mcfg, ckpt_tokenizer, _ = load_model_checkpoint(
@@ -225,7 +250,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
         params = jax.tree.map(np.asarray, params)
         if ws.enabled or not cfg.model.checkpoint:
             save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
-                                  extra_meta={"stage": "warm_start"})
+                                  extra_meta={"stage": "warm_start",
+                                              "params_sha256": params_sha256(params)})
         else:  # the reference policy is the given checkpoint: point at it, do not copy GBs
             (out / REFERENCE_FILE).write_text(json.dumps(
                 {"checkpoint": str(Path(cfg.model.checkpoint).resolve()),
@@ -249,14 +275,31 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
 
     learner = GRPOLearner(cfg, mcfg, params, rl_task, tokenizer)
     start = 0
-    if resume_at is not None:
-        start = restore_training_checkpoint(resume_at[1], learner)
-        say(f"resumed from {resume_at[1]} (GRPO step {start})")
+    resume_at = None
+    for step_k, ckpt in resume_from:  # newest first; damaged data falls back to an older one
+        try:
+            start = restore_training_checkpoint(ckpt, learner)
+        except CheckpointError as e:
+            say(f"skipping {ckpt.name}: {e}")
+            continue
+        resume_at = (step_k, ckpt)
+        say(f"resumed from {ckpt} (GRPO step {start})")
+        break
+    if resume_from and resume_at is None:
+        raise CheckpointError(f"{out}: every training checkpoint under checkpoints/ is damaged "
+                              f"({', '.join(c.name for _, c in resume_from)}); see the messages "
+                              f"above")
     n_steps = cfg.run.grpo_steps if cfg.run.stop_after is None else min(cfg.run.grpo_steps,
                                                                          cfg.run.stop_after)
     if n_steps < start:
         raise ConfigError(f"config keys 'run.grpo_steps'/'run.stop_after': the run resumes at "
                           f"GRPO step {start}, past the requested end {n_steps}")
+    if resume_at is not None:
+        save_json(cfg, out / "config.json")  # only once the resumption is known to be valid
+        if start == n_steps:
+            say(f"nothing to run: the run is at GRPO step {start}, the requested end "
+                f"(run.grpo_steps={cfg.run.grpo_steps}, run.stop_after={cfg.run.stop_after}); "
+                f"pass stop_after=none or a larger grpo_steps to continue")
     metrics_path = out / "metrics.jsonl"
     if resume_at is not None:  # drop rows of steps after the checkpoint (they are rerun)
         _truncate_jsonl(metrics_path, start, inclusive=False)
@@ -325,6 +368,7 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False) -> dict[str, Any]:
                "eval_accuracy_after": after["accuracy"],
                "eval_problems": len(eval_set), "grpo_steps": n_steps,
                "resumed_from_step": None if resume_at is None else start,
+               "complete": n_steps == cfg.run.grpo_steps, "stop_after": cfg.run.stop_after,
                "params_sha256": params_sha256(params),
                "wall_s": time.time() - t_start,
                "eval_before": before, "eval_after": after, "eval_before_q1": before_q1,
@@ -340,9 +384,14 @@ def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:
     """Keep the rows of a JSON-lines file whose "step" is < `step` (<= with `inclusive`)."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [r for r in rows if (json.loads(r)["step"] <= step if inclusive
-                                else json.loads(r)["step"] < step)]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a row cut short by a kill or a full disk: its step is rerun anyway
+        if row_step <= step if inclusive else row_step < step:
+            keep.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(r + "\n" for r in keep))
     tmp.replace(path)
@@ -437,7 +486,7 @@ def run_train(args) -> int:
         print(json.dumps({n: {k: v[k] for k in _HEADLINE}
                           for n, v in result["variants"].items()}))
         return 0
-    summary = train(cfg)
+    summary = train(cfg, t_start=getattr(args, "t_start", None))
     if "preempted_at_step" in summary:
         print(json.dumps(summary))
         return 128 + signal.SIGTERM

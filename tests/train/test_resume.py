@@ -262,6 +262,37 @@ def test_resume_needs_the_same_out_dir_and_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="is not a run directory"):
         train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "warm_start").mkdir()
-    with pytest.raises(CheckpointError, match="no complete training checkpoint"):
+    with pytest.raises(ConfigError, match="interrupted before its warm start finished"):
         train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
+    (tmp_path / "warm_start").mkdir()
+    with pytest.raises(CheckpointError, match="interrupted before its first one"):
+        train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
+    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="no usable training checkpoint: step_00000002: "
+                                              ".*looprl_meta.json missing"):
+        train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
+
+
+def test_damaged_bytes_of_the_right_size_are_refused_and_learner_left_untouched(tmp_path):
+    cfg, mcfg, learner = _learner()
+    save_training_checkpoint(tmp_path, 2, learner, mcfg, None, cfg)
+    data = max((p for p in (step_dir(tmp_path, 2) / "params").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + 64] = bytes(b ^ 0x5A for b in raw[mid:mid + 64])
+    data.write_bytes(bytes(raw))                      # same size: the file manifest passes
+    read_checkpoint_meta(step_dir(tmp_path, 2))
+    _, _, other = _learner()
+    before = jax.tree.map(np.asarray, other.params)
+    with pytest.raises(CheckpointError, match="damaged parameters|cannot restore"):
+        restore_training_checkpoint(step_dir(tmp_path, 2), other)
+    assert_trees_bit_equal(jax.tree.map(np.asarray, other.params), before)
+
+
+def test_metrics_row_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
+    from looprl.train.run import _truncate_jsonl
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 0, "x": 1}\n{"step": 1, "x": 2}\n{"step": 2, "x"')
+    _truncate_jsonl(p, 2, inclusive=False)
+    assert read_jsonl(p) == [{"step": 0, "x": 1}, {"step": 1, "x": 2}]
