@@ -214,9 +214,47 @@ def write_data(directory, train_lines, test_lines=None):
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, match):
     ok = json.dumps({"question": "2+2?", "answer": "2+2=4\n#### 4"})
     write_data(tmp_path, [ok, "", bad_line, ok])  # blank line 2 is skipped; the bad one is line 3
+    task = get_task("gsm8k", data_dir=str(tmp_path))
+    assert [p.answer for p in task.eval_problems()] == ["2"]  # the held-out set needs no train file
     with pytest.raises(TaskError, match=match) as info:
-        get_task("gsm8k", data_dir=str(tmp_path)).eval_problems()  # loading reads both files
+        task.train_problem(0)  # the train stream reads the train file (and the test file)
     assert f"{tmp_path / 'train.jsonl'}:3:" in str(info.value)
+
+
+@pytest.mark.parametrize("bad_line", ['{"question": "q", "answer": "4 #### 4"',
+                                      '{"question": "q", "answer": "#### 4",',
+                                      '{"question": "q", "answer": "#### 4"}}'])
+def test_invalid_json_reports_the_column_in_the_line(tmp_path, bad_line):
+    ok = json.dumps({"question": "2+2?", "answer": "#### 4"})
+    write_data(tmp_path, [ok], [ok, bad_line])
+    with pytest.raises(TaskError) as info:
+        get_task("gsm8k", data_dir=str(tmp_path)).eval_problems()
+    column = len(bad_line) if bad_line.endswith("}}") else len(bad_line) + 1
+    assert f"{tmp_path / 'test.jsonl'}:2: invalid JSON (" in str(info.value)
+    assert str(info.value).endswith(f" at column {column})")
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    ok = json.dumps({"question": "2+2?", "answer": "#### 4"}).encode()
+    write_data(tmp_path, [ok.decode()])
+    (tmp_path / "test.jsonl").write_bytes(ok + b"\n\n" + b'{"question": "caf\xe9?", "answer": "#### 4"}\n')
+    with pytest.raises(TaskError, match="invalid UTF-8") as info:
+        get_task("gsm8k", data_dir=str(tmp_path)).eval_problems()
+    assert str(info.value).startswith(f"{tmp_path / 'test.jsonl'}:3: invalid UTF-8 at byte 18 of the line")
+
+
+def test_eval_needs_only_the_test_file_train_needs_both(tmp_path):
+    shared = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
+    (tmp_path / "test.jsonl").write_text(shared + "\n")
+    task = get_task("gsm8k", data_dir=str(tmp_path))
+    assert task.resolved_dir == tmp_path.resolve()
+    assert [(p.id, p.answer) for p in task.eval_problems()] == [(0, "2")]
+    with pytest.raises(ConfigError, match="train.jsonl"):
+        task.train_problem(0)
+    (tmp_path / "train.jsonl").write_text(
+        shared + "\n" + json.dumps({"question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    # read lazily on the first train request; the question shared with the test file is skipped
+    assert [(p.id, p.answer) for p in task.train_problems(3)] == [(1, "4")] * 3
 
 
 def test_small_files_ids_split_and_resume(tmp_path):
