@@ -128,3 +128,32 @@ def test_eval_refuses_to_overwrite_results(tiny, tmp_path, capsys):
     (tmp_path / "ev" / "results.json").write_text("{}")
     assert main(eval_args(ckpt, tmp_path / "ev", "--limit", "1")) == 2
     assert "already holds results.json" in capsys.readouterr().err
+
+
+def test_eval_needs_only_test_jsonl_and_records_the_resolved_data_dir(tiny, tmp_path, capsys,
+                                                                      monkeypatch):
+    ckpt, _ = tiny
+    data = tmp_path / "data"
+    data.mkdir()  # no train.jsonl
+    (data / "test.jsonl").write_text(json.dumps({"question": "What is 2 + 3?",
+                                                 "answer": "2+3=5\n#### 5"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    rc = main(eval_args(ckpt, tmp_path / "ev", "--data-dir", "data", "--max-new-tokens", "2"))
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert res["settings"]["data_dir"] == str(data.resolve())
+    assert res["settings"]["task_config"]["data_dir"] == "data"  # as typed
+    assert res["settings"]["problems"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "ev" / "problems.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["gold"], r["question"]) for r in rows] == [(0, "5", "What is 2 + 3?")]
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_eval_out_that_is_a_file_is_a_clear_error(tiny, tmp_path, capsys, where):
+    ckpt, _ = tiny
+    (tmp_path / "f").write_text("not a directory")
+    out = tmp_path / "f" if where == "file" else tmp_path / "f" / "ev"
+    assert main(eval_args(ckpt, out, "--limit", "1")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("looprl eval: error: --out:") and "is a file" in err and str(out) in err
+    assert (tmp_path / "f").read_text() == "not a directory"
