@@ -8,8 +8,9 @@ How an answer is found in a completion (`extract_answer`):
      phrase (the rest of its line, up to the end of the sentence; a marker that ends its line, as in
      `The answer is:` followed by a list, is no candidate; a negated one, `answer is not 20` /
      `answer isn't 20`, is none either), and every correction `actually N` / `Actually, it's N` /
-     `Correction: N` whose sentence holds that one bare number (`actually, 48/2 = 24 ...` is
-     reasoning, no candidate). The **last** candidate (by position) that holds a value counts, so a
+     `Correction: N` whose sentence is that bare number and at most one unit word
+     (`actually, 48/2 = 24 ...` is reasoning and `actually, 13 is wrong` a statement: neither
+     counts). The **last** candidate (by position) that holds a value counts, so a
      later answer or correction wins (`The answer is 12. Wait, actually 13.` -> 13) and text after
      the answer is ignored.
   3. Without a marked candidate that holds a value, the last number in the text counts; a fraction
@@ -47,6 +48,9 @@ _PHRASE_RE = re.compile(  # `answer is`, not `answer is not` / `answer isn't`
     r"(?![ \t]*(?:\*\*)?[ \t]*:?[ \t]*(?:\*\*)?not\b)[ \t]*(?:\*\*)?[ \t]*:?[ \t]*")
 _CORRECTION_RE = re.compile(
     r"(?i)\b(?:actually|correction)\b[ \t]*[,:]?[ \t]*(?:it'?s\b|it is\b)?[ \t]*")
+_BARE_ANSWER_RE = re.compile(  # `13`, `-13.5`, `13 apples`, `13%`; not `13 is wrong`
+    r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)\s*%?(?:\s*(?!(?:is|was|not|would|will|can|could|might)\b)"
+    r"[A-Za-z]+)?[\s.!]*")
 _SIGN = r"(?:(?<![0-9A-Za-z])[-+])?"  # `-7`, `(-7`, `= -7`; not the hyphen of `1-7` or `x-7`
 _NUM_RE = re.compile(rf"{_SIGN}(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d+)?|{_SIGN}\.\d+")
 _FALLBACK_RE = re.compile(  # a number, or a fraction `1/2` (not a date `1/2/2020`)
@@ -91,15 +95,11 @@ def _phrase_candidates(text: str, marker: re.Pattern = _PHRASE_RE) -> list[tuple
 
 
 def _correction_candidates(text: str) -> list[tuple[int, str]]:
-    """`actually 13`, `Correction: $13 apples`: a bare number right after the marker (no second
-    number, no operator), so reasoning such as `actually, 48/2 = 24 ...` is no candidate."""
-    found = []
-    for pos, tail in _phrase_candidates(text, _CORRECTION_RE):
-        c = _clean(tail)
-        if (len(_NUM_RE.findall(c)) == 1 and re.match(r"[-+]?\d", c)
-                and not re.search(r"[=*/^\\]", c)):
-            found.append((pos, tail))
-    return found
+    """`actually 13`, `Correction: $13 apples`: the sentence after the marker is a bare number and
+    at most one word (a unit), so reasoning such as `actually, 48/2 = 24 ...` or a statement such
+    as `actually, 13 is wrong` is no candidate."""
+    return [(pos, tail) for pos, tail in _phrase_candidates(text, _CORRECTION_RE)
+            if _BARE_ANSWER_RE.fullmatch(_clean(tail))]
 
 
 def _clean(candidate: str) -> str:

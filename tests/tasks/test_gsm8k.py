@@ -151,6 +151,8 @@ EXTRACTED = [
     ("The answer is 12. Correction: 13 apples.", "13", "13"),
     ("The answer is 12. Actually, it's $13.", "13", "13"),
     ("Actually 5 hours a day, so 5*7 = 35 hours. The answer is 35.", "35", "35"),
+    ("The answer is 15. Actually, 13 is wrong.", "15", "15"),  # a statement, no correction
+    ("The answer is 15. Actually, 13 would be too few.", "15", "15"),
     ("Actually, 48/2 = 24 clips in May and 48 + 24 = 72 in all", "72", "72"),  # no bare number
     ("The answer is not 20; it is 30.", "30", "30"),  # a negated marker is no answer
     ("The answer isn't 20. It is 30", "30", "30"),
