@@ -17,9 +17,11 @@ prints one table row: pass@1 (the fraction of problems whose completion's final 
 gold, `looprl.tasks.grading`), the mean exit loop over all completion tokens, the completion
 tokens, the completions cut at `--max-new-tokens`, and the wall time; it writes
 
-  DIR/results.json          {"checkpoint", "task", "settings", "thresholds": [{"exit_threshold",
-                            "pass_at_1", "correct", "problems", "mean_exit_loop", "tokens",
-                            "truncated", "wall_s"}, ...], "env"}
+  DIR/results.json          {"checkpoint", "task", "settings" (with "data_dir": the absolute data
+                            directory read, None for source hub; "task_config" keeps --data-dir
+                            as typed), "thresholds": [{"exit_threshold", "pass_at_1", "correct",
+                            "problems", "mean_exit_loop", "tokens", "truncated", "wall_s"}, ...],
+                            "env"}
   DIR/problems.jsonl        one object per problem: id, question, gold, and per threshold
                             (key: q as text) completion, extracted, correct, mean_exit_loop, tokens
   DIR/accuracy_vs_depth.png pass@1 against mean exit loop, one point per q (with several q)
@@ -31,7 +33,9 @@ fp32 log-probs may move in the last bits, as attention then sums over a longer c
 
 Raises (printed by `looprl.cli` as one line, exit status 2): CheckpointError (missing checkpoint,
 no tokenizer, tokenizer larger than the model's vocabulary), ConfigError (unknown task, q outside
-(0, 1], limit/batch size/max new tokens < 1, DIR already holding results.json).
+(0, 1], limit/batch size/max new tokens < 1, DIR already holding results.json, DIR or one of its
+parents being a file; GSM8K: no `test.jsonl` in `--data-dir`), TaskError (a malformed data line,
+named `file:line`). Only the test file is read: `train.jsonl` need not exist.
 """
 from __future__ import annotations
 
@@ -90,7 +94,13 @@ def _check_args(args) -> list[float]:
         raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {args.task!r}")
     if not Path(args.checkpoint).expanduser().exists():
         raise CheckpointError(f"{args.checkpoint}: no such checkpoint directory")
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
+    for d in (out, *out.parents):  # the directory, or the first of its parents that exists
+        if d.exists():
+            if not d.is_dir():
+                raise ConfigError(f"--out: {str(d)!r} is a file, not a directory (--out "
+                                  f"{str(args.out)!r}); choose a directory")
+            break
     if (out / "results.json").exists():
         raise ConfigError(f"--out: {str(out)!r} already holds results.json; choose a new directory")
     return parse_thresholds(args.exit_threshold)
@@ -209,8 +219,11 @@ def run_eval(args) -> int:
     held_out = task.eval_problems()
     problems = held_out[:args.limit] if args.limit else held_out
     params, cfg, tok = _load(args.checkpoint)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot create directory {str(out)!r}: {e.strerror}") from None
 
     per_q: dict[float, list[dict[str, Any]]] = {}
     summaries = []
@@ -247,6 +260,8 @@ def run_eval(args) -> int:
                 "batch_size": args.batch_size, "temperature": args.temperature,
                 "prompt_len_multiple": args.prompt_len_multiple,
                 "seed": args.seed, "total_ut_steps": cfg.total_ut_steps,
+                "data_dir": (None if getattr(task, "resolved_dir", None) is None
+                             else str(task.resolved_dir)),
                 "task_config": task.config()}
     results = {"checkpoint": str(args.checkpoint), "task": args.task, "settings": settings,
                "thresholds": summaries, "env": environment()}

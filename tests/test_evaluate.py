@@ -128,3 +128,66 @@ def test_eval_refuses_to_overwrite_results(tiny, tmp_path, capsys):
     (tmp_path / "ev" / "results.json").write_text("{}")
     assert main(eval_args(ckpt, tmp_path / "ev", "--limit", "1")) == 2
     assert "already holds results.json" in capsys.readouterr().err
+
+
+def test_eval_needs_only_test_jsonl_and_records_the_resolved_data_dir(tiny, tmp_path, capsys,
+                                                                      monkeypatch):
+    ckpt, _ = tiny
+    data = tmp_path / "data"
+    data.mkdir()  # no train.jsonl
+    (data / "test.jsonl").write_text(json.dumps({"question": "What is 2 + 3?",
+                                                 "answer": "2+3=5\n#### 5"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    rc = main(eval_args(ckpt, tmp_path / "ev", "--data-dir", "data", "--max-new-tokens", "2"))
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert res["settings"]["data_dir"] == str(data.resolve())
+    assert res["settings"]["task_config"]["data_dir"] == "data"  # as typed
+    assert res["settings"]["problems"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "ev" / "problems.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["gold"], r["question"]) for r in rows] == [(0, "5", "What is 2 + 3?")]
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_eval_out_that_is_a_file_is_a_clear_error(tiny, tmp_path, capsys, where):
+    ckpt, _ = tiny
+    (tmp_path / "f").write_text("not a directory")
+    out = tmp_path / "f" if where == "file" else tmp_path / "f" / "ev"
+    assert main(eval_args(ckpt, out, "--limit", "1")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("looprl eval: error: --out:") and "is a file" in err and str(out) in err
+    assert (tmp_path / "f").read_text() == "not a directory"
+
+
+def test_trainer_evaluate_reports_by_terms_only_for_tasks_with_terms(monkeypatch):
+    """`looprl.rl.trainer.evaluate` (the in-training evaluation), the sampler faked: arithmetic
+    problems (metadata num_terms) get a per-terms breakdown, GSM8K problems none."""
+    from types import SimpleNamespace
+
+    from looprl.rl import trainer
+    from looprl.tasks.base import Problem
+
+    rewards = {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0}  # by problem id
+
+    def fake_generate(model_cfg, params, prompts, scfg, *, prompt_indices, **kw):
+        n = len(prompts)
+        exits = np.zeros((n, 3), np.int32)
+        exits[:, 1:] = 4  # prompt_len 2: the completion's positions exit at loop 4
+        return SimpleNamespace(exit_loop_BxS=exits, schedule=SimpleNamespace(prompt_len=2),
+                               ids=list(prompt_indices))
+
+    monkeypatch.setattr(trainer, "sampling_config", lambda cfg, greedy: SimpleNamespace())
+    monkeypatch.setattr(trainer, "generate", fake_generate)
+    monkeypatch.setattr(trainer, "completion_rewards", lambda task, tok, chunk, batch, g: (
+        np.asarray([rewards[i] for i in batch.ids], np.float32), None))
+    cfg = SimpleNamespace(eval=SimpleNamespace(eval_batch_size=3), run=SimpleNamespace(seed=0))
+    task = SimpleNamespace(format_prompt=lambda p: p.prompt)
+    tok = SimpleNamespace(encode=lambda text: [1, 2])
+
+    arith = [Problem(i, "eval", "1 + 1", "2", {"num_terms": t}) for i, t in enumerate((2, 3, 3, 2))]
+    res = trainer.evaluate(None, None, task, tok, cfg, arith)
+    assert res == {"accuracy": 0.75, "mean_exit_loop": 4.0, "problems": 4,
+                   "by_terms": {"2": 1.0, "3": 0.5}}
+    gsm8k = [Problem(i, "eval", "q", "2", {"file": "test.jsonl", "line": i + 1}) for i in range(4)]
+    assert trainer.evaluate(None, None, task, tok, cfg, gsm8k) == {
+        "accuracy": 0.75, "mean_exit_loop": 4.0, "problems": 4}

@@ -86,11 +86,12 @@ def mean_exit_loop(batch) -> float:
 def evaluate(model_cfg: OuroConfig, params, task, tokenizer, cfg: ExperimentConfig, problems,
              exit_threshold: float | None = None) -> dict[str, Any]:
     """Greedy held-out accuracy at the run's q (or `exit_threshold`), in batches of
-    `eval.eval_batch_size`. Returns {accuracy, mean_exit_loop, problems, by_terms}."""
+    `eval.eval_batch_size`. Returns {accuracy, mean_exit_loop, problems}, and by_terms (accuracy
+    per metadata `num_terms`) for tasks whose problems have terms (arithmetic, not GSM8K)."""
     scfg = sampling_config(cfg, greedy=True)
     if exit_threshold is not None:
         scfg = dataclasses.replace(scfg, exit_threshold=exit_threshold)
-    correct, exits, terms = [], [], []
+    correct, exits = [], []
     bs = cfg.eval.eval_batch_size
     for i in range(0, len(problems), bs):
         chunk = problems[i:i + bs]
@@ -101,11 +102,15 @@ def evaluate(model_cfg: OuroConfig, params, task, tokenizer, cfg: ExperimentConf
         correct.extend(r.tolist())
         el = np.asarray(batch.exit_loop_BxS)[:, batch.schedule.prompt_len - 1:]
         exits.extend(el[el > 0].tolist())
-        terms.extend(int(p.metadata.get("num_terms", 0)) for p in chunk)
-    correct_a, terms_a = np.asarray(correct), np.asarray(terms)
-    by_terms = {str(k): float(correct_a[terms_a == k].mean()) for k in np.unique(terms_a)}
-    return {"accuracy": float(correct_a.mean()), "mean_exit_loop": float(np.mean(exits)),
-            "problems": len(problems), "by_terms": by_terms}
+    correct_a = np.asarray(correct)
+    result = {"accuracy": float(correct_a.mean()), "mean_exit_loop": float(np.mean(exits)),
+              "problems": len(problems)}
+    terms = [p.metadata.get("num_terms") for p in problems]
+    if any(t is not None for t in terms):
+        terms_a = np.asarray([-1 if t is None else int(t) for t in terms])
+        result["by_terms"] = {str(k): float(correct_a[terms_a == k].mean())
+                              for k in np.unique(terms_a) if k >= 0}
+    return result
 
 
 def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformation:

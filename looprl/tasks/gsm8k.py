@@ -3,10 +3,13 @@
 Data: the official JSONL format, one object per line with `question` and `answer`, the answer's
 last line `#### N` holding the gold number (`#### 1,080` in a few records). Files `train.jsonl`
 and `test.jsonl` are read from `data_dir` (default `../shared/data/gsm8k`; a relative path is tried
-against the working directory, then the repository root). `source="hub"` reads `openai/gsm8k`
-(`main`) through the optional `datasets` package instead. Malformed records (bad JSON, not an
-object, a missing or non-string key, an answer without a numeric `#### N`) raise `TaskError` with
-the file and line number; blank lines are skipped.
+against the working directory, then the repository root, for a directory holding `test.jsonl`).
+Each file is read on first use: the held-out set needs only `test.jsonl` (so `looprl eval` works
+without `train.jsonl`); the first train problem reads `train.jsonl` (a `ConfigError` if it is
+absent). `source="hub"` reads `openai/gsm8k` (`main`) through the optional `datasets` package
+instead. Malformed records (invalid UTF-8, bad JSON, not an object, a missing or non-string key,
+an answer without a numeric `#### N`) raise `TaskError` with the file and line number (and the
+column in the line of a JSON error); blank lines are skipped.
 
 Splits: the held-out set is the test file in file order; the train stream cycles the train file
 in seeded epochs (a fresh shuffle per epoch, `random.Random(seed * 1_000_003 + epoch)`), skipping
@@ -71,14 +74,21 @@ def read_gsm8k_jsonl(path: str | os.PathLike, split: str = TRAIN) -> list[Proble
     """Read a GSM8K JSONL file into problems (ids 0.. in file order, blank lines skipped).
 
     Raises:
-      TaskError: the file is missing, or a line is malformed (message `path:line: ...`).
+      TaskError: the file is missing, or a line is malformed: not UTF-8 (`path:line: invalid
+        UTF-8 at byte B of the line`), bad JSON (`path:line: invalid JSON (... at column C)`, C
+        counted in the line), or a bad record (message `path:line: ...`).
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise TaskError(f"{path}: GSM8K file not found")
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a decoding error is reported with its line
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise TaskError(f"{path}:{line_no}: invalid UTF-8 at byte {e.start + 1} of the line "
+                                f"({e.reason}: {raw[e.start:e.end]!r})") from None
             if not line.strip():
                 continue
             try:
@@ -149,32 +159,50 @@ class GSM8KTask(Task):
         self.train_file = train_file
         self.eval_file = eval_file
         self.hub_dataset = hub_dataset
-        self.resolved_dir = (resolve_data_dir(data_dir, (train_file, eval_file))
+        # the held-out file must exist now; the train file only once train problems are asked for
+        self.resolved_dir = (resolve_data_dir(data_dir, (eval_file,))
                              if source == "jsonl" else None)
         self._train: list[Problem] | None = None   # train records not held out
         self._eval: list[Problem] | None = None
         self._epoch_order: dict[int, list[int]] = {}
 
-    def _load(self) -> None:
+    def _load_eval(self) -> None:
         if self._eval is not None:
             return
         if self.source == "jsonl":
-            train = read_gsm8k_jsonl(self.resolved_dir / self.train_file, TRAIN)
-            held_out = read_gsm8k_jsonl(self.resolved_dir / self.eval_file, EVAL)
+            self._eval = read_gsm8k_jsonl(self.resolved_dir / self.eval_file, EVAL)
+        else:
+            self._eval = _hub_problems(self.hub_dataset, "test", EVAL)
+
+    def _load_train(self) -> None:
+        """Read the train records (on the first train request), minus test-file questions.
+
+        Raises:
+          ConfigError: (source `jsonl`) no train file in the data directory. TaskError: a
+            malformed data file.
+        """
+        if self._train is not None:
+            return
+        self._load_eval()
+        if self.source == "jsonl":
+            path = self.resolved_dir / self.train_file
+            if not path.is_file():
+                raise ConfigError(f"gsm8k data_dir {self.data_dir!r}: no {self.train_file!r} in "
+                                  f"{os.fspath(self.resolved_dir)} (training needs it; "
+                                  f"evaluation reads only {self.eval_file!r})")
+            train = read_gsm8k_jsonl(path, TRAIN)
         else:
             train = _hub_problems(self.hub_dataset, "train", TRAIN)
-            held_out = _hub_problems(self.hub_dataset, "test", EVAL)
-        questions = {" ".join(p.prompt.split()) for p in held_out}
+        questions = {" ".join(p.prompt.split()) for p in self._eval}
         self._train = [p for p in train if " ".join(p.prompt.split()) not in questions]
-        self._eval = held_out
 
     def eval_problems(self, n: int | None = None) -> list[Problem]:
         """Return the first `n` test problems in file order (all when None).
 
         Raises:
-          ConfigError: `n` exceeds the test set. TaskError: a malformed data file.
+          ConfigError: `n` exceeds the test set. TaskError: a malformed test file.
         """
-        self._load()
+        self._load_eval()
         if n is None:
             n = len(self._eval)
         if n > len(self._eval):
@@ -186,11 +214,11 @@ class GSM8KTask(Task):
         """Return train-stream problem `index` (epoch `index // N`, shuffled per epoch).
 
         Raises:
-          ConfigError: negative index. TaskError: a malformed data file.
+          ConfigError: negative index, or no train file. TaskError: a malformed data file.
         """
         if index < 0:
             raise ConfigError(f"train problem index must be >= 0, found {index}")
-        self._load()
+        self._load_train()
         epoch, offset = divmod(index, len(self._train))
         order = self._epoch_order.get(epoch)
         if order is None:

@@ -127,6 +127,56 @@ def test_two_answer_phrases_on_one_line_the_later_counts():
     assert extract_answer("The answer is 70. Wait, 48 + 24 = 72, so the answer is 72.") == "72"
 
 
+# (completion, the extracted answer, a gold it equals): later clauses, ranges, fractions, spaced
+# thousands, signed parentheses, corrections and negated markers
+EXTRACTED = [
+    ("The answer is 17, where x = 3.", "17", "17"),  # `=` in a later clause: not an equation
+    ("The answer is x = 7.", "7", "7"),  # an equation-like answer: the part after `=`
+    ("The answer is 3 apples + 4 apples = 7 apples.", "7", "7"),
+    ("The answer is 2x = 14, so x = 7.", "7", "7"),
+    ("She earns 56 dollars during days 1-7", "7", "7"),  # a range hyphen is no minus sign
+    ("The low was (-7) degrees, then it rose by 3 to -4", "-4", "-4"),
+    ("It is 3 degrees warmer than -5", "-5", "-5"),
+    ("It takes 1/2 hour.", "0.5", "0.5"),  # a fraction in the last-number fallback
+    ("Each gets 3/4 of a pie", "0.75", "0.75"),
+    ("The date was 1/2/2020 and she paid 7", "7", "7"),
+    ("The answer is 1 000", "1000", "1000"),  # a plain space between groups of exactly 3 digits
+    ("The answer is 12 345 678 people.", "12345678", "12345678"),
+    ("In total: 2 000", "2000", "2000"),
+    ("The answer is 12 34", "12", "12"),  # `34` is no group of three
+    ("The answer is -(-18)", "18", "18"),  # signed parentheses are evaluated
+    ("The answer is -(18) dollars.", "-18", "-18"),
+    ("The answer is -(-(-18)).", "-18", "-18"),
+    ("The answer is 12 apples. Wait, actually 13.", "13", "13"),  # a correction wins
+    ("The answer is 12. Correction: 13 apples.", "13", "13"),
+    ("The answer is 12. Actually, it's $13.", "13", "13"),
+    ("Actually 5 hours a day, so 5*7 = 35 hours. The answer is 35.", "35", "35"),
+    ("The answer is 15. Actually, 13 is wrong.", "15", "15"),  # a statement, no correction
+    ("The answer is 15. Actually, 13 would be too few.", "15", "15"),
+    ("Actually, 48/2 = 24 clips in May and 48 + 24 = 72 in all", "72", "72"),  # no bare number
+    ("The answer is not 20; it is 30.", "30", "30"),  # a negated marker is no answer
+    ("The answer isn't 20. It is 30", "30", "30"),
+    ("The answer is **not** 20, but 30", "30", "30"),
+]
+
+
+@pytest.mark.parametrize("completion, extracted, gold", EXTRACTED)
+def test_extracted_answer(completion, extracted, gold):
+    assert extract_answer(completion) == extracted
+    assert grade_answer(completion, gold) == 1.0
+
+
+def test_fraction_without_an_exact_decimal_goes_to_math_verify():
+    assert extract_answer("He ate 1/3") == "1/3"
+    assert extract_answer("Each ate 1/2/3 of it: -7/8") == "-0.875"
+    assert extract_answer("So x = total/4") == "4"  # a divisor without a numerator is a number
+    assert extract_answer("In all 5/1024 of them") == "0.0048828125"
+    assert grade_answer("He ate 1/3", "0.333") == 0.0
+    assert grade_answer("He ate 2/6", "0.5") == 0.0
+    assert grade_answer("It takes 1/2 hour.", "1") == 0.0
+    assert grade_answer("It takes 4/2 hours.", "2") == 1.0
+
+
 @needs_data
 def test_gold_values_from_the_file(train_lines):
     assert [gold_at(train_lines, i) for i in (0, 15, 345, 5715)] == ["72", "448000", "1080", "-7"]
@@ -166,9 +216,47 @@ def write_data(directory, train_lines, test_lines=None):
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, match):
     ok = json.dumps({"question": "2+2?", "answer": "2+2=4\n#### 4"})
     write_data(tmp_path, [ok, "", bad_line, ok])  # blank line 2 is skipped; the bad one is line 3
+    task = get_task("gsm8k", data_dir=str(tmp_path))
+    assert [p.answer for p in task.eval_problems()] == ["2"]  # the held-out set needs no train file
     with pytest.raises(TaskError, match=match) as info:
-        get_task("gsm8k", data_dir=str(tmp_path)).eval_problems()  # loading reads both files
+        task.train_problem(0)  # the train stream reads the train file (and the test file)
     assert f"{tmp_path / 'train.jsonl'}:3:" in str(info.value)
+
+
+@pytest.mark.parametrize("bad_line", ['{"question": "q", "answer": "4 #### 4"',
+                                      '{"question": "q", "answer": "#### 4",',
+                                      '{"question": "q", "answer": "#### 4"}}'])
+def test_invalid_json_reports_the_column_in_the_line(tmp_path, bad_line):
+    ok = json.dumps({"question": "2+2?", "answer": "#### 4"})
+    write_data(tmp_path, [ok], [ok, bad_line])
+    with pytest.raises(TaskError) as info:
+        get_task("gsm8k", data_dir=str(tmp_path)).eval_problems()
+    column = len(bad_line) if bad_line.endswith("}}") else len(bad_line) + 1
+    assert f"{tmp_path / 'test.jsonl'}:2: invalid JSON (" in str(info.value)
+    assert str(info.value).endswith(f" at column {column})")
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    ok = json.dumps({"question": "2+2?", "answer": "#### 4"}).encode()
+    write_data(tmp_path, [ok.decode()])
+    (tmp_path / "test.jsonl").write_bytes(ok + b"\n\n" + b'{"question": "caf\xe9?", "answer": "#### 4"}\n')
+    with pytest.raises(TaskError, match="invalid UTF-8") as info:
+        get_task("gsm8k", data_dir=str(tmp_path)).eval_problems()
+    assert str(info.value).startswith(f"{tmp_path / 'test.jsonl'}:3: invalid UTF-8 at byte 18 of the line")
+
+
+def test_eval_needs_only_the_test_file_train_needs_both(tmp_path):
+    shared = json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"})
+    (tmp_path / "test.jsonl").write_text(shared + "\n")
+    task = get_task("gsm8k", data_dir=str(tmp_path))
+    assert task.resolved_dir == tmp_path.resolve()
+    assert [(p.id, p.answer) for p in task.eval_problems()] == [(0, "2")]
+    with pytest.raises(ConfigError, match="train.jsonl"):
+        task.train_problem(0)
+    (tmp_path / "train.jsonl").write_text(
+        shared + "\n" + json.dumps({"question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    # read lazily on the first train request; the question shared with the test file is skipped
+    assert [(p.id, p.answer) for p in task.train_problems(3)] == [(1, "4")] * 3
 
 
 def test_small_files_ids_split_and_resume(tmp_path):
