@@ -69,6 +69,9 @@ def build_tasks(cfg: ExperimentConfig):
                               "warm_start.enabled=false")
         task = get_task("gsm8k", data_dir=t.data_dir, source=t.source, seed=t.data_seed,
                         prompt_style=t.prompt_style or "chatml")
+        if task.resolved_dir is not None and not (task.resolved_dir / task.train_file).is_file():
+            raise ConfigError(f"config key 'task.data_dir': no {task.train_file!r} in "
+                              f"{task.resolved_dir} (GRPO trains on it)")
         return task, task
     if t.name != "arithmetic":
         raise ConfigError(f"config key 'task.name': expected 'arithmetic' or 'gsm8k', found "
