@@ -38,13 +38,18 @@ def _add_verify(sub):
     src.add_argument("--config", metavar="CFG", default=None,
                      help="experiment config: model shape for a warm-started tiny model")
     p.add_argument("--rollout", metavar="FILE", default=None,
-                   help="re-verify a saved rollout (.npz written by RolloutBatch.save)")
+                   help="re-verify a saved rollout (.npz written by RolloutBatch.save, e.g. "
+                        "`looprl generate --save-rollout`); needs --checkpoint CKPT, the "
+                        "parameters it was sampled with, unless `looprl verify` wrote it (its "
+                        "<weights>_params.npz lies next to it)")
     p.add_argument("--quick", action="store_true",
                    help="the small matrix (<= 15 min on 2 CPU cores)")
     p.add_argument("--replay-impl", default="invariant", choices=["invariant", "auto"],
                    help="auto: where the invariant replay is not exact, replay by re-running the "
                         "sampler in forced mode (recorded per cell as replay_impl)")
     p.add_argument("--out", metavar="DIR", required=True, help="directory for report.json/.md")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a report already in --out (refused otherwise)")
     p.set_defaults(func=lambda a: _lazy("looprl.learner.verify", "run_verify")(a))
 
 

@@ -538,13 +538,19 @@ def load_experiment_module(path: str | Path
     `SHARED_WARM_START = True` the warm start runs once (into `out_dir/warm_start_run`) and
     every variant starts from its checkpoint (`model.checkpoint=...`,
     `warm_start.enabled=false`), so only what the variants override differs.
-    Raises ConfigError for a malformed VARIANTS or a variant whose overrides fail.
+    Raises ConfigError if the file is missing or is not a `.py` file, does not import, defines
+    neither CONFIG nor config(), or has a malformed VARIANTS or a variant whose overrides fail.
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"experiment file {str(path)!r} not found")
+    if path.suffix != ".py":
+        raise ConfigError(f"{str(path)!r} is not an experiment file: expected a .py file defining "
+                          f"CONFIG (e.g. experiments/*.py), or a run directory's config.json")
     mod_name = f"looprl_experiment_{path.stem}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"experiment file {str(path)!r} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     sys.path.insert(0, str(path.resolve().parent))  # so an experiment can import its siblings

@@ -172,6 +172,21 @@ def test_load_experiment_errors_name_the_file(tmp_path):
         C.load_experiment(p)
 
 
+def test_load_experiment_of_a_non_python_file_is_a_config_error(tmp_path):
+    p = _write(tmp_path, "README.md", "# not a config\n")
+    with pytest.raises(ConfigError, match=r"README.md' is not an experiment file: expected a "
+                                          r"\.py file defining CONFIG.*config\.json"):
+        C.load_experiment_module(p)
+
+
+def test_train_cli_on_a_markdown_file_exits_2_naming_it(tmp_path, capsys):
+    from looprl.cli import main
+    p = _write(tmp_path, "README.md", "# not a config\n")
+    assert main(["train", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "README.md" in err and ".py file defining CONFIG" in err
+
+
 def test_cross_section_checks_name_their_keys():
     with pytest.raises(ConfigError, match=r"'learner.microbatch_size': expected a divisor of the "
                                           r"minibatch size 128, found 5"):

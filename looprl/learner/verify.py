@@ -24,7 +24,15 @@ a replay cell was computed: `invariant` (the learner's dense pass under stop_gra
 default) or `forced` (the sampler re-run in forced mode on the whole recorded batch,
 `looprl.learner.logprobs.forced_replay_logprobs`; only with `--replay-impl auto`, for cells
 whose invariant replay is not exact, and then the invariant result stays in the report as
-`invariant_exact_fraction`).
+`invariant_exact_fraction`; and always for a rollout sampled with `kernels="stock"`, which
+`batch_logprobs` replays by the forced re-run since no invariant pass reproduces it).
+
+Requirements (per cell `requirements_unmet`, a list of reasons; `requirements_met` is its
+emptiness): at least `min_tokens` (512) sampled tokens, the Q-exit rule with q < 1 (not a fixed
+depth), and at least `min_early_exit_fraction` (20%) of tokens exiting before loop T. A cell whose
+rollout misses them fails whatever its bits; the console and report.md say which. With batch
+size 1 the `different` batching is the `same` one (a permutation of one row), so its cells are
+skipped and `notes` in the report says so.
 
 Bits hold for one jax/jaxlib build, backend, CPU model / device kind and thread count; the
 report's `env` records them. The CLI pins XLA CPU to one intra-op thread by appending
@@ -178,13 +186,15 @@ def _sharded_logprobs(cfg, params, batch, method: str, n_devices: int):
 def learner_logprobs(cfg, params, batch, method: str, batching: str, perm, minibatch: int,
                      devices: int = 1, replay_impl: str = "invariant"):
     """Learner log-probs `[B, S]` of `batch` in the row order the cell compares (identity for
-    `same`, `perm` for `different`)."""
+    `same`, `perm` for `different`). `replay` of a stock-kernel rollout is always the forced
+    re-run (`replay_impl_of`)."""
     import numpy as np
 
     from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
 
-    if method == "replay" and replay_impl == "forced":
-        return forced_replay_logprobs(cfg, params, batch, rows=None if batching == "same" else perm)
+    if method == "replay" and replay_impl_of(batch, replay_impl) == "forced":
+        return forced_replay_logprobs(cfg, params, batch,
+                                      rows=None if batching == "same" else perm)[0]
     if devices > 1:
         return _sharded_logprobs(cfg, params, batch, method, devices)
     if batching == "same":
@@ -192,6 +202,51 @@ def learner_logprobs(cfg, params, batch, method: str, batching: str, perm, minib
     parts = [batch_logprobs(cfg, params, batch, method, rows=perm[i:i + minibatch])[0]
              for i in range(0, len(perm), minibatch)]
     return np.concatenate(parts, axis=0)
+
+
+def replay_impl_of(batch, requested: str = "invariant") -> str:
+    """How a `replay` cell of `batch` is computed: `forced` when asked or when the rollout was
+    sampled with `kernels="stock"` (no invariant pass reproduces it; `batch_logprobs` re-runs the
+    sampler in forced mode), else `invariant`."""
+    return "forced" if requested == "forced" or batch.schedule.kernels != "invariant" \
+        else "invariant"
+
+
+def requirement_failures(tokens: int, early_exit_fraction: float, schedule,
+                         opts: "VerifyOptions") -> list[str]:
+    """The size/schedule requirements a rollout misses, as readable reasons (empty: all met):
+    at least `opts.min_tokens` sampled tokens, the Q-exit rule with q < 1, and at least
+    `opts.min_early_exit_fraction` of the tokens exiting before the last loop."""
+    reasons = []
+    if tokens < opts.min_tokens:
+        reasons.append(f"{tokens} sampled tokens < {opts.min_tokens}")
+    if schedule.fixed_depth is not None:
+        reasons.append(f"fixed depth {schedule.fixed_depth} (needs the Q-exit rule with q < 1)")
+    elif (schedule.exit_threshold or 1.0) >= 1.0:
+        reasons.append(f"exit threshold q={schedule.exit_threshold} (needs q < 1)")
+    if early_exit_fraction < opts.min_early_exit_fraction:
+        reasons.append(f"{early_exit_fraction:.0%} early exit < "
+                       f"{opts.min_early_exit_fraction:.0%}")
+    return reasons
+
+
+def batching_layouts(batch_size: int, n_devices: int) -> tuple[list[tuple[str, int]], list[str]]:
+    """The (batching, devices) layouts a rollout of `batch_size` rows is checked in, and notes
+    on the ones skipped: `different` needs >= 2 rows (one row permuted is the same batching),
+    N devices need the rows to split evenly."""
+    layouts, notes = [("same", 1)], []
+    if batch_size > 1:
+        layouts.append(("different", 1))
+    else:
+        notes.append("batch size 1: the 'different' batching cells are skipped (a permutation "
+                     "of one row is the 'same' batching; not a test of batch invariance)")
+    if n_devices > 1:
+        if batch_size % n_devices == 0:
+            layouts.append(("same", n_devices))
+        else:
+            notes.append(f"batch size {batch_size} does not split over {n_devices} devices: "
+                         f"the {n_devices}-device cells are skipped")
+    return layouts, notes
 
 
 def updated_params(cfg, params, batch, learning_rate: float, seed: int):
@@ -226,8 +281,9 @@ def updated_params(cfg, params, batch, learning_rate: float, seed: int):
 # --- the matrix ---------------------------------------------------------------------------------
 
 def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions, n_devices: int,
-                log) -> list[dict]:
-    """All cells of one rollout `rb` (one weights x dtype x policy)."""
+                log, notes: list[str] | None = None) -> list[dict]:
+    """All cells of one rollout `rb` (one weights x dtype x policy). Notes on skipped layouts
+    are appended to `notes` (once each)."""
     import numpy as np
 
     sch = rb.schedule
@@ -243,8 +299,7 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
             "early_exit_fraction": early,
             "mean_exit_loop": float(np.asarray(rb.exit_loop_BxS)[mask].mean()),
             "deferred_flushes": int(np.asarray(rb.flush_BxS).sum())}
-    requirements = tokens >= opts.min_tokens and early >= opts.min_early_exit_fraction \
-        and (sch.exit_threshold or 1.0) < 1.0
+    unmet = requirement_failures(tokens, early, sch, opts)
     refs = {"sampler": np.asarray(rb.logprob_BxS)}
     t0 = time.time()
     forced = __import__("looprl.learner.logprobs", fromlist=["x"]).forced_replay_logprobs
@@ -252,9 +307,11 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
     log(f"    forced sampler at updated params: {time.time() - t0:.1f}s")
     batches = {"sampler": rb, "updated": rb.without_logprobs()}
     param_sets = {"sampler": params, "updated": params_u}
-    layouts = [("same", 1), ("different", 1)]
-    if n_devices > 1 and B % n_devices == 0:
-        layouts.append(("same", n_devices))
+    layouts, layout_notes = batching_layouts(B, n_devices)
+    for note in layout_notes:
+        if notes is not None and note not in notes:
+            notes.append(note)
+        log(f"    note: {note}")
     cells = []
     for pname in ("sampler", "updated"):
         for batching, devices in layouts:
@@ -268,10 +325,11 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
                 cell = {**base, "batching": batching, "params": pname, "devices": devices,
                         "method": method, "learner_minibatch": B if batching == "same"
                         else minibatch, **compare_logprobs(lp, ref, m),
-                        "requirements_met": bool(requirements)}
+                        "requirements_met": not unmet, "requirements_unmet": list(unmet)}
                 if method == "replay":
-                    cell["replay_impl"] = "invariant"
-                    if cell["exact_fraction"] < 1.0 and opts.replay_impl == "auto":
+                    cell["replay_impl"] = replay_impl_of(batches[pname])
+                    if cell["exact_fraction"] < 1.0 and opts.replay_impl == "auto" \
+                            and cell["replay_impl"] == "invariant":
                         lpf = learner_logprobs(cfg, param_sets[pname], batches[pname], method,
                                                batching, perm, minibatch, devices, "forced")
                         inv = cell["exact_fraction"]
@@ -307,8 +365,10 @@ def task_prompts(task, tokenizer, n: int, start: int = 100_000) -> list[list[int
 
 
 def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts: VerifyOptions,
-               log=print, rollout_dir: Path | None = None) -> list[dict]:
-    """Every cell for every weight set (`{"random": params, "trained": params}`)."""
+               log=print, rollout_dir: Path | None = None,
+               notes: list[str] | None = None) -> list[dict]:
+    """Every cell for every weight set (`{"random": params, "trained": params}`); notes on
+    skipped layouts go to `notes`."""
     import jax
 
     from looprl.sampling.sampler import SamplingConfig, generate
@@ -334,12 +394,14 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
                     params_u = updated_params(cfg, params, rb, opts.update_learning_rate,
                                               opts.seed)
                 cells += _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts,
-                                     n_devices=n_devices, log=log)
+                                     n_devices=n_devices, log=log, notes=notes)
     return cells
 
 
-def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpoint", log=print):
-    """The cells of one saved rollout (re-verification): refuses a parameter mismatch."""
+def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpoint", log=print,
+                   notes: list[str] | None = None):
+    """The cells of one saved rollout (re-verification). Raises ScheduleError when `params` are
+    not the ones the rollout was sampled with (fingerprint mismatch)."""
     from looprl.errors import ScheduleError
     from looprl.sampling.schedule import params_fingerprint
 
@@ -350,7 +412,7 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
     import jax
     params_u = updated_params(cfg, params, rb, opts.update_learning_rate, opts.seed)
     return _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts,
-                       n_devices=jax.device_count(), log=log)
+                       n_devices=jax.device_count(), log=log, notes=notes)
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -366,6 +428,8 @@ def summarize(cells: list[dict]) -> dict[str, Any]:
             "negative_control_mismatching": sum(c["exact_fraction"] < 1.0 for c in stock),
             "failed_cells": len(failures),
             "requirements_met": all(c["requirements_met"] for c in cells),
+            "requirements_unmet": list(dict.fromkeys(
+                r for c in cells for r in c.get("requirements_unmet", ()))),
             "passed": not failures and bool(replay) and bool(stock)}
 
 
@@ -382,24 +446,34 @@ def report_markdown(report: dict) -> str:
              f"{s['replay_exact_cells']}/{s['replay_cells']} cells "
              f"({s['replay_forced_cells']} via forced replay), negative control mismatching in "
              f"{s['negative_control_mismatching']}/{s['negative_control_cells']} cells.", "",
-             "## Environment", ""]
+             f"Requirements (per rollout: >= {report['setup'].get('min_tokens', 512)} sampled "
+             f"tokens, q < 1, >= {report['setup'].get('min_early_exit_fraction', 0.2):.0%} early "
+             f"exit): "
+             + ("met." if s.get("requirements_met", True) else
+                "**not met**: " + "; ".join(s.get("requirements_unmet", [])) +
+                " (such cells fail whatever their bits)."), ""]
+    if report.get("notes"):
+        lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    lines += ["## Environment", ""]
     lines += [f"- {k}: `{v}`" for k, v in env.items()]
     lines += ["", "## Setup", ""]
     lines += [f"- {k}: `{v}`" for k, v in report["setup"].items() if k != "warm_start_curve"]
     lines += ["", "## Cells", "",
               "| dtype | kv | weights | batching | params | dev | method | impl | tokens | early "
-              "| exact | max abs | mean abs | k3 KL | pass |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| req | exact | max abs | mean abs | k3 KL | pass |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in report["cells"]:
         lines.append(
             f"| {c['dtype']} | {c['kv_policy']} | {c['weights']} | {c['batching']} | "
             f"{c['params']} | {c['devices']} | {c['method']} | {c.get('replay_impl', '')} | "
-            f"{c['tokens']} | {c['early_exit_fraction']:.2f} | {c['exact_fraction']:.4f} | "
+            f"{c['tokens']} | {c['early_exit_fraction']:.2f} | "
+            f"{'yes' if c['requirements_met'] else '**NO**'} | {c['exact_fraction']:.4f} | "
             f"{c['max_abs_diff']:.2e} | {c['mean_abs_diff']:.2e} | {c['k3_kl']:.1e} | "
             f"{'' if c['passed'] is None else ('yes' if c['passed'] else '**NO**')} |")
     lines += ["", "A `replay` cell passes at exact fraction 1.0 (raw fp32 bits). `stock` cells are "
               "the negative control: they must mismatch, and stay within 1e-4 in fp32. `dense` "
-              "is informative (exact where the kernels are invariant).", ""]
+              "is informative (exact where the kernels are invariant). `req`: whether the cell's "
+              "rollout met the requirements above.", ""]
     return "\n".join(lines)
 
 
@@ -460,20 +534,41 @@ def _load_weights(args, opts: VerifyOptions, log):
     return cfg, weight_sets, prompts, setup
 
 
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Raises ConfigError when `out` is a file, or already holds a report.json and `overwrite`
+    is false (a report is never replaced silently)."""
+    from looprl.errors import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {str(out)!r} exists and is not a directory")
+    if (out / "report.json").exists() and not overwrite:
+        raise ConfigError(f"--out: {str(out)!r} already holds report.json; pass --overwrite to "
+                          f"replace it, or choose a new directory")
+
+
 def run_verify(args) -> int:
     """`looprl verify`: run the matrix (or re-verify `--rollout`), write the report, return the
     exit status (0 only if every replay cell is exact and every negative control mismatches
-    within 1e-4 in fp32, and every cell met its size requirements)."""
+    within 1e-4 in fp32, and every cell met its size requirements; when requirements are unmet
+    the console and report.md say which). Raises ConfigError when `--out` already holds a
+    report (without `--overwrite`) or `--config` is given with `--rollout`, ScheduleError for an
+    unreadable rollout or one sampled with other parameters, CheckpointError for a bad
+    `--checkpoint`."""
     from looprl import determinism
+    from looprl.errors import ConfigError
     determinism.configure_xla(pin_threads=True)  # one intra-op thread + looprl's required flags
     import jax
     import numpy as np
 
     t_start = time.time()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out, getattr(args, "overwrite", False))
+    if args.rollout and args.config:
+        raise ConfigError("--config has no effect with --rollout (the rollout records its "
+                          "schedule): pass --checkpoint CKPT, the parameters it was sampled with")
     make = VerifyOptions.quick if args.quick else VerifyOptions.full
     opts = make(replay_impl=args.replay_impl)
+    notes: list[str] = []
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -481,29 +576,37 @@ def run_verify(args) -> int:
     if args.rollout:
         from looprl.sampling.schedule import RolloutBatch
         rb = RolloutBatch.load(args.rollout)
+        out.mkdir(parents=True, exist_ok=True)
         if args.checkpoint:
             from looprl.train.checkpoint import load_model_checkpoint
             params, cfg, _, _ = load_model_checkpoint(args.checkpoint)
             params = jax.tree.map(np.asarray, params)
         else:
             params, cfg = _rollout_params(Path(args.rollout))
-        cells = verify_rollout(cfg, params, rb, opts, weights="checkpoint", log=log)
+        cells = verify_rollout(cfg, params, rb, opts, weights="checkpoint", log=log, notes=notes)
         setup = {"rollout": str(args.rollout), "checkpoint": args.checkpoint,
-                 "schedule": rb.schedule.to_dict()}
+                 "schedule": rb.schedule.to_dict(), "replay_impl": opts.replay_impl,
+                 "min_tokens": opts.min_tokens,
+                 "min_early_exit_fraction": opts.min_early_exit_fraction}
     else:
         cfg, weight_sets, prompts, setup = _load_weights(args, opts, log)
         rdir = out / "rollouts"
-        rdir.mkdir(exist_ok=True)
+        rdir.mkdir(parents=True, exist_ok=True)
         for name, p in weight_sets.items():
             _save_params(rdir / f"{name}_params.npz", p, cfg)
-        cells = run_matrix(cfg, weight_sets, prompts, opts, log=log, rollout_dir=rdir)
+        cells = run_matrix(cfg, weight_sets, prompts, opts, log=log, rollout_dir=rdir,
+                           notes=notes)
     summary = summarize(cells)
     report = {"format_version": 1, "command": "looprl verify " + " ".join(sys.argv[2:])
               if sys.argv[1:2] == ["verify"] else "looprl verify", "env": environment(),
               "setup": setup, "summary": summary, "cells": cells,
               "negative_control": [c for c in cells if c["method"] == "stock"],
-              "wall_s": round(time.time() - t_start, 1)}
+              "notes": notes, "wall_s": round(time.time() - t_start, 1)}
     write_report(out, report)
+    if not summary["requirements_met"]:
+        log("looprl verify: FAIL: requirements not met: "
+            + "; ".join(summary["requirements_unmet"])
+            + " (cells of such a rollout fail whatever their bits; see report.md)")
     log(f"looprl verify: {'PASS' if summary['passed'] else 'FAIL'} "
         f"({summary['replay_exact_cells']}/{summary['replay_cells']} replay cells exact, "
         f"{summary['negative_control_mismatching']}/{summary['negative_control_cells']} negative "
@@ -530,10 +633,12 @@ def _rollout_params(rollout: Path):
     from looprl.model.config import OuroConfig
     from looprl.model.looped import init_params
 
-    weights = rollout.name.split("_")[0]
+    weights = rollout.stem.split("_")[0]
     path = rollout.with_name(f"{weights}_params.npz")
     if not path.exists():
-        raise ScheduleError(f"{rollout}: no --checkpoint given and no {path.name} next to it")
+        raise ScheduleError(f"{rollout}: no --checkpoint given and no {path.name} next to it (only "
+                            f"rollouts written by `looprl verify` have one): pass --checkpoint "
+                            f"CKPT, the parameters the rollout was sampled with")
     with np.load(path) as z:
         cfg = OuroConfig.from_dict(json.loads(str(z["model_config"])))
         flat = {k: z[k] for k in z.files if k != "model_config"}

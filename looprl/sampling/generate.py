@@ -28,12 +28,33 @@ def load_any_checkpoint(path: str):
     return load_model_checkpoint(p)
 
 
+def check_args(args) -> None:
+    """Checks that need no model, done before loading one. Raises SamplingError when both
+    `--exit-threshold` and `--fixed-depth` are given (the fixed depth would silently override
+    the threshold) or when the directory of `--save-rollout FILE` does not exist."""
+    if args.fixed_depth is not None and args.exit_threshold is not None:
+        raise SamplingError(f"--fixed-depth {args.fixed_depth} and --exit-threshold "
+                            f"{args.exit_threshold} both given: a fixed depth replaces the "
+                            f"Q-exit rule, pass only one")
+    if args.save_rollout:
+        parent = Path(args.save_rollout).expanduser().parent
+        if not parent.is_dir():
+            raise SamplingError(f"--save-rollout {args.save_rollout}: directory {str(parent)!r} "
+                                f"does not exist")
+
+
 def run_generate(args) -> int:
+    """Sample one completion and print it (text with one line per token, or `--json`); with
+    `--save-rollout FILE` also write the RolloutBatch (in both modes). Raises SamplingError for
+    bad arguments (checked before sampling, see `check_args`) and CheckpointError for a missing
+    or tokenizer-less checkpoint."""
     from tqdm import tqdm
 
     from looprl.sampling.sampler import SamplingConfig, generate
     from looprl.tokenizer import chat_prompt, tokenizer_from_json
 
+    check_args(args)
+    q = 1.0 if args.exit_threshold is None else args.exit_threshold
     params, cfg, tok_json, meta = load_any_checkpoint(args.checkpoint)
     if tok_json is None:
         raise CheckpointError(f"{args.checkpoint}: no tokenizer.json (convert with --tokenizer)")
@@ -44,7 +65,7 @@ def run_generate(args) -> int:
         raise SamplingError("--prompt is empty")
     ids = tok.encode(text)
     scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, exit_threshold=args.exit_threshold,
+                          top_k=args.top_k, top_p=args.top_p, exit_threshold=q,
                           fixed_depth=args.fixed_depth, kv_policy=args.kv_policy,
                           compute_dtype=args.dtype, stop_ids=(tok.end_of_turn_id,),
                           kernels=args.kernels)
@@ -62,18 +83,22 @@ def run_generate(args) -> int:
     toks = batch.tokens_BxS[0, P:P + n].tolist()
     exits = batch.exit_loop_BxS[0, P - 1:P - 1 + n].tolist()
     lps = batch.logprob_BxS[0, P - 1:P - 1 + n].tolist()
+    if args.save_rollout:
+        batch.save(Path(args.save_rollout).expanduser())
+    depth = f"fixed_depth={args.fixed_depth}" if args.fixed_depth is not None else f"q={q}"
     if args.json:
         print(json.dumps({"completion": tok.decode_completion(toks), "tokens": toks,
                           "exit_loops": exits, "logprobs": lps,
-                          "mean_exit_loop": sum(exits) / max(len(exits), 1)}))
+                          "mean_exit_loop": sum(exits) / max(len(exits), 1),
+                          "rollout_file": args.save_rollout or None}))
         return 0
     print(tok.decode_completion(toks))
     print(f"# {n} tokens, mean exit loop {sum(exits) / max(n, 1):.2f} of {cfg.total_ut_steps} "
-          f"(kv_policy={args.kv_policy}, q={args.exit_threshold})")
+          f"(kv_policy={args.kv_policy}, {depth})")
     for t, k, lp in zip(toks, exits, lps):
         print(f"{tok.decode([t])!r:>12}  exit_loop={k}  logprob={lp:.4f}")
     if args.save_rollout:
-        batch.save(args.save_rollout)
+        print(f"# rollout saved to {args.save_rollout}")
     return 0
 
 
@@ -83,8 +108,10 @@ def add_parser(sub):
     p.add_argument("--prompt", required=True)
     p.add_argument("--prompt-style", default=None,
                    choices=["chatml", "thinking", "compact", "raw"])
-    p.add_argument("--exit-threshold", type=float, default=1.0, metavar="Q")
-    p.add_argument("--fixed-depth", type=int, default=None)
+    p.add_argument("--exit-threshold", type=float, default=None, metavar="Q",
+                   help="q of the Q-exit rule, in (0, 1] (default 1.0: always loop T)")
+    p.add_argument("--fixed-depth", type=int, default=None, metavar="D",
+                   help="exit every token at loop D (1..T); not with --exit-threshold")
     p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)

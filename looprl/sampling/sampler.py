@@ -68,8 +68,8 @@ class SamplingConfig:
             raise SamplingError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also rejects nan
+            raise SamplingError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.max_new_tokens < 1:
             raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.fixed_depth is not None and not (1 <= self.fixed_depth <= T):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -146,16 +148,18 @@ class RolloutBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> "RolloutBatch":
-        """Read a file written by `save`. Raises ScheduleError naming the file and problem."""
+        """Read a file written by `save`. Raises ScheduleError naming the file and problem
+        (missing, truncated or corrupt file, not a rollout file, other format version)."""
         path = Path(path)
         try:
             with np.load(path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
-        except (OSError, ValueError) as e:
-            raise ScheduleError(f"{path}: cannot read rollout file: {e}") from e
-        if "meta" not in data:
-            raise ScheduleError(f"{path}: not a looprl rollout file (no 'meta')")
-        meta = json.loads(str(data.pop("meta")))
+            meta = json.loads(str(data.pop("meta"))) if "meta" in data else None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise ScheduleError(f"{path}: cannot read rollout file (truncated or corrupt?): "
+                                f"{type(e).__name__}: {e}") from e
+        if not isinstance(meta, dict):
+            raise ScheduleError(f"{path}: not a looprl rollout file (no 'meta' object)")
         if meta.get("format_version") != FORMAT_VERSION:
             raise ScheduleError(f"{path}: format_version {meta.get('format_version')!r}, "
                                 f"this looprl reads {FORMAT_VERSION}")

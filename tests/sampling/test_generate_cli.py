@@ -39,3 +39,57 @@ def test_generate_missing_checkpoint_names_the_path(tmp_path, capsys):
     rc = main(["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "1"])
     assert rc == 2
     assert "nope" in capsys.readouterr().err
+
+
+def _gen(ckpt, *extra):
+    return main(["generate", "--checkpoint", str(ckpt), "--prompt", "1 + 2", "--prompt-style",
+                 "compact", "--max-new-tokens", "3", *extra])
+
+
+def test_generate_json_also_saves_the_rollout(ckpt, tmp_path, capsys):
+    from looprl.sampling.schedule import RolloutBatch
+    path = tmp_path / "r.npz"
+    assert _gen(ckpt, "--json", "--save-rollout", str(path)) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["rollout_file"] == str(path)
+    rb = RolloutBatch.load(path)
+    assert rb.schedule.batch_size == 1
+
+
+def test_generate_save_rollout_into_missing_dir_fails_before_sampling(ckpt, tmp_path, capsys,
+                                                                      monkeypatch):
+    import looprl.sampling.sampler as sampler
+
+    def boom(*a, **k):
+        raise AssertionError("sampled before checking --save-rollout")
+    monkeypatch.setattr(sampler, "generate", boom)
+    rc = _gen(ckpt, "--save-rollout", str(tmp_path / "missing" / "x.npz"))
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--save-rollout" in err and "missing" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_generate_rejects_non_finite_or_negative_temperature(ckpt, capsys, value):
+    assert _gen(ckpt, "--temperature", value) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_sampling_config_rejects_non_finite_temperature():
+    from looprl.errors import SamplingError
+    from looprl.sampling.sampler import SamplingConfig
+    for t in (float("nan"), float("inf")):
+        with pytest.raises(SamplingError, match="temperature"):
+            SamplingConfig(temperature=t).validate(4)
+
+
+def test_generate_fixed_depth_with_exit_threshold_is_an_error(ckpt, capsys):
+    assert _gen(ckpt, "--fixed-depth", "2", "--exit-threshold", "0.5") == 2
+    err = capsys.readouterr().err
+    assert "--fixed-depth" in err and "--exit-threshold" in err
+
+
+def test_generate_fixed_depth_alone_exits_at_that_depth(ckpt, capsys):
+    assert _gen(ckpt, "--fixed-depth", "2", "--json") == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["exit_loops"]) == {2}
