@@ -48,8 +48,6 @@ def _add_verify(sub):
                    help="auto: where the invariant replay is not exact, replay by re-running the "
                         "sampler in forced mode (recorded per cell as replay_impl)")
     p.add_argument("--out", metavar="DIR", required=True, help="directory for report.json/.md")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a report already in --out (refused otherwise)")
     p.set_defaults(func=lambda a: _lazy("looprl.learner.verify", "run_verify")(a))
 
 

@@ -1,6 +1,6 @@
 """`looprl verify --rollout` on a rollout saved by `looprl generate` (tiny model, one row): the
 report labels forced replays, states unmet requirements, skips the one-row 'different' batching,
-and never overwrites a report silently."""
+and announces a report it will replace."""
 import json
 
 import pytest
@@ -74,22 +74,18 @@ def test_batch_of_one_skips_the_different_batching_with_a_note(verified):
     assert "batch size 1" in (out / "report.md").read_text()
 
 
-def test_existing_report_is_not_overwritten_without_flag(verified, stock_rollout, capsys,
-                                                        tmp_path):
+def test_existing_report_survives_a_failed_run_and_is_announced(verified, stock_rollout, capsys,
+                                                                 tmp_path):
     rc, err, out = verified
     ckpt, path = stock_rollout
     before = (out / "report.json").read_text()
-    assert main(["verify", "--rollout", str(path), "--checkpoint", str(ckpt), "--quick",
-                 "--out", str(out)]) == 2
-    e = capsys.readouterr().err
-    assert "already holds report.json" in e and "--overwrite" in e and str(out) in e
-    assert (out / "report.json").read_text() == before
-    # with --overwrite the out check passes (a damaged rollout then fails fast, after it)
     bad = tmp_path / "bad.npz"
     bad.write_bytes(path.read_bytes()[:100])
     assert main(["verify", "--rollout", str(bad), "--checkpoint", str(ckpt), "--quick",
-                 "--out", str(out), "--overwrite"]) == 2
+                 "--out", str(out)]) == 2
     e = capsys.readouterr().err
+    assert "will be replaced" in e and str(out) in e
+    assert (out / "report.json").read_text() == before
     assert "bad.npz: cannot read rollout file" in e
 
 
