@@ -372,6 +372,32 @@ class RunConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig(_Section):
+    """The device mesh (`looprl.distributed.mesh`): axis sizes, -1 = the rest of the devices.
+
+    Rows of every batch (rollout, learner, KV cache) are split over `data` x `fsdp`; parameters
+    and optimizer state are stored sharded over `fsdp` (largest divisible non-contraction axis)
+    and all-gathered before use, so no contraction axis is ever split and each device runs the
+    one-device program on its rows. The default is pure data parallelism over every visible
+    device, which on one device is the unsharded program. `tensor` > 1 (sharded contractions)
+    is not implemented: it would change reduction order and void the bit-exact replay."""
+    SECTION = "mesh"
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def _validate(self):
+        for name in ("data", "fsdp"):
+            self._require(getattr(self, name) == -1 or getattr(self, name) >= 1, name,
+                          "a positive int or -1 (the rest of the devices)")
+        self._require(not (self.data == -1 and self.fsdp == -1), "fsdp",
+                      "at most one of mesh.data / mesh.fsdp set to -1")
+        self._require(self.tensor == 1, "tensor",
+                      "1 (tensor parallelism shards contraction axes, which changes reduction "
+                      "order and voids the bit-exact replay; not implemented)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig(_Section):
     """One experiment: all sections, checked together for cross-section consistency."""
     name: str = "default"
@@ -384,6 +410,7 @@ class ExperimentConfig(_Section):
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def _validate(self):
         B = self.rollout.sequences_per_step

@@ -131,15 +131,17 @@ def _jit_logprobs(params, tokens, pad, exit_loop, kv_depth, *, cfg, kv_policy, c
 
 
 def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=None,
-                   remat: bool = False):
+                   remat: bool = False, mesh=None):
     """Learner log-probs for rows `rows` of a `RolloutBatch` (all rows by default), as numpy.
 
     `stock` trims the layout to the live prefix (P + the longest completion), as common code
     does; the others keep the recorded cache length S. A rollout sampled with `kernels="stock"`
     has no invariant pass that reproduces it: its `replay` (and `hybrid`, whose value is
-    replay's) is `forced_replay_logprobs`. Returns (logprob_BxS, processed_BxS)."""
+    replay's) is `forced_replay_logprobs`. With a `mesh` of several devices the rows are split
+    over its row axes and each device runs this one-device program on its rows
+    (`looprl.distributed.mesh.row_sharded_call`). Returns (logprob_BxS, processed_BxS)."""
     if method in ("replay", "hybrid") and batch.schedule.kernels != "invariant":
-        return forced_replay_logprobs(cfg, params, batch, rows)
+        return forced_replay_logprobs(cfg, params, batch, rows, mesh=mesh)
     sub = batch if rows is None else batch.select(rows)
     sch = sub.schedule
     tokens, pad = np.asarray(sub.tokens_BxS), np.asarray(sub.pad_B)
@@ -149,11 +151,17 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
         live = int(sch.prompt_len + np.max(np.asarray(sub.completion_len_B), initial=1))
         live = min(live, S)
         tokens, exit_loop, kv_depth = tokens[:, :live], exit_loop[:, :live], kv_depth[:, :live]
-    lp, lpp = _jit_logprobs(params, jnp.asarray(tokens), jnp.asarray(pad),
-                            jnp.asarray(exit_loop), jnp.asarray(kv_depth), cfg=cfg,
-                            kv_policy=sch.kv_policy, compute_dtype=sch.compute_dtype,
-                            temperature=float(sch.temperature), method=method,
-                            top_k=int(sch.top_k), top_p=float(sch.top_p), remat=remat)
+    static = dict(cfg=cfg, kv_policy=sch.kv_policy, compute_dtype=sch.compute_dtype,
+                  temperature=float(sch.temperature), method=method, top_k=int(sch.top_k),
+                  top_p=float(sch.top_p), remat=remat)
+    if mesh is not None and mesh.size > 1:
+        from looprl.distributed.mesh import row_sharded_call
+        lp, lpp = row_sharded_call(_jit_logprobs, mesh, (params,),
+                                   (tokens, pad, exit_loop, kv_depth), static=static,
+                                   row_axes_out=(0, 0))
+    else:
+        lp, lpp = _jit_logprobs(params, jnp.asarray(tokens), jnp.asarray(pad),
+                                jnp.asarray(exit_loop), jnp.asarray(kv_depth), **static)
     lp, lpp = np.asarray(lp), np.asarray(lpp)
     if lp.shape[1] < S:
         padw = ((0, 0), (0, S - lp.shape[1]))
@@ -161,7 +169,7 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
     return lp, lpp
 
 
-def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None):
+def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None, mesh=None):
     """`replay_impl="forced"`: replay by re-running the sampler in forced mode on the whole
     recorded batch (its tokens, exit loops, deferred flushes, layout and shapes) at `params`,
     then selecting `rows`. The same program at the same shapes as the sampler, so it reproduces
@@ -169,6 +177,7 @@ def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None):
     such cells (`looprl verify` records per cell which implementation it used). Not
     differentiable. Returns numpy (logprob_BxS, processed_BxS) fp32 of the selected rows.
 
+    `mesh`: re-run on a mesh (the sampler's `mesh` argument).
     Raises: ScheduleError if the re-run does not follow the recorded schedule (exit loops)."""
     from looprl.errors import ScheduleError
     from looprl.sampling.sampler import SamplingConfig, generate
@@ -182,7 +191,7 @@ def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None):
         deferred_max_pending=sch.deferred_max_pending, stop_ids=tuple(sch.stop_ids),
         compute_dtype=sch.compute_dtype, max_seq_len=sch.seq_len,
         kernels=sch.kernels)
-    out = generate(cfg, params, [[0]], scfg, forced=batch.to_numpy())
+    out = generate(cfg, params, [[0]], scfg, forced=batch.to_numpy(), mesh=mesh)
     if not np.array_equal(np.asarray(out.exit_loop_BxS), np.asarray(batch.exit_loop_BxS)):
         raise ScheduleError("forced replay did not follow the recorded exit loops")
     lp, lpp = np.asarray(out.logprob_BxS), np.asarray(out.logprob_processed_BxS)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as PS
 
 from looprl.config import ExperimentConfig
 from looprl.errors import CheckpointError, TrainingError
@@ -216,6 +217,55 @@ def _loss_and_grad(params, mb, normalizer, gate_normalizer, *, spec: _LossSpec):
     return loss, stats, grads
 
 
+_STAT_SUM = ("tokens", "gate_loss")
+_STAT_MIN, _STAT_MAX = ("ratio_min",), ("ratio_max",)
+
+
+def _reduce_stats(stats):
+    """Inside `shard_map`: the microbatch's stats from every device's: token counts and loss
+    shares summed, min/max reduced, the rest (token means) re-weighted by token counts."""
+    from looprl.distributed.mesh import ROW_AXES
+    n = stats["tokens"]
+    n_all = jax.lax.psum(n, ROW_AXES)
+    out = {}
+    for k, v in stats.items():
+        if k in _STAT_SUM:
+            out[k] = jax.lax.psum(v, ROW_AXES)
+        elif k in _STAT_MIN:
+            out[k] = jax.lax.pmin(v, ROW_AXES)
+        elif k in _STAT_MAX:
+            out[k] = jax.lax.pmax(v, ROW_AXES)
+        else:
+            out[k] = jax.lax.psum(v * n, ROW_AXES) / jnp.maximum(n_all, 1.0)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _mesh_loss_and_grad(spec: _LossSpec, mesh, param_specs_flat, mb_keys: tuple):
+    """`_loss_and_grad` on a mesh: each device runs `_policy_loss` on its rows with the
+    parameters all-gathered (`gather_fsdp`); the loss shares and gradients are summed over the
+    row axes (gradients come back with the parameters' shardings)."""
+    from jax.sharding import PartitionSpec as PS
+
+    from looprl.distributed.mesh import ROW_AXES, gather_fsdp, sum_grads
+
+    treedef, leaves = param_specs_flat
+    pspecs = jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def body(params, mb, normalizer, gate_normalizer):
+        def local(p):
+            return _policy_loss(gather_fsdp(p, pspecs), mb, normalizer, gate_normalizer, spec)
+        (loss, stats), grads = jax.value_and_grad(local, has_aux=True)(params)
+        return (jax.lax.psum(loss, ROW_AXES), _reduce_stats(stats), sum_grads(grads, pspecs))
+
+    mb_specs = {k: PS(None, ROW_AXES) if k in _LOOP_KEYS else PS(ROW_AXES) for k in mb_keys}
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspecs, mb_specs, PS(), PS()),
+                                 out_specs=(PS(), PS(), pspecs), check_vma=False))
+
+
+_LOOP_KEYS = ("old_lp_T", "old_gate_z")  # [T, B, S]: rows on axis 1
+
+
 @functools.partial(jax.jit, static_argnames=("opt",))
 def _apply(params, opt_state, grads, *, opt):
     updates, opt_state = opt.update(grads, opt_state, params)
@@ -274,10 +324,21 @@ class GRPOLearner:
     are what a training checkpoint stores and restores (exact resume)."""
 
     def __init__(self, cfg: ExperimentConfig, model_cfg: OuroConfig, params, task, tokenizer,
-                 ref_params=None):
+                 ref_params=None, mesh=None):
+        """`mesh`: a `jax.sharding.Mesh`; default `cfg.mesh` over every visible device when
+        there are several (one device: no mesh, the unsharded programs)."""
+        from looprl.distributed import mesh as ml
         self.cfg, self.model_cfg, self.task, self.tokenizer = cfg, model_cfg, task, tokenizer
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-        self.ref_params = self.params if ref_params is None else ref_params
+        if mesh is None and jax.device_count() > 1:
+            mesh = ml.make_mesh(cfg.mesh)
+        self.mesh = mesh if ml.is_sharded(mesh) else None
+        self.params = jax.tree.map(lambda a: np.asarray(a, np.float32)
+                                   if not isinstance(a, jax.Array) else a.astype(jnp.float32),
+                                   params)
+        self.params = ml.place_params(self.params, self.mesh) if self.mesh is not None else \
+            jax.tree.map(jnp.asarray, self.params)
+        self.ref_params = self.params if ref_params is None else \
+            ml.place_params(ref_params, self.mesh)
         self.opt = make_optimizer(cfg, self.params)
         self.opt_state = self.opt.init(self.params)
         self.data_position = 0
@@ -316,8 +377,47 @@ class GRPOLearner:
                                   f"seed")
         self.params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         self.opt_state = jax.tree.map(jnp.asarray, state["opt_state"])
+        if self.mesh is not None:  # back onto this run's mesh (any device count wrote them)
+            from looprl.distributed.mesh import place_params
+            self.params = place_params(self.params, self.mesh)
+            self.opt_state = place_params(self.opt_state, self.mesh)
         self.data_position = int(state["data_position"])
         return int(state["step"])
+
+    # --- the mesh -----------------------------------------------------------------------------
+    def _check_handoff(self, batch, step: int) -> None:
+        """The weights the sampler used are the learner's (digest), and the rollout's mesh lets
+        the learner claim exact replay; raises TrainingError otherwise."""
+        from looprl.distributed.mesh import mesh_record, replay_compatible
+        from looprl.sampling.schedule import params_fingerprint
+        fp = params_fingerprint(self.params)
+        if fp != batch.schedule.params_fingerprint:
+            raise TrainingError(f"GRPO step {step}: the rollout was sampled with parameters "
+                                f"{batch.schedule.params_fingerprint}, the learner holds {fp}")
+        ok, why = replay_compatible(batch.schedule.mesh, mesh_record(self.mesh, self.params))
+        if not ok:
+            raise TrainingError(f"GRPO step {step}: {why}")
+
+    def _loss_and_grad(self, mb, norm, gate_norm):
+        """One microbatch's (loss, stats, grads), on the mesh when there is one (rows padded
+        with zero rows, which carry no tokens, to a multiple of the row shards)."""
+        if self.mesh is None:
+            return _loss_and_grad(self.params, {k: jnp.asarray(v) for k, v in mb.items()},
+                                  norm, gate_norm, spec=self.spec)
+        from looprl.distributed import mesh as ml
+        n = ml.padded_rows(len(mb["tokens"]), self.mesh)
+        placed = {}
+        for k, v in mb.items():
+            ax = 1 if k in _LOOP_KEYS else 0
+            placed[k] = ml.put_global(ml.pad_rows(v, n, ax), ml.row_sharding(self.mesh,
+                                                                             v.ndim, ax))
+        specs = ml.param_specs(self.params, self.mesh)
+        flat = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, PS))
+        fn = _mesh_loss_and_grad(self.spec, self.mesh, (flat[1], tuple(flat[0])),
+                                 tuple(sorted(mb)))
+        rep = ml.replicated(self.mesh)
+        return fn(self.params, placed, ml.put_global(np.float32(norm), rep),
+                  ml.put_global(np.float32(gate_norm), rep))
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
@@ -328,7 +428,9 @@ class GRPOLearner:
         self.data_position += N
         prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
         batch = generate(self.model_cfg, self.params, prompts, self.scfg, group_size=G,
-                         seed=cfg.run.seed, step=step, prompt_indices=[p.id for p in problems])
+                         seed=cfg.run.seed, step=step, prompt_indices=[p.id for p in problems],
+                         mesh=self.mesh)
+        self._check_handoff(batch, step)
         rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch, G)
         rollout_s = time.perf_counter() - t0
 
@@ -342,17 +444,21 @@ class GRPOLearner:
         # measurements at the sampler's parameters (the first update of this rollout batch)
         forced = self.replay_impl == "forced"
         if forced:
-            replay_lp, replay_lpp = forced_replay_logprobs(self.model_cfg, self.params, batch)
+            replay_lp, replay_lpp = forced_replay_logprobs(self.model_cfg, self.params, batch,
+                                                           mesh=self.mesh)
         else:
-            replay_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "replay")
+            replay_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "replay",
+                                          mesh=self.mesh)
         replay_exact = bits_equal_fraction(replay_lp, recorded, emit)
         stock_diff = float("nan")
         if cfg.learner.measure_stock:
-            stock_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "stock")
+            stock_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "stock",
+                                         mesh=self.mesh)
             stock_diff = float(np.max(np.abs(stock_lp - recorded)[emit], initial=0.0))
         ref_lp = replay_lp
         if self.ref_params is not self.params:
-            ref_lp, _ = batch_logprobs(self.model_cfg, self.ref_params, batch, "replay")
+            ref_lp, _ = batch_logprobs(self.model_cfg, self.ref_params, batch, "replay",
+                                       mesh=self.mesh)
         x = (ref_lp - recorded)[emit]
         kl_ref = float(np.mean(np.expm1(x) - x)) if x.size else 0.0
 
@@ -364,8 +470,15 @@ class GRPOLearner:
                                        else batch.logprob_BxS, np.float32),
                   "sampler_lp": recorded.astype(np.float32), "ref_lp": ref_lp.astype(np.float32)}
         if spec.loop_credit != "none":
-            old_T, old_z = _old_loop_pass(self.params, *(jnp.asarray(arrays[k]) for k in
-                                          ("tokens", "pad", "exit_loop", "kv_depth")), spec=spec)
+            loop_in = tuple(arrays[k] for k in ("tokens", "pad", "exit_loop", "kv_depth"))
+            if self.mesh is not None:
+                from looprl.distributed.mesh import row_sharded_call
+                old_T, old_z = row_sharded_call(_old_loop_pass, self.mesh, (self.params,),
+                                                loop_in, static={"spec": spec},
+                                                row_axes_out=(1, 1))
+            else:
+                old_T, old_z = _old_loop_pass(self.params, *map(jnp.asarray, loop_in),
+                                              spec=spec)
             arrays["old_lp_T"] = np.asarray(old_T)
             arrays["old_gate_z"] = np.asarray(old_z)
         hybrid_forced = forced and spec.method == "hybrid"
@@ -381,7 +494,7 @@ class GRPOLearner:
             for m in range(cfg.learner.minibatches):
                 if hybrid_forced and (epoch or m):  # the sampler re-run at the updated params
                     arrays["replay_lp"], arrays["replay_lpp"] = forced_replay_logprobs(
-                        self.model_cfg, self.params, batch)
+                        self.model_cfg, self.params, batch, mesh=self.mesh)
                 rows = np.arange(m * mb_rows, (m + 1) * mb_rows)
                 mask = arrays["exit_loop"][rows] > 0
                 norm = grpo.loss_normalizer(jnp.asarray(mask), cfg.grpo.loss_agg,
@@ -390,10 +503,8 @@ class GRPOLearner:
                 grads_sum, loss_sum = None, 0.0
                 for u in range(0, mb_rows, micro):
                     r = rows[u:u + micro]
-                    mb = {k: jnp.asarray(v[:, r] if k in ("old_lp_T", "old_gate_z") else v[r])
-                          for k, v in arrays.items()}
-                    loss, stats, grads = _loss_and_grad(self.params, mb, norm, gate_norm,
-                                                        spec=spec)
+                    mb = {k: v[:, r] if k in _LOOP_KEYS else v[r] for k, v in arrays.items()}
+                    loss, stats, grads = self._loss_and_grad(mb, norm, gate_norm)
                     loss_sum += float(loss)
                     grads_sum = grads if grads_sum is None else jax.tree.map(jnp.add, grads_sum,
                                                                              grads)

@@ -320,7 +320,7 @@ def layout_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: i
 def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingConfig, *,
              group_size: int = 1, seed: int = 0, step: int = 0,
              prompt_indices: list[int] | None = None, decode_steps_per_call: int | None = None,
-             progress=None, forced: RolloutBatch | None = None) -> RolloutBatch:
+             progress=None, forced: RolloutBatch | None = None, mesh=None) -> RolloutBatch:
     """Sample `group_size` completions for each prompt; returns a `RolloutBatch` with schedule.
 
     Args:
@@ -330,6 +330,9 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
       decode_steps_per_call: decode steps per jitted call (progress granularity); default all.
       progress: optional callable(n_new_tokens_so_far, total) for a progress bar.
       forced: re-run this recorded rollout (tokens, exits, flushes, layout) at `params`.
+      mesh: a `jax.sharding.Mesh` (`looprl.distributed.mesh`): rows and the KV cache are split
+        over its row axes and each device runs this one-device program on its rows
+        (`shard_map`; params all-gathered), so every row gets the bits it gets on one device.
     Raises: SamplingError on bad input (see `SamplingConfig.validate`, `layout_prompts`).
     """
     T = cfg.total_ut_steps
@@ -362,13 +365,18 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
     rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
                    jnp.asarray(sample_index, jnp.int32), *frows)
     step_arr = jnp.int32(step)
-    s = _prefill(st, params, jnp.asarray(tokens), rows, step_arr)
+    prefill, decode, fetch = _prefill, _decode, np.asarray
+    B = tokens.shape[0]
+    tokens_in = jnp.asarray(tokens)
+    if mesh is not None and mesh.size > 1:
+        prefill, decode, fetch, tokens_in, rows, step_arr = _on_mesh(mesh, tokens, rows, step)
+    s = prefill(st, params, tokens_in, rows, step_arr)
     n_total = S - 1 - P
     per_call = decode_steps_per_call or max(n_total, 1)
     done_steps = 0
     while done_steps < n_total:
-        s = _decode(st, params, s, rows, step_arr, per_call)
-        done_steps = int(s.p) - P
+        s = decode(st, params, s, rows, step_arr, per_call)
+        done_steps = int(jnp.max(s.p)) - P  # on a mesh: the furthest device (module doc)
         if progress is not None:
             progress(done_steps + 1, n_total + 1)
         if bool(jnp.all(s.done_B)):
@@ -381,13 +389,80 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         prompt_len=int(P), seq_len=int(S), batch_size=int(tokens.shape[0]),
         total_ut_steps=T, compute_dtype=scfg.compute_dtype, temperature=float(scfg.temperature),
         top_k=int(scfg.top_k), top_p=float(scfg.top_p), seed=int(seed), step=int(step),
-        params_fingerprint=params_fingerprint(params), devices=1,
+        params_fingerprint=params_fingerprint(params),
+        devices=1 if mesh is None else int(mesh.size),
         backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
-        row_tile=ROW_TILE if scfg.kernels == "invariant" else 1, kernels=scfg.kernels)
+        row_tile=ROW_TILE if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
+        mesh=_mesh_record(mesh, params))
     return RolloutBatch(
-        tokens_BxS=np.asarray(s.tokens_BxS), pad_B=np.asarray(pad),
-        exit_loop_BxS=np.asarray(s.exit_loop_BxS), logprob_BxS=np.asarray(s.logprob_BxS),
-        logprob_processed_BxS=np.asarray(s.logprob_processed_BxS),
-        flush_BxS=np.asarray(s.flush_BxS), prompt_index_B=np.asarray(prompt_index, np.int32),
+        tokens_BxS=fetch(s.tokens_BxS)[:B], pad_B=np.asarray(pad),
+        exit_loop_BxS=fetch(s.exit_loop_BxS)[:B], logprob_BxS=fetch(s.logprob_BxS)[:B],
+        logprob_processed_BxS=fetch(s.logprob_processed_BxS)[:B],
+        flush_BxS=fetch(s.flush_BxS)[:B], prompt_index_B=np.asarray(prompt_index, np.int32),
         sample_index_B=np.asarray(sample_index, np.int32),
-        completion_len_B=np.asarray(s.completion_len_B), schedule=sched)
+        completion_len_B=fetch(s.completion_len_B)[:B], schedule=sched)
+
+
+# --- on a mesh (issue 7): the same programs, one per device on its rows -------------------------
+
+def _mesh_record(mesh, params):
+    from looprl.distributed.mesh import mesh_record
+    return mesh_record(mesh if mesh is not None and mesh.size > 1 else None, params)
+
+
+def _state_specs():
+    from jax.sharding import PartitionSpec as PS
+
+    from looprl.distributed.mesh import ROW_AXES
+    row, kv = PS(ROW_AXES), PS(None, None, ROW_AXES)  # the caches are [T, L, B, S, Hkv, K]
+    return DecodeState(row, row, row, kv, kv, row, row, row, row, row, row, row)
+
+
+@functools.lru_cache(maxsize=32)
+def _mesh_prefill(st: _Static, mesh):
+    from jax.sharding import PartitionSpec as PS
+
+    from looprl.distributed.mesh import ROW_AXES
+
+    def body(params, tokens_BxS, rows, step):
+        s = _prefill(st, params, tokens_BxS, rows, step)
+        return s._replace(p=s.p[None])  # each device's position: p is [devices] on the mesh
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PS(), PS(ROW_AXES), PS(ROW_AXES),
+                                                             PS()),
+                                 out_specs=_state_specs(), check_vma=False))
+
+
+@functools.lru_cache(maxsize=32)
+def _mesh_decode(st: _Static, mesh, n_steps: int):
+    from jax.sharding import PartitionSpec as PS
+
+    from looprl.distributed.mesh import ROW_AXES
+
+    def body(params, s, rows, step):
+        s = _decode(st, params, s._replace(p=s.p[0]), rows, step, n_steps)
+        return s._replace(p=s.p[None])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PS(), _state_specs(), PS(ROW_AXES),
+                                                             PS()),
+                                 out_specs=_state_specs(), check_vma=False), donate_argnums=(1,))
+
+
+def _on_mesh(mesh, tokens, rows: RowInfo, step: int):
+    """Place a rollout on `mesh`: rows padded (copies of row 0) to a multiple of the row shards
+    and split; returns (prefill, decode, fetch, tokens, rows, step) for `generate`'s loop.
+
+    Each device's decode loop stops when its own rows are done, so `p` differs per device;
+    devices still running advance together, hence `generate` counts steps by the largest p."""
+    from looprl.distributed import mesh as ml
+
+    n = ml.padded_rows(tokens.shape[0], mesh)
+    put = lambda a: ml.put_global(ml.pad_rows(np.asarray(a), n, fill="first"),  # noqa: E731
+                                  ml.row_sharding(mesh, np.ndim(a)))
+    rows = RowInfo(*(None if a is None else put(a) for a in rows))
+    step_arr = ml.put_global(np.int32(step), ml.replicated(mesh))
+
+    def prefill(st, params, tokens_BxS, rows, step):
+        return _mesh_prefill(st, mesh)(params, tokens_BxS, rows, step)
+
+    def decode(st, params, s, rows, step, n_steps):
+        return _mesh_decode(st, mesh, n_steps)(params, s, rows, step)
+    return prefill, decode, ml.to_host, put(tokens), rows, step_arr

@@ -7,10 +7,11 @@ whose logits emitted `tokens_BxS[:, i + 1]` and `logprob_BxS[:, i]` its recorded
 `exit_loop_BxS` is 0 where nothing is emitted (earlier prompt positions, padding, after EOS).
 
 The schedule is everything dynamic that determined the numbers: exit loops, the KV policy and
-its deferred flushes, how work was grouped (chunk size, batch shape, padding), devices, compute
-dtype, the sampler's kernels (`invariant`: row tile `row_tile`, reproduced by the learner's dense
-pass; `stock`: reproduced only by a forced re-run of the sampler), and a fingerprint of the
-sampler's parameters. The learner never re-decides any of it.
+its deferred flushes, how work was grouped (chunk size, batch shape, padding), the devices, mesh
+and shardings (`mesh`, optional: absent = one device), compute dtype, the sampler's kernels
+(`invariant`: row tile `row_tile`, reproduced by the learner's dense pass; `stock`: reproduced
+only by a forced re-run of the sampler), and a fingerprint of the sampler's parameters. The
+learner never re-decides any of it.
 
 On disk (`save`/`load`): one `.npz` file holding the arrays and a JSON `meta` string with
 `format_version` (currently 1) and the schedule fields.
@@ -61,6 +62,9 @@ class Schedule:
     row_tile: int = 64
     stop_ids: tuple[int, ...] = (2,)
     kernels: str = "invariant"  # the sampler's kernels: "invariant" or "stock" (replay = forced)
+    # where it ran (`looprl.distributed.mesh.mesh_record`): axis sizes, devices, processes, the
+    # row split and parameter shardings; None in files written before meshes (one device)
+    mesh: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -71,7 +75,7 @@ class Schedule:
     def from_dict(cls, d: dict[str, Any]) -> "Schedule":
         known = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids",
-                                            "kernels"})
+                                            "kernels", "mesh"})
         if missing:
             raise ScheduleError(f"schedule meta is missing keys {missing}")
         d = {k: v for k, v in d.items() if k in known}

@@ -1,0 +1,1 @@
+"""Meshes, shardings and multi-process start (issue 7): `mesh` and `multihost`."""
