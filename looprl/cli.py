@@ -57,6 +57,17 @@ def _add_train(sub):
                                                     "or a run directory's config.json")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. out_dir=runs/x seed=1 stop_after=4")
+    d = p.add_argument_group("multi-host (jax.distributed; see README 'Multi-device and "
+                             "multi-host')")
+    d.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                   help="process 0's address (default: $LOOPRL_COORDINATOR)")
+    d.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="processes in the run (default: $LOOPRL_NUM_PROCESSES)")
+    d.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process's index 0..N-1 (default: $LOOPRL_PROCESS_ID)")
+    d.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run, auto-detecting coordinator, count and id "
+                        "(TPU pod slices, SLURM srun, Open MPI)")
     p.set_defaults(func=lambda a: _lazy("looprl.train.run", "run_train")(a))
 
 

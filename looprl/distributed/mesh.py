@@ -121,7 +121,8 @@ def param_specs(tree, mesh: Mesh):
     Storage sharding only: every consumer all-gathers before use (`gather_fsdp`), so which axis
     is split never changes a contraction."""
     fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda a: _leaf_spec(np.shape(a), fsdp), tree)
+    return jax.tree.map(lambda a: _leaf_spec(tuple(getattr(a, "shape", np.shape(a))), fsdp),
+                        tree)
 
 
 def param_shardings(tree, mesh: Mesh):

@@ -14,7 +14,10 @@ when N > 1 devices are visible), each with the methods `replay`, `dense` and `st
   step (a policy-gradient loss on hybrid log-probs with random +-1 advantages) away; the learner
   runs on the rollout with its log-probs removed (`without_logprobs`) and is compared with the
   sampler re-run in forced mode at the updated params.
-- devices N: the `same` batching with the batch split across N devices (NamedSharding).
+- devices N (when N > 1 devices are visible): the rollout sampled again with its rows split
+  across N devices, and its learner on the same split (`looprl.distributed.mesh`: every device
+  runs the one-device program on its rows, parameters all-gathered), `same` batching; these
+  cells also report `exact_fraction_vs_one_device_sampler` (informative).
 
 Per cell: `exact_fraction` (raw bits equal, as uint32), `max_abs_diff`, `mean_abs_diff`, `k3_kl`
 (mean over sampled tokens of the k3 estimate of KL(learner || sampler)). A `replay` cell passes
@@ -155,48 +158,32 @@ def compare_logprobs(lp_BxS, ref_BxS, mask_BxS) -> dict[str, float]:
 
 # --- the learner side of a cell -----------------------------------------------------------------
 
-def _sharded_logprobs(cfg, params, batch, method: str, n_devices: int):
-    """`batch_logprobs` with the batch axis split over `n_devices` devices (NamedSharding)."""
+def device_mesh(devices: int):
+    """A data-parallel mesh over the first `devices` devices (None for one device)."""
+    if devices <= 1:
+        return None
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from looprl.learner import logprobs as lpm
-
-    mesh = Mesh(np.asarray(jax.devices()[:n_devices]), ("data",))
-    rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    sch = batch.schedule
-    tokens, pad = np.asarray(batch.tokens_BxS), np.asarray(batch.pad_B)
-    exit_loop, kv_depth = np.asarray(batch.exit_loop_BxS), batch.kv_depth_BxS()
-    S = sch.seq_len
-    if method == "stock":
-        live = min(int(sch.prompt_len + np.max(np.asarray(batch.completion_len_B), initial=1)), S)
-        tokens, exit_loop, kv_depth = tokens[:, :live], exit_loop[:, :live], kv_depth[:, :live]
-    put = lambda a: jax.device_put(jnp.asarray(a), rows)  # noqa: E731
-    lp, _ = lpm._jit_logprobs(
-        jax.device_put(params, rep), put(tokens), put(pad), put(exit_loop), put(kv_depth),
-        cfg=cfg, kv_policy=sch.kv_policy, compute_dtype=sch.compute_dtype,
-        temperature=float(sch.temperature), method=method, top_k=int(sch.top_k),
-        top_p=float(sch.top_p), remat=False)
-    lp = np.asarray(lp)
-    return np.pad(lp, ((0, 0), (0, S - lp.shape[1]))) if lp.shape[1] < S else lp
+    from looprl.distributed.mesh import make_mesh
+    return make_mesh(None, jax.devices()[:devices])
 
 
 def learner_logprobs(cfg, params, batch, method: str, batching: str, perm, minibatch: int,
                      devices: int = 1, replay_impl: str = "invariant"):
     """Learner log-probs `[B, S]` of `batch` in the row order the cell compares (identity for
     `same`, `perm` for `different`). `replay` of a stock-kernel rollout is always the forced
-    re-run (`replay_impl_of`)."""
+    re-run (`replay_impl_of`). `devices` > 1: the rows split across that many devices
+    (`looprl.distributed.mesh`; each device runs the one-device program on its rows)."""
     import numpy as np
 
     from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
 
+    mesh = device_mesh(devices)
     if method == "replay" and replay_impl_of(batch, replay_impl) == "forced":
         return forced_replay_logprobs(cfg, params, batch,
-                                      rows=None if batching == "same" else perm)[0]
-    if devices > 1:
-        return _sharded_logprobs(cfg, params, batch, method, devices)
+                                      rows=None if batching == "same" else perm, mesh=mesh)[0]
+    if mesh is not None:
+        return batch_logprobs(cfg, params, batch, method, mesh=mesh)[0]
     if batching == "same":
         return batch_logprobs(cfg, params, batch, method)[0]
     parts = [batch_logprobs(cfg, params, batch, method, rows=perm[i:i + minibatch])[0]
@@ -232,20 +219,17 @@ def requirement_failures(tokens: int, early_exit_fraction: float, schedule,
 
 def batching_layouts(batch_size: int, n_devices: int) -> tuple[list[tuple[str, int]], list[str]]:
     """The (batching, devices) layouts a rollout of `batch_size` rows is checked in, and notes
-    on the ones skipped: `different` needs >= 2 rows (one row permuted is the same batching),
-    N devices need the rows to split evenly."""
+    on the ones skipped: `different` needs >= 2 rows (one row permuted is the same batching).
+    A rollout sampled on N > 1 devices is checked on the same N-device row split only (rows
+    padded to a multiple of N; `_cell_group`)."""
+    if n_devices > 1:
+        return [("same", n_devices)], []
     layouts, notes = [("same", 1)], []
     if batch_size > 1:
         layouts.append(("different", 1))
     else:
         notes.append("batch size 1: the 'different' batching cells are skipped (a permutation "
                      "of one row is the 'same' batching; not a test of batch invariance)")
-    if n_devices > 1:
-        if batch_size % n_devices == 0:
-            layouts.append(("same", n_devices))
-        else:
-            notes.append(f"batch size {batch_size} does not split over {n_devices} devices: "
-                         f"the {n_devices}-device cells are skipped")
     return layouts, notes
 
 
@@ -283,7 +267,11 @@ def updated_params(cfg, params, batch, learning_rate: float, seed: int):
 def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions, n_devices: int,
                 log, notes: list[str] | None = None) -> list[dict]:
     """All cells of one rollout `rb` (one weights x dtype x policy). Notes on skipped layouts
-    are appended to `notes` (once each)."""
+    are appended to `notes` (once each). `n_devices` > 1: `rb` was sampled on that many devices
+    (rows split) and the cells are its learner on the same split (batching `same`); each cell
+    also reports `exact_fraction_vs_one_device_sampler`, the learner against the sampler re-run
+    in forced mode on one device (informative: the kernels' row invariance across local batch
+    sizes, not needed for replay)."""
     import numpy as np
 
     sch = rb.schedule
@@ -303,8 +291,12 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
     refs = {"sampler": np.asarray(rb.logprob_BxS)}
     t0 = time.time()
     forced = __import__("looprl.learner.logprobs", fromlist=["x"]).forced_replay_logprobs
-    refs["updated"] = forced(cfg, params_u, rb)[0]  # the sampler re-run in forced mode
+    mesh = device_mesh(n_devices)
+    refs["updated"] = forced(cfg, params_u, rb, mesh=mesh)[0]  # the sampler re-run, forced mode
     log(f"    forced sampler at updated params: {time.time() - t0:.1f}s")
+    one_device = None
+    if mesh is not None:
+        one_device = {"sampler": forced(cfg, params, rb)[0], "updated": forced(cfg, params_u, rb)[0]}
     batches = {"sampler": rb, "updated": rb.without_logprobs()}
     param_sets = {"sampler": params, "updated": params_u}
     layouts, layout_notes = batching_layouts(B, n_devices)
@@ -326,6 +318,9 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
                         "method": method, "learner_minibatch": B if batching == "same"
                         else minibatch, **compare_logprobs(lp, ref, m),
                         "requirements_met": not unmet, "requirements_unmet": list(unmet)}
+                if one_device is not None:
+                    cell["exact_fraction_vs_one_device_sampler"] = compare_logprobs(
+                        lp, one_device[pname][order], m)["exact_fraction"]
                 if method == "replay":
                     cell["replay_impl"] = replay_impl_of(batches[pname])
                     if cell["exact_fraction"] < 1.0 and opts.replay_impl == "auto" \
@@ -394,7 +389,15 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
                     params_u = updated_params(cfg, params, rb, opts.update_learning_rate,
                                               opts.seed)
                 cells += _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts,
-                                     n_devices=n_devices, log=log, notes=notes)
+                                     n_devices=1, log=log, notes=notes)
+                if n_devices > 1:  # the same rollout sampled with its rows split over devices
+                    t0 = time.time()
+                    rbm = generate(cfg, params, prompts, scfg, group_size=opts.group_size,
+                                   seed=opts.seed, step=0, mesh=device_mesh(n_devices))
+                    log(f"  {weights} {dtype} {policy}: rollout on {n_devices} devices "
+                        f"{time.time() - t0:.1f}s")
+                    cells += _cell_group(cfg, params, params_u, rbm, weights=weights, opts=opts,
+                                         n_devices=n_devices, log=log, notes=notes)
     return cells
 
 
@@ -411,8 +414,12 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
                             f", these are {fp}: pass the sampler's --checkpoint")
     import jax
     params_u = updated_params(cfg, params, rb, opts.update_learning_rate, opts.seed)
-    return _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts,
-                       n_devices=jax.device_count(), log=log, notes=notes)
+    n = min(int(rb.schedule.devices or 1), jax.device_count())
+    if n != int(rb.schedule.devices or 1):
+        log(f"    note: the rollout was sampled on {rb.schedule.devices} devices, {n} visible: "
+            f"its cells run on {n}")
+    return _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts, n_devices=n,
+                       log=log, notes=notes)
 
 
 # --- report -------------------------------------------------------------------------------------

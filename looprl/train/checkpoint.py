@@ -98,15 +98,47 @@ def _flatten_train_state(state) -> tuple[dict[str, np.ndarray], list[dict[str, A
         if _is_prng_key(leaf):
             impl = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
-        a = np.asarray(leaf)
+        # sharded arrays stay jax arrays (each process writes its shards), the rest numpy
+        sharded = isinstance(leaf, jax.Array) and not leaf.is_fully_replicated
+        a = leaf if sharded else np.asarray(leaf)
         flat[f"leaf_{i:05d}"] = a
-        records.append({"name": leaf_name(path), "dtype": a.dtype.name,
+        records.append({"name": leaf_name(path), "dtype": np.dtype(a.dtype).name,
                         "shape": list(a.shape), "prng_impl": impl})
     names = [r["name"] for r in records]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise CheckpointError(f"train_state: leaf names {dup[:3]} are ambiguous (a key holds '/')")
     return flat, records
+def _to_saveable(tree, dtype=None):
+    """Leaves as orbax writes them: a jax array sharded over devices stays one (every process
+    writes its own shards; needed across hosts, where no process holds the whole array), the
+    rest become numpy. On disk both are the same tensorstore arrays; `_restore` reads either
+    on any device count."""
+    import jax
+
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_replicated:
+            return a if dtype is None else a.astype(dtype)
+        return np.asarray(a) if dtype is None else np.asarray(a).astype(dtype)
+    return jax.tree.map(one, tree)
+
+
+def _restore(directory: Path, shardings=None):
+    """Restore an orbax PyTree as numpy (default) or, with `shardings` (a tree of
+    `jax.sharding.Sharding` matching the stored tree), as global jax arrays placed so. Restore
+    arguments are always explicit, so a tree written on N devices restores on any M (orbax's
+    default would reuse the writer's device shardings)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    ckptr = _checkpointer()
+    stored = ckptr.metadata(directory)
+    stored = getattr(getattr(stored, "item_metadata", stored), "tree", stored)
+    if shardings is None:
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
+    else:
+        args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), stored, shardings)
+    return ckptr.restore(directory, restore_args=args)
 
 
 def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroConfig,
@@ -143,37 +175,61 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    import jax
+
+    from looprl.distributed.multihost import sync
+
+    multi = jax.process_count() > 1
+    main = jax.process_index() == 0
+    if multi:  # every process writes its own shards into one directory (a name all of them
+        # agree on, on a filesystem they share); process 0 writes the rest and renames it
+        tmp = path.parent / f".{path.name}.tmp-multiprocess"
+        if main and tmp.exists():
+            shutil.rmtree(tmp)
+        sync(f"looprl-checkpoint-start:{path}")
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         ckptr = _checkpointer()
-        ckptr.save(tmp / PARAMS_DIR, _to_numpy(params, np.float32))
+        ckptr.save(tmp / PARAMS_DIR, _to_saveable(params, np.float32))
         records = None
         if train_state is not None:
             flat, records = _flatten_train_state(train_state)
             ckptr.save(tmp / TRAIN_STATE_DIR, flat)
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        if tokenizer_json is not None:
-            (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
-        for name, text in extra_files.items():
-            (tmp / name).write_text(text)
-        meta = {"format": FORMAT, "version": VERSION, "has_tokenizer": tokenizer_json is not None,
-                "has_train_state": train_state is not None, "train_state_leaves": records,
-                "extra_files": sorted(extra_files), **(extra_meta or {}),
-                "files": _synced_manifest(tmp)}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _fsync(tmp / META_FILE)
-        _fsync(tmp)
-        old = None
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / "ckpt")
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if main:
+            _finish_checkpoint(path, tmp, cfg, tokenizer_json, extra_meta, extra_files,
+                               train_state is not None, records)
+        if multi:
+            sync(f"looprl-checkpoint-done:{path}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _finish_checkpoint(path: Path, tmp: Path, cfg: OuroConfig, tokenizer_json, extra_meta,
+                       extra_files: dict[str, str], has_train_state: bool, records) -> None:
+    """Process 0's part of a save: the JSON files, the manifest, the meta, the rename."""
+    (tmp / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if tokenizer_json is not None:
+        (tmp / TOKENIZER_FILE).write_text(tokenizer_json)
+    for name, text in extra_files.items():
+        (tmp / name).write_text(text)
+    meta = {"format": FORMAT, "version": VERSION, "has_tokenizer": tokenizer_json is not None,
+            "has_train_state": has_train_state, "train_state_leaves": records,
+            "extra_files": sorted(extra_files), **(extra_meta or {}),
+            "files": _synced_manifest(tmp)}
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    _fsync(tmp / META_FILE)
+    _fsync(tmp)
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.replace(path, old / "ckpt")
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:
@@ -197,8 +253,6 @@ def _synced_manifest(root: Path) -> dict[str, int]:
             files[p.relative_to(root).as_posix()] = p.stat().st_size
         _fsync(Path(dirpath))
     return dict(sorted(files.items()))
-
-
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """`looprl_meta.json` of a checkpoint, after checking the directory is a complete one.
 
@@ -240,12 +294,14 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def load_model_checkpoint(path: str | Path
+def load_model_checkpoint(path: str | Path, mesh=None
                           ) -> tuple[dict[str, Any], OuroConfig, str | None, dict[str, Any]]:
     """Read a looprl checkpoint (model or training): (params, cfg, tokenizer_json, meta).
 
     params: nested dict of fp32 numpy arrays in the `param_dict` layout, checked against cfg
-    (shapes) and fp32 (a stored array of another dtype is refused, never cast).
+    (shapes) and fp32 (a stored array of another dtype is refused, never cast); with a `mesh`,
+    global jax arrays with `looprl.distributed.mesh.param_shardings` (each process reads only
+    its shards). Either way from a checkpoint written on any device count.
     tokenizer_json: the stored `tokenizer.json` text, or None. meta: `looprl_meta.json`.
     `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, or
     a param mismatch (naming the array).
@@ -262,10 +318,16 @@ def load_model_checkpoint(path: str | Path
     except (OSError, json.JSONDecodeError, ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from e
     try:
-        params = _checkpointer().restore(path / PARAMS_DIR)
+        shardings = None
+        if mesh is not None:
+            from looprl.distributed.mesh import param_shardings
+            from looprl.model.hf import expected_param_shapes
+            shardings = param_shardings(expected_param_shapes(cfg), mesh)
+        params = _restore(path / PARAMS_DIR, shardings)
     except Exception as e:  # orbax raises several types for a damaged directory
         raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore parameters: {e}") from e
-    params = _to_numpy(params)
+    if mesh is None:
+        params = _to_numpy(params)
     check_param_tree(params, cfg, source=f"{path / PARAMS_DIR}")
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if leaf.dtype != np.float32:
@@ -359,7 +421,7 @@ def tree_like_template(stored: dict[str, Any], template: Any, where: str) -> Any
             raise CheckpointError(f"{where}: array {name!r} is {_describe(a)}, expected "
                                   f"{_describe(t)}")
         if np.shape(a) != np.shape(t) or (not _is_prng_key(a) and
-                                          np.asarray(a).dtype != np.asarray(t).dtype):
+                                          _dtype_of(a) != _dtype_of(t)):
             raise CheckpointError(f"{where}: array {name!r} is {_describe(a)}, expected "
                                   f"{_describe(t)} (restores never cast)")
         out.append(a)
@@ -370,8 +432,12 @@ def _describe(leaf) -> str:
     import jax
     if _is_prng_key(leaf):
         return f"a PRNG key ({jax.random.key_impl(leaf)}) of shape {list(np.shape(leaf))}"
-    a = np.asarray(leaf)
-    return f"dtype {a.dtype.name} shape {list(a.shape)}"
+    return f"dtype {_dtype_of(leaf).name} shape {list(np.shape(leaf))}"
+
+
+def _dtype_of(x) -> np.dtype:
+    """A leaf's dtype without reading its values (a sharded array may span processes)."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def params_sha256(params: dict[str, Any]) -> str:

@@ -93,12 +93,14 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
     leftovers of interrupted writes). An existing (e.g. incomplete) directory of that step is
     replaced. Returns (dir, params_sha256)."""
     import jax
-    import numpy as np
 
     from looprl.train.checkpoint import params_sha256, save_model_checkpoint
 
+    from looprl.distributed.mesh import to_host
+    from looprl.distributed.multihost import is_main_process
+
     run_dir = Path(run_dir)
-    params = jax.tree.map(np.asarray, learner.params)
+    params = jax.tree.map(to_host, learner.params)
     sha = params_sha256(params)
     state = learner.train_state(step)
     path = save_model_checkpoint(
@@ -107,6 +109,8 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
                     "train_state_sha256": train_state_sha256(state)},
         train_state=state, overwrite=True,
         extra_files={CONFIG_IN_CHECKPOINT: to_json(cfg) + "\n"})
+    if not is_main_process():  # every process wrote its shards; process 0 keeps the index
+        return path, sha
     with (run_dir / CHECKPOINTS_DIR / INDEX_FILE).open("a") as f:
         f.write(json.dumps({"step": step, "params_sha256": sha, "dir": path.name}) + "\n")
     root = run_dir / CHECKPOINTS_DIR
@@ -179,7 +183,6 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
     ones recorded at save, so damaged bytes of the right size are a CheckpointError too, and
     `learner` is left untouched). Returns the next GRPO step."""
     import jax
-    import numpy as np
 
     from looprl.train.checkpoint import (leaf_name, load_model_checkpoint, load_train_state,
                                          params_sha256, read_checkpoint_meta,
@@ -192,7 +195,8 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
                               f"training checkpoint); resume needs RUN_DIR/checkpoints/step_*")
     params, _, _, _ = load_model_checkpoint(ckpt)
     stored = {leaf_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
-    template = jax.tree.map(np.asarray, learner.params)
+    from looprl.distributed.mesh import to_host
+    template = jax.tree.map(to_host, learner.params)
     params = tree_like_template(stored, template, where=f"{ckpt}/params")
     state = load_train_state(ckpt, template=learner.train_state(0))
     for what, got, key in (("parameters", params_sha256(params), "params_sha256"),

@@ -31,6 +31,7 @@ finishes the current step, saves a checkpoint and returns `{"preempted_at_step":
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -204,14 +205,18 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                                      restore_training_checkpoint, save_training_checkpoint)
     from looprl.train.warm_start import warm_start
 
+    from looprl.distributed.multihost import is_main_process, sync
+
     t_start = time.time() if t_start is None else t_start
     out = _prepare_out_dir(cfg)
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    main = is_main_process()  # only process 0 writes logs, metrics and reports (issue 7)
+    say = (lambda *a: None) if quiet or not main else (lambda *a: print(*a, flush=True))
     resume_from: list[tuple[int, Path]] = []  # complete training checkpoints, newest first
     if cfg.run.resume is not None:
         resume_from = _resume_candidates(out, say)
         load_resume_point(resume_from[0][1], cfg)
-    else:
+    sync("looprl-out-dir")  # every process checked out_dir before process 0 writes into it
+    if cfg.run.resume is None and main:
         save_json(cfg, out / "config.json")
     warm_task, rl_task = build_tasks(cfg)
     eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
@@ -249,13 +254,14 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                 eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
                 plateau_last_fraction=ws.plateau_last_fraction,
                 plateau_min_gain=ws.plateau_min_gain, plateau_min_evals=ws.plateau_min_evals)
-        (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
+        if main:
+            (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
         params = jax.tree.map(np.asarray, params)
         if ws.enabled or not cfg.model.checkpoint:
             save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
                                   extra_meta={"stage": "warm_start",
                                               "params_sha256": params_sha256(params)})
-        else:  # the reference policy is the given checkpoint: point at it, do not copy GBs
+        elif main:  # the reference policy is the given checkpoint: point at it, do not copy GBs
             (out / REFERENCE_FILE).write_text(json.dumps(
                 {"checkpoint": str(Path(cfg.model.checkpoint).resolve()),
                  "params_sha256": params_sha256(params)}, indent=2) + "\n")
@@ -267,8 +273,9 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
             before_q1 = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set,
                                  exit_threshold=1.0)
             say(f"eval before GRPO at q=1.0: {before_q1}")
-        (out / EVAL_BEFORE_FILE).write_text(json.dumps(
-            {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
+        if main:
+            (out / EVAL_BEFORE_FILE).write_text(json.dumps(
+                {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
     else:  # resume: the reference params, warm-start report and first evaluation are on disk
         params, mcfg, ckpt_tokenizer, ref_dir = _load_reference(out)
         tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, str(ref_dir))
@@ -298,21 +305,22 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
         raise ConfigError(f"config keys 'run.grpo_steps'/'run.stop_after': the run resumes at "
                           f"GRPO step {start}, past the requested end {n_steps}")
     if resume_at is not None:
-        save_json(cfg, out / "config.json")  # only once the resumption is known to be valid
+        if main:
+            save_json(cfg, out / "config.json")  # only once the resumption is known to be valid
         if start == n_steps:
             say(f"nothing to run: the run is at GRPO step {start}, the requested end "
                 f"(run.grpo_steps={cfg.run.grpo_steps}, run.stop_after={cfg.run.stop_after}); "
                 f"pass stop_after=none or a larger grpo_steps to continue")
-    metrics_path = out / "metrics.jsonl"
-    if resume_at is not None:  # drop rows of steps after the checkpoint (they are rerun)
+    metrics_path = out / "metrics.jsonl" if main else Path(os.devnull)
+    if resume_at is not None and main:  # drop rows of steps after the checkpoint (rerun)
         _truncate_jsonl(metrics_path, start, inclusive=False)
         _truncate_jsonl(out / "checkpoints" / "index.jsonl", start, inclusive=True)
     writer = None
-    if cfg.run.tensorboard:
+    if cfg.run.tensorboard and main:
         from tensorboardX import SummaryWriter
         writer = SummaryWriter(str(out / "tb"), purge_step=start if start else None)
     bar = None
-    if cfg.run.progress_bar and not quiet:
+    if cfg.run.progress_bar and not quiet and main:
         from tqdm import tqdm
         bar = tqdm(total=n_steps, initial=start, desc="GRPO", unit="step")
     tok_json = tokenizer.to_json()
@@ -324,8 +332,9 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                 try:
                     m = learner.step(step)
                 except TrainingError as e:
-                    (out / "failure.json").write_text(json.dumps(
-                        {"step": step, "error": str(e)}, indent=2) + "\n")
+                    if main:
+                        (out / "failure.json").write_text(json.dumps(
+                            {"step": step, "error": str(e)}, indent=2) + "\n")
                     raise
                 f.write(json.dumps(m) + "\n")
                 f.flush()
@@ -345,7 +354,9 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                 if sigterm.received and done < n_steps:
                     preempted = {"preempted_at_step": done, "checkpoint": str(path),
                                  "resume": f"looprl train CONFIG resume={out}"}
-                    (out / "preempted.json").write_text(json.dumps(preempted, indent=2) + "\n")
+                    if main:
+                        (out / "preempted.json").write_text(json.dumps(preempted, indent=2)
+                                                            + "\n")
                     break
     finally:
         if bar is not None:
@@ -357,10 +368,12 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
         say(f"SIGTERM: stopped after GRPO step {preempted['preempted_at_step']}, checkpoint "
             f"{preempted['checkpoint']}; continue with resume={out}")
         return preempted
-    (out / "preempted.json").unlink(missing_ok=True)
+    if main:
+        (out / "preempted.json").unlink(missing_ok=True)
     if n_steps == start == 0 and cfg.run.stop_after == 0:  # warm start only, resumable
         save_training_checkpoint(out, 0, learner, mcfg, tok_json, cfg)
-    params = jax.tree.map(np.asarray, learner.params)
+    from looprl.distributed.mesh import to_host
+    params = jax.tree.map(to_host, learner.params)
     # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
     after = before if n_steps == 0 else evaluate(mcfg, params, warm_task, tokenizer, cfg,
                                                  eval_set)
@@ -379,7 +392,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                "warm_start_steps": report.get("stage1_steps"),
                "warm_start_plateaued": report.get("plateaued"),
                "seed": cfg.run.seed}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -473,8 +487,13 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
 def run_train(args) -> int:
     """CLI entry: `looprl train CONFIG [key=value ...]`; an experiment file with `VARIANTS`
     runs every variant (`train_variants`). CONFIG may also be a run directory's `config.json`.
-    With `resume=` and no `out_dir=`, out_dir is the resumed directory. Returns the exit
-    status: 0, or 143 (128 + SIGTERM) when SIGTERM stopped the run after a checkpoint."""
+    With `resume=` and no `out_dir=`, out_dir is the resumed directory. With `--coordinator` /
+    `--distributed` (or the LOOPRL_* environment) the process first joins the others
+    (`looprl.distributed.multihost`). Returns the exit status: 0, or 143 (128 + SIGTERM) when
+    SIGTERM stopped the run after a checkpoint."""
+    from looprl.distributed.multihost import init_distributed, is_main_process
+    init_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                     getattr(args, "process_id", None), getattr(args, "distributed", False))
     if str(args.config).endswith(".json"):  # a run directory's config.json
         base, variants, shared = load_json(args.config), None, False
     else:
@@ -491,7 +510,9 @@ def run_train(args) -> int:
         return 0
     summary = train(cfg, t_start=getattr(args, "t_start", None))
     if "preempted_at_step" in summary:
-        print(json.dumps(summary))
+        if is_main_process():
+            print(json.dumps(summary))
         return 128 + signal.SIGTERM
-    print(json.dumps({k: summary[k] for k in _HEADLINE}))
+    if is_main_process():
+        print(json.dumps({k: summary[k] for k in _HEADLINE}))
     return 0
