@@ -52,8 +52,9 @@ def mesh_shape(data: int = -1, fsdp: int = 1, tensor: int = 1,
     fixed = int(np.prod([v for v in sizes.values() if v != -1]))
     if free:
         if n % fixed:
-            raise ConfigError(f"config key 'mesh.{free[0]}': the other axes use {fixed} devices, "
-                              f"which does not divide the {n} devices")
+            others = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items() if v != -1)
+            raise ConfigError(f"config key 'mesh.{free[0]}' (-1, the rest): {others} = {fixed} "
+                              f"devices does not divide the {n} visible devices")
         sizes[free[0]] = n // fixed
     if int(np.prod(list(sizes.values()))) != n:
         raise ConfigError(f"config keys mesh.data/fsdp/tensor: expected sizes whose product is "
