@@ -218,3 +218,24 @@ def test_two_processes_run_a_grpo_step_and_a_checkpoint_round_trip(tmp_path):
         ((jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(got)),
         key=lambda kv: kv[0])])
     assert np.array_equal(saved.view(np.uint32), flat.view(np.uint32))
+
+
+def test_verify_cells_on_one_device_keep_the_two_batchings_and_no_mesh_cells():
+    """With one device visible, `looprl verify` has no `devices` > 1 cells (and its rollout
+    cells are unchanged: `same` and `different` batching on one device)."""
+    sys.path.insert(0, str(HERE))
+    import mesh_worker
+
+    from looprl.learner.verify import VerifyOptions, _cell_group, updated_params
+    from looprl.sampling.sampler import SamplingConfig, generate
+    p = mesh_worker.params0()
+    rb = generate(mesh_worker.CFG, p, mesh_worker.PROMPTS,
+                  SamplingConfig(max_new_tokens=4, exit_threshold=0.7), group_size=2, seed=1)
+    opts = VerifyOptions(min_tokens=1, min_early_exit_fraction=0.0)
+    pu = updated_params(mesh_worker.CFG, p, rb, opts.update_learning_rate, 0)
+    cells = _cell_group(mesh_worker.CFG, p, pu, rb, weights="random", opts=opts, n_devices=1,
+                        log=lambda *a: None)
+    assert {(c["batching"], c["devices"]) for c in cells} == {("same", 1), ("different", 1)}
+    assert len(cells) == 2 * 2 * 3 and all("exact_fraction_vs_one_device_sampler" not in c
+                                           for c in cells)
+    assert all(c["exact_fraction"] == 1.0 for c in cells if c["method"] == "replay")
