@@ -63,7 +63,8 @@ def replay(out: Path):
         cells = _cell_group(CFG, p, pu, rb, weights="random", opts=opts, n_devices=n,
                             log=lambda *a: None)
         res[policy]["cells"] = [{k: c[k] for k in ("devices", "batching", "params", "method",
-                                                   "exact_fraction", "max_abs_diff")}
+                                                   "exact_fraction", "max_abs_diff",
+                                                   "exact_fraction_vs_one_device_sampler")}
                                 for c in cells]
     (out / "replay.json").write_text(json.dumps(res))
 
