@@ -218,19 +218,21 @@ def _row_call(fn, static: tuple, mesh: Mesh, n_rep: int, row_axes_in: tuple,
 def row_sharded_call(fn, mesh: Mesh, replicated_args: tuple, row_args: tuple, *,
                      static: dict | None = None, row_axes_in: tuple | None = None,
                      row_axes_out: tuple = (0,)):
-    """Run `fn(*replicated_args, *row_args, **static)` with the row arrays split over the mesh's row axes.
+    """Run `fn(*replicated_args, *row_args, **static)`, the row arrays split over the row axes.
 
     Every device runs `fn` (the one-device program) on its rows; `replicated_args` (parameter
     trees) are all-gathered to each device. Rows are padded with zeros to a multiple of the
     shard count and the padding dropped from the outputs. The compiled call is cached on `fn`
-    (a module-level function) and the hashable values of `static`. Returns a tuple of numpy arrays (full, on every process)."""
+    (a module-level function) and the hashable values of `static`. Returns a tuple of numpy
+    arrays (full, on every process)."""
     row_axes_in = row_axes_in or (0,) * len(row_args)
     n = np.shape(row_args[0])[row_axes_in[0]]
     n_pad = padded_rows(n, mesh)
     rows = [put_global(pad_rows(a, n_pad, ax), row_sharding(mesh, np.ndim(a), ax))
             for a, ax in zip(row_args, row_axes_in)]
     reps = [jax.tree.map(lambda a: put_global(a, replicated(mesh)), r) for r in replicated_args]
-    call = _row_call(fn, tuple(sorted((static or {}).items())), mesh, len(replicated_args), tuple(row_axes_in), tuple(row_axes_out))
+    call = _row_call(fn, tuple(sorted((static or {}).items())), mesh, len(replicated_args),
+                     tuple(row_axes_in), tuple(row_axes_out))
     outs = call(*reps, *rows)
     return tuple(np.take(to_host(o), np.arange(n), axis=ax) for o, ax in zip(outs, row_axes_out))
 

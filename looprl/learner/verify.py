@@ -296,7 +296,8 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
     log(f"    forced sampler at updated params: {time.time() - t0:.1f}s")
     one_device = None
     if mesh is not None:
-        one_device = {"sampler": forced(cfg, params, rb)[0], "updated": forced(cfg, params_u, rb)[0]}
+        one_device = {"sampler": forced(cfg, params, rb)[0],
+                      "updated": forced(cfg, params_u, rb)[0]}
     batches = {"sampler": rb, "updated": rb.without_logprobs()}
     param_sets = {"sampler": params, "updated": params_u}
     layouts, layout_notes = batching_layouts(B, n_devices)
