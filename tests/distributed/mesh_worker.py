@@ -72,7 +72,6 @@ def replay(out: Path):
 def ckpt(out: Path):
     import optax
 
-    from looprl.tokenizer import tokenizer_from_json  # noqa: F401 - the checkpoint's tokenizer
     from looprl.train.checkpoint import load_model_checkpoint, save_model_checkpoint
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1))
     restored, cfg, tok, _ = load_model_checkpoint(out / "ck1", mesh=mesh)

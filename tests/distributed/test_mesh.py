@@ -239,3 +239,11 @@ def test_verify_cells_on_one_device_keep_the_two_batchings_and_no_mesh_cells():
     assert len(cells) == 2 * 2 * 3 and all("exact_fraction_vs_one_device_sampler" not in c
                                            for c in cells)
     assert all(c["exact_fraction"] == 1.0 for c in cells if c["method"] == "replay")
+
+
+def test_train_cli_rejects_a_bad_coordinator_before_starting(capsys):
+    from looprl.cli import main
+    smoke = HERE.parents[1] / "experiments" / "tiny_arith_smoke.py"
+    assert main(["train", str(smoke), "--coordinator", "no-port", "--num-processes", "2",
+                 "--process-id", "0"]) == 2
+    assert "--coordinator: expected HOST:PORT" in capsys.readouterr().err
