@@ -132,16 +132,20 @@ def test_schedule_records_the_mesh_and_reads_files_without_one(tmp_path):
 
 # --- subprocesses with forced host devices -------------------------------------------------------
 
-def test_grpo_step_on_4_devices_matches_1_device(tmp_path):
-    """Same loss and updated parameters (relative L2 <= 1e-6, fp32) on a data x fsdp = 2 x 2
+@pytest.mark.parametrize("devices,extra", [
+    (4, []),
+    # 8 devices, micro-batches of 2 rows: padded with 6 token-less rows each
+    pytest.param(8, ["learner.microbatch_size=2"], marks=pytest.mark.slow)])
+def test_grpo_step_on_n_devices_matches_1_device(tmp_path, devices, extra):
+    """Same loss and updated parameters (relative L2 <= 1e-6, fp32) on a data x fsdp = N/2 x 2
     mesh as on one device; replay exact on both."""
-    procs = [_start([STEP, tmp_path / "one.npz"], 1),
-             _start([STEP, tmp_path / "four.npz", "mesh.data=2", "mesh.fsdp=2"], 4)]
+    procs = [_start([STEP, tmp_path / "one.npz", *extra], 1),
+             _start([STEP, tmp_path / "four.npz", "mesh.fsdp=2", *extra], devices)]
     for p in procs:
         _finish(p)
     m1, w1 = _load_step(tmp_path / "one.npz")
     m4, w4 = _load_step(tmp_path / "four.npz")
-    assert m1["mesh"] is None and m4["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+    assert m1["mesh"] is None and m4["mesh"] == {"data": devices // 2, "fsdp": 2, "tensor": 1}
     assert m1["replay_exact_fraction"] == 1.0 and m4["replay_exact_fraction"] == 1.0
     assert m1["reward_mean"] == m4["reward_mean"]  # the same rollout
     assert abs(m4["loss"] - m1["loss"]) <= 1e-6 * abs(m1["loss"])
