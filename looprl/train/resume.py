@@ -38,7 +38,10 @@ _LEFTOVER_RE = re.compile(r"^\.step_\d{8}\.(tmp|old)-")
 # keys that may differ between a run and its resumption (they steer the process, not the math)
 RESUMABLE_KEYS = ("run.out_dir", "run.resume", "run.stop_after", "run.checkpoint_every_steps",
                   "run.keep_checkpoints", "run.tensorboard", "run.progress_bar",
-                  "run.grpo_steps")
+                  "run.grpo_steps",
+                  # the device layout: a run continues on another mesh or device count
+                  # (checkpoints restore on any; issue 7)
+                  "mesh.data", "mesh.fsdp", "mesh.tensor")
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

@@ -251,3 +251,11 @@ def test_train_cli_rejects_a_bad_coordinator_before_starting(capsys):
     assert main(["train", str(smoke), "--coordinator", "no-port", "--num-processes", "2",
                  "--process-id", "0"]) == 2
     assert "--coordinator: expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_run_may_resume_on_another_mesh():
+    from looprl.train.resume import check_resume_config
+    saved = apply_overrides(ExperimentConfig(), ["mesh.data=1", "mesh.fsdp=4"])
+    check_resume_config(saved, ExperimentConfig(), "saved config")  # no ConfigError
+    with pytest.raises(ConfigError, match="seed"):
+        check_resume_config(saved, apply_overrides(saved, ["seed=3"]), "saved config")
