@@ -97,10 +97,9 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
     replaced. Returns (dir, params_sha256)."""
     import jax
 
-    from looprl.train.checkpoint import params_sha256, save_model_checkpoint
-
     from looprl.distributed.mesh import to_host
     from looprl.distributed.multihost import is_main_process
+    from looprl.train.checkpoint import params_sha256, save_model_checkpoint
 
     run_dir = Path(run_dir)
     params = jax.tree.map(to_host, learner.params)
@@ -131,12 +130,13 @@ def train_state_sha256(state) -> str:
     import jax
     import numpy as np
 
+    from looprl.distributed.mesh import to_host
     from looprl.train.checkpoint import params_sha256
 
     def plain(x):
         if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             return np.asarray(jax.random.key_data(x))
-        return np.asarray(x)
+        return to_host(x)  # a sharded leaf may span processes
 
     return params_sha256(jax.tree.map(plain, state))
 
@@ -187,6 +187,7 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
     `learner` is left untouched). Returns the next GRPO step."""
     import jax
 
+    from looprl.distributed.mesh import to_host
     from looprl.train.checkpoint import (leaf_name, load_model_checkpoint, load_train_state,
                                          params_sha256, read_checkpoint_meta,
                                          tree_like_template)
@@ -198,7 +199,6 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
                               f"training checkpoint); resume needs RUN_DIR/checkpoints/step_*")
     params, _, _, _ = load_model_checkpoint(ckpt)
     stored = {leaf_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
-    from looprl.distributed.mesh import to_host
     template = jax.tree.map(to_host, learner.params)
     params = tree_like_template(stored, template, where=f"{ckpt}/params")
     state = load_train_state(ckpt, template=learner.train_state(0))
