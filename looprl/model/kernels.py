@@ -96,19 +96,43 @@ def rowsum(x, keepdims: bool = True):
     return y if keepdims else y[..., 0]
 
 
+LAST_AXIS_TILE = 64
+
+
+def _tiled_rows(fn, x):
+    """Apply the row-wise `fn` (last axis = a row) to `x` as a `[M, N]` block with M padded to a
+    multiple of ROW_TILE (zero rows) and N to a multiple of LAST_AXIS_TILE (-inf entries), then
+    cut back. XLA CPU compiled the fused `exp(x - max)` of a reduction differently for different
+    row counts (< 64 rows) and for rows that are not a whole number of vectors (log-softmax over
+    a vocabulary of 58 differed between 32 and 128 rows in low bits); at fixed tiles every row
+    sees the same code."""
+    lead, n = x.shape[:-1], x.shape[-1]
+    rows, m = _pad_rows(x.reshape(-1, n), 0)
+    n_pad = -(-n // LAST_AXIS_TILE) * LAST_AXIS_TILE
+    if n_pad != n:
+        rows = jnp.pad(rows, [(0, 0), (0, n_pad - n)], constant_values=-jnp.inf)
+    return fn(rows)[:m, :n].reshape(*lead, n)
+
+
 def softmax(x):
-    """Row-invariant fp32 softmax over the last axis (max is order-free; the sum is `rowsum`)."""
-    x = x.astype(jnp.float32)
-    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
-    return e / rowsum(e)
+    """Row-invariant fp32 softmax over the last axis (max is order-free; the sum is `rowsum`).
+
+    Computed on fixed tiles (`_tiled_rows`)."""
+    def fn(x):
+        e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+        return e / rowsum(e)
+
+    return _tiled_rows(fn, x.astype(jnp.float32))
 
 
 def log_softmax(x):
-    """Row-invariant fp32 log-softmax over the last axis (entries of -inf stay -inf)."""
-    x = x.astype(jnp.float32)
-    m = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    shifted = x - m
-    return shifted - jnp.log(rowsum(jnp.exp(shifted)))
+    """Row-invariant fp32 log-softmax over the last axis (entries of -inf stay -inf), on fixed
+    tiles (`_tiled_rows`)."""
+    def fn(x):
+        shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+        return shifted - jnp.log(rowsum(jnp.exp(shifted)))
+
+    return _tiled_rows(fn, x.astype(jnp.float32))
 
 
 def stock_matmul(x, w, out_dtype=None):

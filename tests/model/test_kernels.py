@@ -1,0 +1,52 @@
+"""Row invariance of the batch-invariant kernels (looprl.model.kernels): a row's bits must not
+depend on how many other rows ran with it, on XLA CPU with the pinned thread count."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from looprl.model import kernels as kn
+
+ROWS = (1, 2, 5, 8, 32, 63, 64, 100)
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _rows_invariant(fn, x):
+    f = jax.jit(fn)
+    ref = _bits(f(x))
+    return [n for n in ROWS if not np.array_equal(_bits(f(x[:n])), ref[:n])]
+
+
+@pytest.mark.parametrize("k, n", [(64, 128), (128, 384), (384, 128), (64, 1), (64, 58)])
+def test_matmul_rows_do_not_depend_on_the_row_count(k, n):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((256, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+    assert _rows_invariant(lambda a: kn.matmul(a, w), x) == []
+
+
+@pytest.mark.parametrize("vocab", [49, 58, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_softmax_of_scaled_logits_does_not_depend_on_the_row_count(vocab, temperature):
+    """Regression: `exp(x - max)` fused after a temperature division compiled differently for
+    < 64 rows and for rows that are not whole vectors (vocab 58: 32 sampler rows vs 128 differed
+    in low bits, so replay failed whenever a device held 32 rollout rows)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((128, vocab)) * 4, jnp.float32)
+    t = jnp.float32(temperature)
+    assert _rows_invariant(lambda a: kn.log_softmax(a / t), x) == []
+    assert _rows_invariant(lambda a: kn.softmax(a / t), x) == []
+
+
+def test_log_softmax_keeps_minus_inf_and_sums_to_one():
+    x = jnp.asarray([[0.0, -jnp.inf, 1.0], [2.0, 2.0, 2.0]], jnp.float32)
+    lp = np.asarray(kn.log_softmax(x))
+    assert lp[0, 1] == -np.inf and np.isfinite(lp[0, [0, 2]]).all()
+    np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(kn.softmax(x)), np.exp(lp), rtol=1e-6)
+    g = jax.grad(lambda a: jnp.sum(jnp.where(jnp.isfinite(kn.log_softmax(a)),
+                                             kn.log_softmax(a), 0.0)))(x)
+    assert np.isfinite(np.asarray(g)[:, [0, 2]]).all()
