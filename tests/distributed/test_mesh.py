@@ -169,6 +169,8 @@ def test_sharded_learner_replays_the_sharded_sampler_bit_for_bit(tmp_path, devic
         assert {(c["devices"], c["params"]) for c in replay} == {(devices, "sampler"),
                                                                  (devices, "updated")}
         assert all(c["exact_fraction"] == 1.0 for c in replay), replay
+        # rows are batch-invariant: the sharded learner also equals the one-device sampler
+        assert all(c["exact_fraction_vs_one_device_sampler"] == 1.0 for c in replay), replay
 
 
 def test_checkpoints_cross_device_counts(tmp_path):
