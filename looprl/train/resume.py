@@ -131,10 +131,10 @@ def train_state_sha256(state) -> str:
     import numpy as np
 
     from looprl.distributed.mesh import to_host
-    from looprl.train.checkpoint import params_sha256
+    from looprl.train.checkpoint import _is_prng_key, params_sha256
 
     def plain(x):
-        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if _is_prng_key(x):
             return np.asarray(jax.random.key_data(x))
         return to_host(x)  # a sharded leaf may span processes
 

@@ -157,16 +157,17 @@ def _load_reference(out: Path):
 
     if (out / "warm_start").is_dir():
         params, mcfg, tok, meta = load_model_checkpoint(out / "warm_start")
-        ref = {"checkpoint": str(out / "warm_start"),
-               "params_sha256": meta.get("params_sha256") or params_sha256(params)}
+        # runs that predate the recorded SHA-256 have nothing to compare against
+        ref = {"checkpoint": str(out / "warm_start"), "params_sha256": meta.get("params_sha256")}
     else:
         ref = json.loads((out / REFERENCE_FILE).read_text())
         params, mcfg, tok, _ = load_model_checkpoint(ref["checkpoint"])
-    sha = params_sha256(params)
-    if sha != ref["params_sha256"]:
+    recorded = ref["params_sha256"]
+    sha = None if recorded is None else params_sha256(params)
+    if sha != recorded:
         raise CheckpointError(f"{ref['checkpoint']}: the run's reference checkpoint changed since "
                               f"the run started (params_sha256 {sha[:12]}..., recorded "
-                              f"{ref['params_sha256'][:12]}... at the start)")
+                              f"{recorded[:12]}... at the start)")
     return params, mcfg, tok, Path(ref["checkpoint"])
 
 
