@@ -127,38 +127,16 @@ def _load(checkpoint: str):
 
 def evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg, *, batch_size: int,
                       seed: int = 0, progress=None) -> list[dict[str, Any]]:
-    """Generate one completion per problem and grade it.
-
-    Returns one dict per problem (in order): completion (text before the end of turn), extracted
-    (the final answer `looprl.tasks.grading.extract_answer` finds, or None), correct (bool),
-    tokens (completion tokens, the end of turn included), truncated (no end of turn within
-    `scfg.max_new_tokens`), exit_loops (the exit loop of each completion token, DESIGN.md §3).
-    `progress(n)` is called after each batch with its number of problems.
-    """
-    from looprl.sampling.sampler import generate
+    """`looprl.rl.trainer.evaluate_problems` (one greedy completion per problem, graded), each
+    row with `extracted`, the final answer `looprl.tasks.grading.extract_answer` finds (or
+    None), after its completion; the task's raw reward is left out (`correct` says it)."""
+    from looprl.rl.trainer import evaluate_problems as generate_and_grade
     from looprl.tasks.grading import extract_answer
 
-    rows = []
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i:i + batch_size]
-        prompts = [tokenizer.encode(task.format_prompt(p)) for p in chunk]
-        batch = generate(model_cfg, params, prompts, scfg, group_size=1, seed=seed, step=0,
-                         prompt_indices=[p.id for p in chunk])
-        P = batch.schedule.prompt_len
-        toks = np.asarray(batch.tokens_BxS)
-        exits = np.asarray(batch.exit_loop_BxS)
-        lens = np.asarray(batch.completion_len_B)
-        for b, p in enumerate(chunk):
-            n = int(lens[b])
-            ids = toks[b, P:P + n].tolist()
-            text = tokenizer.decode_completion(ids)
-            rows.append({"completion": text, "extracted": extract_answer(text),
-                         "correct": task.reward(p, text) == 1.0, "tokens": n,
-                         "truncated": tokenizer.end_of_turn_id not in ids,
-                         "exit_loops": exits[b, P - 1:P - 1 + n].tolist()})
-        if progress is not None:
-            progress(len(chunk))
-    return rows
+    return [{"completion": r["completion"], "extracted": extract_answer(r["completion"]),
+             **{k: r[k] for k in ("correct", "tokens", "truncated", "exit_loops")}}
+            for r in generate_and_grade(model_cfg, params, task, tokenizer, problems, scfg,
+                                        batch_size=batch_size, seed=seed, progress=progress)]
 
 
 def summarize(q: float, rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:

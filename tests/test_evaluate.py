@@ -174,15 +174,15 @@ def test_trainer_evaluate_reports_by_terms_only_for_tasks_with_terms(monkeypatch
         exits = np.zeros((n, 3), np.int32)
         exits[:, 1:] = 4  # prompt_len 2: the completion's positions exit at loop 4
         return SimpleNamespace(exit_loop_BxS=exits, schedule=SimpleNamespace(prompt_len=2),
-                               ids=list(prompt_indices))
+                               tokens_BxS=np.zeros((n, 3), np.int32),
+                               completion_len_B=np.ones((n,), np.int32))
 
     monkeypatch.setattr(trainer, "sampling_config", lambda cfg, greedy: SimpleNamespace())
     monkeypatch.setattr(trainer, "generate", fake_generate)
-    monkeypatch.setattr(trainer, "completion_rewards", lambda task, tok, chunk, batch, g: (
-        np.asarray([rewards[i] for i in batch.ids], np.float32), None))
     cfg = SimpleNamespace(eval=SimpleNamespace(eval_batch_size=3), run=SimpleNamespace(seed=0))
-    task = SimpleNamespace(format_prompt=lambda p: p.prompt)
-    tok = SimpleNamespace(encode=lambda text: [1, 2])
+    task = SimpleNamespace(format_prompt=lambda p: p.prompt, reward=lambda p, text: rewards[p.id])
+    tok = SimpleNamespace(encode=lambda text: [1, 2], decode_completion=lambda ids: "",
+                          end_of_turn_id=2)
 
     arith = [Problem(i, "eval", "1 + 1", "2", {"num_terms": t}) for i, t in enumerate((2, 3, 3, 2))]
     res = trainer.evaluate(None, None, task, tok, cfg, arith)
