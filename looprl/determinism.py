@@ -3,11 +3,13 @@
 XLA CPU (jax 0.10.2): the newer fusion emitters compile the same elementwise ops into
 numerically different loops depending on the surrounding program, so a learner program and a
 sampler program disagreed in low bits even with batch-invariant kernels; the legacy emitters do
-not (`--xla_cpu_use_fusion_emitters=false`, measured in tests/learner). Bits also depend on the
+not (`--xla_cpu_use_fusion_emitters=false`, measured in tests/learner). The YNNPACK dot fusions
+pick kernels by row count, so they are off too (`--xla_cpu_experimental_ynn_fusion_type=`, which
+lets `looprl.model.kernels` run decode matmuls unpadded). Bits also depend on the
 thread count: the test suite and `looprl verify` pin XLA CPU to one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`); the flags in force are recorded in every report.
 
-`configure_xla()` runs when `looprl` is imported: it appends the flag to XLA_FLAGS unless the
+`configure_xla()` runs when `looprl` is imported: it appends the flags to XLA_FLAGS unless the
 user set it. It must run before jax creates its CPU backend; `xla_flags_in_force()` says what
 the process actually runs with.
 """
@@ -18,7 +20,10 @@ import platform
 import subprocess
 import sys
 
-REQUIRED_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+REQUIRED_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",
+                      # YNNPACK dot fusions pick M-dependent kernels; without them a dot with
+                      # K <= 128 and N >= 8 is row-invariant at every M (looprl.model.kernels)
+                      "--xla_cpu_experimental_ynn_fusion_type=")
 PINNED_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
 
 

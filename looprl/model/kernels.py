@@ -2,13 +2,26 @@
 
 Every matmul whose row count differs between the sampler (1 query per decode step, a chunk of
 pending positions, a prefill) and the learner (the whole teacher-forced sequence, another
-minibatch size, permuted rows) is written with its rows padded to a multiple of a fixed tile
-(`ROW_TILE` = 64). On XLA CPU (jax 0.10.2) the low bits of `x @ W` rows depend on the number of
-rows M for small M (M = 1, 3 differ from M = 64) but not across multiples of 64; padding every
-call to a multiple of the tile gives every row the same kernel whatever M is
-(tests/model/test_kernels.py pins this). Attention always runs over the whole fixed-length key
-axis (the KV cache length S) with a mask, so its reductions have the same length and layout in
-every pass.
+minibatch size, permuted rows) must give each row the same bits whatever the number of rows M.
+
+On XLA CPU (jax 0.10.2, Eigen dot emitter; looprl turns off the YNNPACK dot fusions with
+`--xla_cpu_experimental_ynn_fusion_type=`, `looprl.determinism`) a `[M, K] @ [K, N]` dot is
+row-invariant for every M, 1 included, as long as the contraction is at most `K_TILE` = 128 long
+and N >= `N_MIN` = 16 (scanned over 448 row counts M in 1..4096, fp32 and bf16: longer
+contractions are split by a blocking that depends on M, N < 8 takes a matrix-vector path, and
+N = 8 changed kernels for M in 658..~1000). So on the CPU `matmul` runs unpadded rows, splits K
+into 128-long slices summed in order in fp32 and pads N to 16 columns (`rowsum`'s ones vector
+included); the batched attention dots pad query rows to `QUERY_TILE` = 8 (1 query row is a
+matrix-vector product), pad the key axis to a multiple of 16 (masked keys) and split it into
+128-long slices for the value product.
+Unpadded rows are what makes batch-1 decoding cheap: the previous 64-row padding made a decode
+step do 64 rows of matmul work. On other backends (GPU, TPU) the kernels keep the previous form,
+rows padded to `ROW_TILE` = 64 and unsplit contractions: their bits are not invariant there
+(reproducibility/gpu) and the trainer replays by re-running the sampler (`forced`).
+
+Attention always runs over the whole fixed-length key axis (the KV cache length S) with a mask,
+so its reductions have the same length and layout in every pass. Softmax and log-softmax run on
+fixed `[64k, 64j]` tiles (`_tiled_rows`).
 
 Elementwise code must also compile the same way in every program: XLA CPU's newer fusion
 emitters generated numerically different loops for the same elementwise ops depending on the
@@ -24,7 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROW_TILE = 64
+ROW_TILE = 64  # row padding off the CPU, and the softmax tiles
+K_TILE = 128  # CPU: longest contraction of one dot
+N_MIN = 16  # CPU: fewest output columns of one dot
+QUERY_TILE = 8  # CPU: attention query rows are padded to a multiple of this
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
 
 
@@ -38,8 +54,37 @@ def _pad_rows(x, axis: int, tile: int = ROW_TILE):
     return jnp.pad(x, widths), n
 
 
+def on_cpu() -> bool:
+    """True when jax compiles for XLA CPU (the kernels' invariant form there; see module doc)."""
+    return jax.default_backend() == "cpu"
+
+
+def row_tile() -> int:
+    """The matmul row padding in force: 1 on the CPU, ROW_TILE elsewhere (recorded in schedules)."""
+    return 1 if on_cpu() else ROW_TILE
+
+
+def _contract(spec: str, a, b, a_axis: int, b_axis: int, out_dtype):
+    """`einsum(spec, a, b)` with the contracted axis (a's `a_axis`, b's `b_axis`) split into
+    K_TILE-long slices whose fp32 products are summed in order, then cast to `out_dtype`."""
+    k = a.shape[a_axis]
+    if k <= K_TILE:
+        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    acc = None
+    for i in range(0, k, K_TILE):
+        n = min(K_TILE, k - i)
+        part = jnp.einsum(spec, jax.lax.slice_in_dim(a, i, i + n, axis=a_axis),
+                          jax.lax.slice_in_dim(b, i, i + n, axis=b_axis),
+                          preferred_element_type=jnp.float32)
+        acc = part if acc is None else acc + part
+    return acc.astype(out_dtype)
+
+
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
-    """Row-invariant `x @ w`: leading dims of x are flattened into rows and padded to ROW_TILE.
+    """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
+
+    On the CPU: rows unpadded, K split into K_TILE slices (fp32 partial sums), N padded to
+    N_MIN with zero columns. Elsewhere: rows padded to ROW_TILE, one dot.
 
     Args:
       x_MxK: `[..., K]` any float dtype. w_KxN: `[K, N]` same dtype as x.
@@ -48,11 +93,16 @@ def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     """
     x = x_MxK
     lead = x.shape[:-1]
-    k = x.shape[-1]
+    k, n = x.shape[-1], w_KxN.shape[-1]
     rows = x.reshape(-1, k)
-    rows, m = _pad_rows(rows, 0)
-    y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype or x.dtype)[:m]
-    return y.reshape(*lead, w_KxN.shape[-1])
+    out_dtype = out_dtype or x.dtype
+    if on_cpu():
+        w = jnp.pad(w_KxN, [(0, 0), (0, N_MIN - n)]) if n < N_MIN else w_KxN
+        y = _contract("mk,kn->mn", rows, w, 1, 0, out_dtype)[:, :n]
+    else:
+        rows, m = _pad_rows(rows, 0)
+        y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype)[:m]
+    return y.reshape(*lead, n)
 
 
 def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
@@ -60,7 +110,9 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
 
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
-    Query rows are padded to ROW_TILE so every query row sees the same kernel.
+    Query rows are padded to QUERY_TILE (CPU; ROW_TILE elsewhere); on the CPU the key axis is
+    padded to a multiple of N_MIN (masked) and contractions are split into K_TILE slices, so
+    every query row sees the same kernel (module doc).
 
     Args:
       q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, Hkv, K]` with H % Hkv == 0 (GQA);
@@ -72,17 +124,29 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     if hkv != H:
         k_BxSxHxK = jnp.repeat(k_BxSxHxK, H // hkv, axis=2)
         v_BxSxHxK = jnp.repeat(v_BxSxHxK, H // hkv, axis=2)
-    q_BxHxCxK, _ = _pad_rows(jnp.swapaxes(q_BxCxHxK, 1, 2), 2)
+    cpu = on_cpu()
+    tile = QUERY_TILE if cpu else ROW_TILE
+    if cpu:  # masked key padding: the score dot's N and the value dot's K are multiples of 16
+        k_BxSxHxK, _ = _pad_rows(k_BxSxHxK, 1, N_MIN)
+        v_BxSxHxK, _ = _pad_rows(v_BxSxHxK, 1, N_MIN)
+        mask_BxCxS, _ = _pad_rows(mask_BxCxS, 2, N_MIN)
+    q_BxHxCxK, _ = _pad_rows(jnp.swapaxes(q_BxCxHxK, 1, 2), 2, tile)
     k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
     v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
-    scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK,
-                        preferred_element_type=jnp.float32)
+    if cpu:
+        scores = _contract("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK, 3, 3, jnp.float32)
+    else:
+        scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK,
+                            preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
-    mask, _ = _pad_rows(mask_BxCxS, 1)
+    mask, _ = _pad_rows(mask_BxCxS, 1, tile)
     scores = jnp.where(mask[:, None], scores, MASK_VALUE)
     probs = softmax(scores).astype(q_BxCxHxK.dtype)
-    out = jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK,
-                     preferred_element_type=q_BxCxHxK.dtype)
+    if cpu:
+        out = _contract("bhcs,bhsk->bhck", probs, v_BxHxSxK, 3, 2, q_BxCxHxK.dtype)
+    else:
+        out = jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK,
+                         preferred_element_type=q_BxCxHxK.dtype)
     out = out[:, :, :C]
     return jnp.swapaxes(out, 1, 2)
 
@@ -92,7 +156,9 @@ def rowsum(x, keepdims: bool = True):
     row reduces in the same order whatever the number of rows (XLA's reduce emitter does not
     guarantee that: RMSNorm rows differed between [B, S, D] and [B, 1, D] inputs)."""
     x = x.astype(jnp.float32)
-    y = matmul(x, jnp.ones((x.shape[-1], 1), jnp.float32))
+    ones = np.zeros((x.shape[-1], N_MIN), np.float32)  # a literal: XLA rewrote a dot with a
+    ones[:, 0] = 1.0  # broadcast ones operand into a reduce, whose order depends on the rows
+    y = matmul(x, jnp.asarray(ones))[..., :1]
     return y if keepdims else y[..., 0]
 
 
@@ -101,14 +167,21 @@ LAST_AXIS_TILE = 64
 
 def _tiled_rows(fn, x):
     """Apply the row-wise `fn` (last axis = a row) to `x` as a `[M, N]` block with M padded to a
-    multiple of ROW_TILE (zero rows) and N to a multiple of LAST_AXIS_TILE (-inf entries), then
-    cut back. XLA CPU compiled the fused `exp(x - max)` of a reduction differently for different
-    row counts (< 64 rows) and for rows that are not a whole number of vectors (log-softmax over
-    a vocabulary of 58 differed between 32 and 128 rows in low bits); at fixed tiles every row
-    sees the same code."""
+    multiple of ROW_TILE (zero rows; always at least one) and N to a multiple of LAST_AXIS_TILE
+    (-inf entries), then cut back.
+
+    XLA CPU compiles `exp(x - max)` differently depending on what it fuses with: a producer
+    fused into the exp loop (a temperature multiply) is contracted into an FMA there, but not
+    when it ends in a padding op first, and row counts below 64 or rows that are not whole
+    vectors compiled differently too (log-softmax over a vocabulary of 58 differed between 32
+    and 128 rows in low bits). Padding every call, at fixed tiles, gives every row the same
+    code: the producer always ends in the pad, fn always reads a materialised tile."""
     lead, n = x.shape[:-1], x.shape[-1]
-    rows, m = _pad_rows(x.reshape(-1, n), 0)
+    rows = x.reshape(-1, n)
+    m = rows.shape[0]
+    m_pad = (m // ROW_TILE + 1) * ROW_TILE
     n_pad = -(-n // LAST_AXIS_TILE) * LAST_AXIS_TILE
+    rows = jnp.pad(rows, [(0, m_pad - m), (0, 0)])
     if n_pad != n:
         rows = jnp.pad(rows, [(0, 0), (0, n_pad - n)], constant_values=-jnp.inf)
     return fn(rows)[:m, :n].reshape(*lead, n)

@@ -26,7 +26,7 @@ import numpy as np
 
 from looprl.errors import SamplingError
 from looprl.model.config import OuroConfig
-from looprl.model.kernels import ROW_TILE
+from looprl.model.kernels import row_tile
 from looprl.model.layers import stack_pass
 from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
                                  exit_state_update, lm_logits, q_exit_decision)
@@ -392,7 +392,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         params_fingerprint=params_fingerprint(params),
         devices=1 if mesh is None else int(mesh.size),
         backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
-        row_tile=ROW_TILE if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
+        row_tile=row_tile() if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
         mesh=_mesh_record(mesh, params))
     return RolloutBatch(
         tokens_BxS=fetch(s.tokens_BxS)[:B], pad_B=np.asarray(pad),

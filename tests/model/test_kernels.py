@@ -11,7 +11,8 @@ ROWS = (1, 2, 5, 8, 32, 63, 64, 100)
 
 
 def _bits(x):
-    return np.asarray(x, np.float32).view(np.uint32)
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 def _rows_invariant(fn, x):
@@ -20,12 +21,37 @@ def _rows_invariant(fn, x):
     return [n for n in ROWS if not np.array_equal(_bits(f(x[:n])), ref[:n])]
 
 
-@pytest.mark.parametrize("k, n", [(64, 128), (128, 384), (384, 128), (64, 1), (64, 58)])
-def test_matmul_rows_do_not_depend_on_the_row_count(k, n):
+@pytest.mark.parametrize("dtype, out_dtype", [("float32", None), ("bfloat16", None),
+                                               ("bfloat16", "float32")])
+@pytest.mark.parametrize("k, n", [(64, 128), (128, 384), (384, 128), (64, 1), (64, 58),
+                                  (300, 4)])
+def test_matmul_rows_do_not_depend_on_the_row_count(k, n, dtype, out_dtype):
+    """Unpadded rows on the CPU: K > 128 is split (384, 300), N < 8 padded (1, 4); without the
+    split/padding, 1 row (matrix-vector) and 2..48 rows (K = 384) differed from 256 rows."""
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((256, k)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
-    assert _rows_invariant(lambda a: kn.matmul(a, w), x) == []
+    x = jnp.asarray(rng.standard_normal((256, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    assert _rows_invariant(lambda a: kn.matmul(a, w, out_dtype), x) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("seq_len", [40, 300])
+def test_attention_query_rows_do_not_depend_on_how_many_ran(dtype, seq_len):
+    """A query's output must not depend on the chunk it ran in (1 decode query, a deferred
+    window, a whole teacher-forced sequence) nor on the batch: 1 query row was a matrix-vector
+    product and a key axis longer than 128 was split by the row count before QUERY_TILE
+    padding and the K_TILE split of the value product."""
+    rng = np.random.default_rng(2)
+    B, C, H, K = 3, 64, 4, 32
+    q = jnp.asarray(rng.standard_normal((B, C, H, K)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, seq_len, H, K)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, seq_len, H, K)), dtype)
+    mask = jnp.asarray(rng.random((B, C, seq_len)) < 0.8)
+    f = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5))
+    ref = _bits(f(q, k, v, mask))
+    bad = [(b, c) for b in (1, 3) for c in (1, 2, 3, 8, 9, 17, 64)
+           if not np.array_equal(_bits(f(q[:b, :c], k[:b], v[:b], mask[:b, :c])), ref[:b, :c])]
+    assert bad == []
 
 
 @pytest.mark.parametrize("vocab", [49, 58, 64])
