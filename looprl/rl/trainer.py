@@ -297,7 +297,7 @@ _LOOP_KEYS = ("old_lp_T", "old_gate_z")  # [T, B, S]: rows on axis 1
 @functools.partial(jax.jit, static_argnames=("opt",))
 def _apply(params, opt_state, grads, *, opt):
     updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

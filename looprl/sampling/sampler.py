@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import NamedTuple
 
 import jax
@@ -320,7 +321,8 @@ def layout_prompts(prompts: list[list[int]], max_new_tokens: int, max_seq_len: i
 def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingConfig, *,
              group_size: int = 1, seed: int = 0, step: int = 0,
              prompt_indices: list[int] | None = None, decode_steps_per_call: int | None = None,
-             progress=None, forced: RolloutBatch | None = None, mesh=None) -> RolloutBatch:
+             progress=None, forced: RolloutBatch | None = None, mesh=None,
+             timings: dict | None = None) -> RolloutBatch:
     """Sample `group_size` completions for each prompt; returns a `RolloutBatch` with schedule.
 
     Args:
@@ -333,6 +335,9 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
       mesh: a `jax.sharding.Mesh` (`looprl.distributed.mesh`): rows and the KV cache are split
         over its row axes and each device runs this one-device program on its rows
         (`shard_map`; params all-gathered), so every row gets the bits it gets on one device.
+      timings: a dict to fill with wall seconds `prefill_s` (prefill, which emits the first new
+        token; waits for it to finish) and `decode_s` (the decode steps, which emit the rest),
+        and `decode_steps` (steps run), so decode throughput can be told from prefill.
     Raises: SamplingError on bad input (see `SamplingConfig.validate`, `layout_prompts`).
     """
     T = cfg.total_ut_steps
@@ -370,7 +375,12 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
     tokens_in = jnp.asarray(tokens)
     if mesh is not None and mesh.size > 1:
         prefill, decode, fetch, tokens_in, rows, step_arr = _on_mesh(mesh, tokens, rows, step)
+    t0 = time.perf_counter()
     s = prefill(st, params, tokens_in, rows, step_arr)
+    if timings is not None:
+        jax.block_until_ready(s)
+        t1 = time.perf_counter()
+        timings["prefill_s"] = t1 - t0
     n_total = S - 1 - P
     per_call = decode_steps_per_call or max(n_total, 1)
     done_steps = 0
@@ -381,6 +391,10 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
             progress(done_steps + 1, n_total + 1)
         if bool(jnp.all(s.done_B)):
             break
+    if timings is not None:
+        jax.block_until_ready(s)
+        timings["decode_s"] = time.perf_counter() - t1
+        timings["decode_steps"] = int(jnp.max(s.p)) - P
     sched = Schedule(
         kv_policy=scfg.kv_policy,
         exit_threshold=None if scfg.fixed_depth is not None else float(scfg.exit_threshold),

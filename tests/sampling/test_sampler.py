@@ -349,3 +349,16 @@ def test_stock_kernels_same_math_and_replayed_exactly_by_forced_rerun(params):
 def test_unknown_kernels_is_a_clear_error(params):
     with pytest.raises(SamplingError, match="kernels must be one of"):
         generate(CFG, params, PROMPTS, SamplingConfig(kernels="fast"))
+
+
+def test_timings_split_prefill_from_decode_without_changing_the_rollout(params):
+    scfg = SamplingConfig(max_new_tokens=6, temperature=1.0, kv_policy="deferred",
+                          exit_threshold=0.7, deferred_max_pending=2, stop_ids=())
+    timings = {}
+    a = generate(CFG, params, PROMPTS, scfg, seed=3, timings=timings)
+    b = generate(CFG, params, PROMPTS, scfg, seed=3)
+    assert set(timings) == {"prefill_s", "decode_s", "decode_steps"}
+    assert timings["prefill_s"] > 0 and timings["decode_s"] > 0
+    assert timings["decode_steps"] == scfg.max_new_tokens - 1  # prefill emits the first token
+    assert np.array_equal(a.tokens_BxS, b.tokens_BxS)
+    assert np.array_equal(_bits(a.logprob_BxS), _bits(b.logprob_BxS))
