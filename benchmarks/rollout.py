@@ -3,21 +3,27 @@
 Model: preset `tiny` (hidden 128, 2 layers, 4 heads, T = 4; vocab of the arithmetic task's char
 tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate is trained),
 the same weights, prompts (arithmetic task prompts) and seed for every configuration, in one
-run. Each configuration samples at temperature 1 with stop ids off, so every row decodes
-`MAX_NEW` tokens. The KV policies change the decode steps, so the policy ratios use decode
-tokens/s = rows x (MAX_NEW - 1) / wall seconds of the decode steps (`generate(timings=)`; the
+run. Each configuration samples at temperature 1 with stop ids off, so every row decodes a fixed
+number of new tokens: `MAX_NEW` = 32 in the sweep over batch sizes and thresholds, `B1_MAX_NEW`
+= 128 for the `_b1` keys. At 32 tokens the sequence (prompt ~20 + 32) is so short that a loop
+costs little more than the per-step work outside the loops, and the deferred window (16) is
+flushed just twice, so edge effects dominate; 128 tokens is closer to an RL rollout (the GSM8K
+configs sample up to 512) and shows the policies' steady state. Both are reported
+(`*_b1_new32` keys for the short one). The KV policies change the decode steps, so the policy ratios use decode
+tokens/s = rows x (new tokens - 1) / wall seconds of the decode steps (`generate(timings=)`; the
 prefill, which runs every loop for every prompt position under any policy and emits the first
-token, is timed apart); whole-call tokens/s (rows x MAX_NEW / the whole `generate` call) are
+token, is timed apart); whole-call tokens/s (rows x new tokens / the whole `generate` call) are
 reported next to them. Parameters are device arrays, as in training. After a compile/warm-up
 call each, the configurations being compared run interleaved for REPEATS rounds and each one's
 median counts (load changes on a shared machine then hit all of them alike).
 
 Reported per policy, threshold q and batch size: decode and whole-call tokens/s, mean exit loop,
 ratio to `dense` at the same q and batch (decode; `vs_dense_whole_call` too), and the ideal
-speed-up T / mean_exit_loop. The `_b1` keys are at batch 1
+speed-up T / mean_exit_loop. The `_b1` keys are at batch 1, 128 new tokens
 and the q of `B1_Q` (mean exit loop <= 2.0 for the trained gate, checked). Flax vs the PyTorch
 reference (`TorchOuro.generate_greedy`, its own KV cache of one slot per (loop, layer), every
-loop for every token): greedy decoding, all T loops, same weights, batch 1 and 16, whole calls on
+loop for every token): greedy decoding, all T loops, same weights, batch 1 and 16, 32 new
+tokens, whole calls on
 both sides (prefill included); torch at its default thread count and at 1 thread, the faster
 one counts.
 
@@ -45,12 +51,14 @@ from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tasks.arithmetic import ArithmeticTask
 from looprl.train.warm_start import warm_start
 
-MAX_NEW = 32
+MAX_NEW = 32  # new tokens per row in the batch-size sweep
+B1_MAX_NEW = 128  # new tokens of the `_b1` keys (see the module doc)
 BATCHES = (1, 16, 128)
 THRESHOLDS = (0.5, 0.9)
 B1_Q = 0.9
 POLICIES = ("dense", "deferred", "copy")
-MAX_PENDING = SamplingConfig().deferred_max_pending  # the sampler's default pending bound (15)
+MAX_PENDING = None  # the sampler's default pending bound: policies.auto_max_pending(batch)
+OLD_MAX_PENDING = 15  # the default until 2026-11-30, reported at b1 for comparison
 RL_MAX_PENDING = 4  # the RL config's default (`rollout.deferred_max_pending`), reported at b1
 REPEATS = 5
 
@@ -69,13 +77,13 @@ def _interleaved(fns):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _measure_group(cfg, params, prompts, configs, T):
+def _measure_group(cfg, params, prompts, configs, T, max_new=MAX_NEW):
     """Tokens/s of several sampler configs on the same prompts, interleaved: after one
     compile/warm-up call each, REPEATS rounds run every config once, and each config's median
     counts, so a change in machine load hits all of them alike. `configs`: name -> kwargs of
     `SamplingConfig` on top of the common ones. Returns name -> row dict with
-    `decode_tokens_per_s` (the MAX_NEW - 1 tokens of the decode steps over their wall time, from
-    `generate(timings=)`; what the KV policies change) and `tokens_per_s` (all MAX_NEW tokens
+    `decode_tokens_per_s` (the max_new - 1 tokens of the decode steps over their wall time, from
+    `generate(timings=)`; what the KV policies change) and `tokens_per_s` (all max_new tokens
     over the whole call, prefill and the parameter digest included)."""
     B = len(prompts)
     out, decode_s = {}, {name: [] for name in configs}
@@ -86,18 +94,20 @@ def _measure_group(cfg, params, prompts, configs, T):
         decode_s[name].append(timings["decode_s"])
 
     secs = _interleaved({name: functools.partial(run, name, SamplingConfig(
-        max_new_tokens=MAX_NEW, temperature=1.0, stop_ids=(), **kw))
+        max_new_tokens=max_new, temperature=1.0, stop_ids=(), **kw))
         for name, kw in configs.items()})
     rows = {}
     for name in configs:
         rb = out[name]
         mean_exit = float(rb.exit_loop_BxS[rb.exit_loop_BxS > 0].mean())
-        tps = B * MAX_NEW / secs[name]
-        dec = B * (MAX_NEW - 1) / statistics.median(decode_s[name][1:])  # [0]: the warm-up
+        tps = B * max_new / secs[name]
+        dec = B * (max_new - 1) / statistics.median(decode_s[name][1:])  # [0]: the warm-up
         rows[name] = {"decode_tokens_per_s": dec, "tokens_per_s": tps,
-                      "mean_exit_loop": mean_exit, "ideal_speedup": T / mean_exit}
-        print(f"B={B:3d} {name:14s} {configs[name]} decode {dec:9.1f} tok/s (whole call "
-              f"{tps:9.1f}) mean exit {mean_exit:.2f}", file=sys.stderr)
+                      "mean_exit_loop": mean_exit, "ideal_speedup": T / mean_exit,
+                      "max_pending": rb.schedule.deferred_max_pending}
+        print(f"B={B:3d} new={max_new:3d} {name:14s} {configs[name]} "
+              f"(max_pending {rb.schedule.deferred_max_pending}) decode {dec:9.1f} tok/s "
+              f"(whole call {tps:9.1f}) mean exit {mean_exit:.2f}", file=sys.stderr)
     return rows
 
 
@@ -118,20 +128,26 @@ def main() -> dict:
     problems = task.train_problems(max(BATCHES), 50_000)
     prompts_all = [tok.encode(task.format_prompt(p)) for p in problems]
 
-    rows = {}
+    rows = {}  # (config, q, batch, new tokens) -> row
     for B in BATCHES:
         for q in THRESHOLDS:
             configs = {p: dict(kv_policy=p, exit_threshold=q, deferred_max_pending=MAX_PENDING)
                        for p in POLICIES}
-            if B == 1 and q == B1_Q:
-                configs["deferred_mp4"] = dict(kv_policy="deferred", exit_threshold=q,
-                                               deferred_max_pending=RL_MAX_PENDING)
             got = _measure_group(cfg, params, prompts_all[:B], configs, T)
-            rows.update({(name, q, B): r for name, r in got.items()})
-    for (policy, q, B), r in rows.items():
-        r["vs_dense"] = r["decode_tokens_per_s"] / rows[("dense", q, B)]["decode_tokens_per_s"]
+            rows.update({(name, q, B, MAX_NEW): r for name, r in got.items()})
+    configs = {p: dict(kv_policy=p, exit_threshold=B1_Q, deferred_max_pending=MAX_PENDING)
+               for p in POLICIES}
+    configs["deferred_mp4"] = dict(kv_policy="deferred", exit_threshold=B1_Q,
+                                   deferred_max_pending=RL_MAX_PENDING)
+    configs["deferred_mp15"] = dict(kv_policy="deferred", exit_threshold=B1_Q,
+                                    deferred_max_pending=OLD_MAX_PENDING)
+    got = _measure_group(cfg, params, prompts_all[:1], configs, T, max_new=B1_MAX_NEW)
+    rows.update({(name, B1_Q, 1, B1_MAX_NEW): r for name, r in got.items()})
+    for (policy, q, B, n), r in rows.items():
+        dense = rows[("dense", q, B, n)]
+        r["vs_dense"] = r["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
         r["fraction_of_ideal"] = r["vs_dense"] / r["ideal_speedup"]
-        r["vs_dense_whole_call"] = r["tokens_per_s"] / rows[("dense", q, B)]["tokens_per_s"]
+        r["vs_dense_whole_call"] = r["tokens_per_s"] / dense["tokens_per_s"]
 
     # Flax vs the PyTorch reference decode (greedy, all T loops per token, same weights).
     state = hf.hf_state_from_params(params, cfg)
@@ -169,9 +185,10 @@ def main() -> dict:
               f"(stock kernels {B * MAX_NEW / flax_s['stock']:.1f}), torch "
               f"{B * MAX_NEW / torch_s[best]:.1f} tok/s ({best})", file=sys.stderr)
 
-    table = {f"{p}_q{q}_b{B}": {k: round(v, 3) for k, v in r.items()}
-             for (p, q, B), r in rows.items()}
-    b1 = {p: rows[(p, B1_Q, 1)] for p in POLICIES}
+    table = {f"{p}_q{q}_b{B}_new{n}": {k: round(v, 3) for k, v in r.items()}
+             for (p, q, B, n), r in rows.items()}
+    b1 = {p: rows[(p, B1_Q, 1, B1_MAX_NEW)] for p in POLICIES}
+    short = {p: rows[(p, B1_Q, 1, MAX_NEW)] for p in POLICIES}
     result = {
         "benchmark": "rollout",
         "deferred_vs_dense_b1": round(b1["deferred"]["vs_dense"], 3),
@@ -183,16 +200,25 @@ def main() -> dict:
         "fraction_of_ideal_deferred_b1": round(b1["deferred"]["fraction_of_ideal"], 3),
         "fraction_of_ideal_copy_b1": round(b1["copy"]["fraction_of_ideal"], 3),
         "b1_exit_threshold": B1_Q,
+        "b1_max_new_tokens": B1_MAX_NEW,
         "b1_mean_exit_at_most_2": all(b1[p]["mean_exit_loop"] <= 2.0 for p in POLICIES),
+        f"deferred_vs_dense_b1_new{MAX_NEW}": round(short["deferred"]["vs_dense"], 3),
+        f"copy_vs_dense_b1_new{MAX_NEW}": round(short["copy"]["vs_dense"], 3),
+        f"fraction_of_ideal_deferred_b1_new{MAX_NEW}": round(short["deferred"]["fraction_of_ideal"],
+                                                             3),
+        f"fraction_of_ideal_copy_b1_new{MAX_NEW}": round(short["copy"]["fraction_of_ideal"], 3),
         "flax_vs_torch_decode": round(torch_vs[1]["flax_vs_torch"], 3),
         "flax_vs_torch_decode_b16": round(torch_vs[16]["flax_vs_torch"], 3),
         "flax_stock_vs_torch_decode": round(torch_vs[1]["flax_stock_vs_torch"], 3),
         "flax_stock_vs_torch_decode_b16": round(torch_vs[16]["flax_stock_vs_torch"], 3),
         "deferred_vs_dense_b1_max_pending_4": round(
-            rows[("deferred_mp4", B1_Q, 1)]["vs_dense"], 3),
-        "deferred_max_pending": MAX_PENDING,
-        "vs_dense_by_batch": {f"{p}_b{B}": round(rows[(p, B1_Q, B)]["vs_dense"], 3)
-                              for p in ("deferred", "copy") for B in BATCHES},
+            rows[("deferred_mp4", B1_Q, 1, B1_MAX_NEW)]["vs_dense"], 3),
+        "deferred_vs_dense_b1_max_pending_15": round(
+            rows[("deferred_mp15", B1_Q, 1, B1_MAX_NEW)]["vs_dense"], 3),
+        "deferred_max_pending_b1": b1["deferred"]["max_pending"],
+        f"vs_dense_by_batch_new{MAX_NEW}": {
+            f"{p}_b{B}": round(rows[(p, B1_Q, B, MAX_NEW)]["vs_dense"], 3)
+            for p in ("deferred", "copy") for B in BATCHES},
         "table": table,
         "torch_decode": {f"b{B}": {k: (round(v, 3) if isinstance(v, float) else v)
                                    for k, v in r.items()} for B, r in torch_vs.items()},
@@ -201,7 +227,7 @@ def main() -> dict:
                   "vocab_size": cfg.vocab_size},
         "warm_start": {"stage1_steps": ws["stage1_steps"], "stage2_steps": ws["stage2_steps"],
                        "stage1_final_loss": round(ws["stage1_final_loss"], 4)},
-        "max_new_tokens": MAX_NEW,
+        "max_new_tokens": MAX_NEW, "max_new_tokens_b1": B1_MAX_NEW,
         "threads": {"cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
                     "torch_default_threads": default_threads},
         "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,

@@ -28,6 +28,20 @@ def check_policy(name: str) -> str:
     return name
 
 
+def auto_max_pending(local_rows: int) -> int:
+    """The default pending bound for `local_rows` rows per device: 64 // rows - 1, clamped to
+    [7, 63] (63 at batch 1, 15 at 4 rows, 7 from 8 rows on).
+
+    A flush runs the remaining loops for the whole window, `rows x (max_pending + 1)` chunk
+    rows. While that is small, a chunk costs little more than one position (the per-step work
+    dominates), so a wide window makes flushes rare at almost no cost; once rows x window is
+    large, chunk cost grows with it and a wider window only delays the same work. Measured on
+    the tiny preset (benchmarks/rollout.py, 2026-11-30): at batch 1 and 128 new tokens a window
+    of 64 decoded 1.6x as fast as 16; at batch 16, windows 8 and 16 were equal and 4 or 32
+    slower."""
+    return int(min(63, max(7, 64 // max(local_rows, 1) - 1)))
+
+
 def chunk_size(policy: str, max_pending: int) -> int:
     """Positions per decode chunk: the current one plus (for deferred) the pending window."""
     return max_pending + 1 if policy == "deferred" else 1

@@ -51,7 +51,7 @@ class SamplingConfig:
     exit_threshold: float = 1.0
     fixed_depth: int | None = None
     kv_policy: str = "dense"
-    deferred_max_pending: int = 15
+    deferred_max_pending: int | None = None  # None: policies.auto_max_pending(rows per device)
     stop_ids: tuple[int, ...] = (2,)
     compute_dtype: str = "float32"
     max_seq_len: int | None = None  # cache length S; default P + max_new_tokens
@@ -75,8 +75,9 @@ class SamplingConfig:
             raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.fixed_depth is not None and not (1 <= self.fixed_depth <= T):
             raise SamplingError(f"fixed_depth must lie in 1..{T}, got {self.fixed_depth}")
-        if self.deferred_max_pending < 1:
-            raise SamplingError("deferred_max_pending must be >= 1")
+        if self.deferred_max_pending is not None and self.deferred_max_pending < 1:
+            raise SamplingError(f"deferred_max_pending must be >= 1 (or None: automatic), "
+                                f"got {self.deferred_max_pending}")
         if self.kernels not in KERNELS:
             raise SamplingError(f"kernels must be one of {list(KERNELS)}, got {self.kernels!r}")
         if self.prompt_len_multiple < 1:
@@ -366,6 +367,17 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         if bad:
             raise SamplingError(f"prompt token ids {bad[:5]} outside the vocabulary "
                                 f"[0, {cfg.vocab_size})")
+    if forced is not None and scfg.kv_policy == "deferred":  # the recorded window
+        rec = sched.deferred_max_pending
+        if scfg.deferred_max_pending not in (None, rec):
+            raise SamplingError(f"forced re-run with deferred_max_pending "
+                                f"{scfg.deferred_max_pending}, but the rollout was sampled with "
+                                f"{rec}")
+        scfg = dataclasses.replace(scfg, deferred_max_pending=rec)
+    if scfg.deferred_max_pending is None:  # resolved here, recorded in the schedule
+        local_rows = -(-tokens.shape[0] // (mesh.size if mesh is not None else 1))
+        scfg = dataclasses.replace(scfg, deferred_max_pending=policies.auto_max_pending(
+            local_rows))
     st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None)
     rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
                    jnp.asarray(sample_index, jnp.int32), *frows)

@@ -4,6 +4,7 @@ References: `all_loop_outputs` (the full teacher-forced forward) and `_np_copy_r
 plain-numpy model that recomputes every step from scratch and reads K/V at loop d from loop
 min(d, k) (the `copy` policy's semantics; with k = T everywhere it is the dense model).
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -362,3 +363,19 @@ def test_timings_split_prefill_from_decode_without_changing_the_rollout(params):
     assert timings["decode_steps"] == scfg.max_new_tokens - 1  # prefill emits the first token
     assert np.array_equal(a.tokens_BxS, b.tokens_BxS)
     assert np.array_equal(_bits(a.logprob_BxS), _bits(b.logprob_BxS))
+
+
+def test_default_pending_bound_follows_the_batch_and_forced_reruns_keep_the_recorded_one(params):
+    scfg = SamplingConfig(max_new_tokens=5, temperature=1.0, kv_policy="deferred",
+                          exit_threshold=0.7, stop_ids=())
+    four = generate(CFG, params, PROMPTS, scfg, seed=1)  # 4 rows: 64 // 4 - 1
+    one = generate(CFG, params, PROMPTS[:1], scfg, seed=1)
+    many = generate(CFG, params, PROMPTS, scfg, group_size=4, seed=1)  # 16 rows: floor 7
+    assert [r.schedule.deferred_max_pending for r in (one, four, many)] == [63, 15, 7]
+    assert [r.schedule.chunk_size for r in (one, four, many)] == [64, 16, 8]
+    again = generate(CFG, params, [[0]], scfg, forced=four)  # re-run: 15, not 63 for 1 prompt
+    assert again.schedule.deferred_max_pending == 15
+    assert np.array_equal(_bits(again.logprob_BxS), _bits(four.logprob_BxS))
+    with pytest.raises(SamplingError, match="sampled with 15"):
+        generate(CFG, params, [[0]], dataclasses.replace(scfg, deferred_max_pending=4),
+                 forced=four)
