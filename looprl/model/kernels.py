@@ -7,13 +7,14 @@ minibatch size, permuted rows) must give each row the same bits whatever the num
 On XLA CPU (jax 0.10.2, Eigen dot emitter; looprl turns off the YNNPACK dot fusions with
 `--xla_cpu_experimental_ynn_fusion_type=`, `looprl.determinism`) a `[M, K] @ [K, N]` dot is
 row-invariant for every M, 1 included, as long as the contraction is at most `K_TILE` = 128 long
-and N >= `N_MIN` = 16 (scanned over 448 row counts M in 1..4096, fp32 and bf16: longer
-contractions are split by a blocking that depends on M, N < 8 takes a matrix-vector path, and
-N = 8 changed kernels for M in 658..~1000). So on the CPU `matmul` runs unpadded rows, splits K
-into 128-long slices summed in order in fp32 and pads N to 16 columns (`rowsum`'s ones vector
-included); the batched attention dots pad query rows to `QUERY_TILE` = 8 (1 query row is a
-matrix-vector product), pad the key axis to a multiple of 16 (masked keys) and split it into
-128-long slices for the value product.
+and N is a multiple of `N_MIN` = 16 (scanned over 448 row counts M in 1..4096, fp32 and bf16:
+longer contractions are split by a blocking that depends on M, N < 8 takes a matrix-vector path,
+N = 8 changed kernels for M in 658..~1000, and with N = 8j + 1 a single row computed the last
+column differently). So on the CPU `matmul` runs unpadded rows, splits K into 128-long slices
+summed in order in fp32 and pads N to a multiple of 16 (`rowsum`'s ones vector included); the
+batched attention dots pad query rows to `QUERY_TILE` = 8 (1 query row is a matrix-vector
+product), pad the key axis to a multiple of 16 (masked keys) and split it into 128-long slices
+for the value product.
 Unpadded rows are what makes batch-1 decoding cheap: the previous 64-row padding made a decode
 step do 64 rows of matmul work. On other backends (GPU, TPU) the kernels keep the previous form,
 rows padded to `ROW_TILE` = 64 and unsplit contractions: their bits are not invariant there
@@ -39,7 +40,7 @@ import numpy as np
 
 ROW_TILE = 64  # row padding off the CPU, and the softmax tiles
 K_TILE = 128  # CPU: longest contraction of one dot
-N_MIN = 16  # CPU: fewest output columns of one dot
+N_MIN = 16  # CPU: output columns of a dot are padded to a multiple of this
 QUERY_TILE = 8  # CPU: attention query rows are padded to a multiple of this
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
 
@@ -83,8 +84,8 @@ def _contract(spec: str, a, b, a_axis: int, b_axis: int, out_dtype):
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
 
-    On the CPU: rows unpadded, K split into K_TILE slices (fp32 partial sums), N padded to
-    N_MIN with zero columns. Elsewhere: rows padded to ROW_TILE, one dot.
+    On the CPU: rows unpadded, K split into K_TILE slices (fp32 partial sums), N padded to a
+    multiple of N_MIN with zero columns. Elsewhere: rows padded to ROW_TILE, one dot.
 
     Args:
       x_MxK: `[..., K]` any float dtype. w_KxN: `[K, N]` same dtype as x.
@@ -97,7 +98,8 @@ def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     rows = x.reshape(-1, k)
     out_dtype = out_dtype or x.dtype
     if on_cpu():
-        w = jnp.pad(w_KxN, [(0, 0), (0, N_MIN - n)]) if n < N_MIN else w_KxN
+        n_pad = -(-n // N_MIN) * N_MIN
+        w = jnp.pad(w_KxN, [(0, 0), (0, n_pad - n)]) if n_pad != n else w_KxN
         y = _contract("mk,kn->mn", rows, w, 1, 0, out_dtype)[:, :n]
     else:
         rows, m = _pad_rows(rows, 0)

@@ -24,10 +24,11 @@ def _rows_invariant(fn, x):
 @pytest.mark.parametrize("dtype, out_dtype", [("float32", None), ("bfloat16", None),
                                                ("bfloat16", "float32")])
 @pytest.mark.parametrize("k, n", [(64, 128), (128, 384), (384, 128), (64, 1), (64, 58),
-                                  (300, 4)])
+                                  (300, 4), (64, 17), (129, 33)])
 def test_matmul_rows_do_not_depend_on_the_row_count(k, n, dtype, out_dtype):
-    """Unpadded rows on the CPU: K > 128 is split (384, 300), N < 8 padded (1, 4); without the
-    split/padding, 1 row (matrix-vector) and 2..48 rows (K = 384) differed from 256 rows."""
+    """Unpadded rows on the CPU: K > 128 is split (384, 300, 129), N padded to a multiple of 16;
+    without that, 1 row (matrix-vector), 2..48 rows (K = 384) and the last column of a single
+    row when N = 8j + 1 (17, 33) differed from 256 rows."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((256, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
