@@ -58,3 +58,31 @@ def test_replay_bits_equal_sampler_one_layer_peaked_weights(params, q, policy):
         m = mask if rows is None else mask[rows]
         lp, _ = batch_logprobs(CFG, params, rb, "replay", rows=rows)
         assert _exact(lp, ref, m) == 1.0
+
+
+def test_batch_one_rollouts_with_a_vocabulary_of_8j_plus_1_replay_exactly():
+    """Regression (found by a scan of the unpadded CPU kernels): a one-row dot computed the
+    last of N = 8j + 1 output columns differently from the same row in a larger call, so batch-1
+    decoding with vocabulary 17 gave 2 of 480 sampled log-probs 1 ulp off the learner's. The
+    CPU matmul now pads N to a multiple of 16."""
+    import jax
+    import jax.numpy as jnp
+
+    from looprl.model.config import preset
+    cfg = preset("tiny", vocab_size=17, hidden_size=48, intermediate_size=200, num_heads=3,
+                 num_kv_heads=1, head_dim=16)
+    p = init_params(cfg, 0)
+    p["early_exit_gate"]["bias"] = jnp.array([-0.3])
+    p = jax.tree.map(np.asarray, p)
+    scfg = SamplingConfig(max_new_tokens=80, exit_threshold=0.6, temperature=1.3, stop_ids=(),
+                          kv_policy="dense")
+    checked = 0
+    for seed in (1, 3):  # seeds whose rollouts hit the differing column before the fix
+        rb = generate(cfg, p, [[5, 9, 3, 7, 11]], scfg, seed=seed)
+        lp, _ = batch_logprobs(cfg, p, rb, "replay")
+        sampled = np.asarray(rb.exit_loop_BxS) > 0
+        got = np.asarray(lp, np.float32).view(np.uint32)[sampled]
+        want = np.asarray(rb.logprob_BxS, np.float32).view(np.uint32)[sampled]
+        assert np.array_equal(got, want), f"seed {seed}: {np.sum(got != want)} log-probs differ"
+        checked += sampled.sum()
+    assert checked == 2 * 80
