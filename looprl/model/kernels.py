@@ -60,6 +60,16 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def _fp32_precision(*xs):
+    """Off the CPU, fp32 dots run at `Precision.HIGHEST`: GPUs otherwise use TF32 for fp32
+    matmuls (the H200 run in reproducibility/gpu differed from the CPU by ~5e-4 in fp32, beyond
+    the matrix's 1e-4 bound for the stock control). None (the default) on the CPU, whose fp32 dots
+    are full precision, so CPU programs are unchanged. Not yet run on a GPU."""
+    if on_cpu() or not all(x.dtype == jnp.float32 for x in xs):
+        return None
+    return jax.lax.Precision.HIGHEST
+
+
 def row_tile() -> int:
     """The matmul row padding in force: 1 on the CPU, ROW_TILE elsewhere (recorded in schedules)."""
     return 1 if on_cpu() else ROW_TILE
@@ -103,7 +113,8 @@ def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
         y = _contract("mk,kn->mn", rows, w, 1, 0, out_dtype)[:, :n]
     else:
         rows, m = _pad_rows(rows, 0)
-        y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype)[:m]
+        y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype,
+                       precision=_fp32_precision(rows, w_KxN))[:m]
     return y.reshape(*lead, n)
 
 
@@ -139,7 +150,8 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
         scores = _contract("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK, 3, 3, jnp.float32)
     else:
         scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK,
-                            preferred_element_type=jnp.float32)
+                            preferred_element_type=jnp.float32,
+                            precision=_fp32_precision(q_BxHxCxK, k_BxHxSxK))
     scores = scores * jnp.float32(scale)
     mask, _ = _pad_rows(mask_BxCxS, 1, tile)
     scores = jnp.where(mask[:, None], scores, MASK_VALUE)
@@ -148,7 +160,8 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
         out = _contract("bhcs,bhsk->bhck", probs, v_BxHxSxK, 3, 2, q_BxCxHxK.dtype)
     else:
         out = jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK,
-                         preferred_element_type=q_BxCxHxK.dtype)
+                         preferred_element_type=q_BxCxHxK.dtype,
+                         precision=_fp32_precision(probs, v_BxHxSxK))
     out = out[:, :, :C]
     return jnp.swapaxes(out, 1, 2)
 
@@ -212,7 +225,8 @@ def log_softmax(x):
 
 def stock_matmul(x, w, out_dtype=None):
     """`x @ w` the common way (no row padding): the baseline, not batch-invariant."""
-    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=out_dtype or x.dtype)
+    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=out_dtype or x.dtype,
+                      precision=_fp32_precision(x, w))
 
 
 def stock_attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
@@ -225,10 +239,12 @@ def stock_attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
         k_BxSxHxK = jnp.repeat(k_BxSxHxK, H // hkv, axis=2)
         v_BxSxHxK = jnp.repeat(v_BxSxHxK, H // hkv, axis=2)
     scores = jnp.einsum("bchk,bshk->bhcs", q_BxCxHxK * jnp.asarray(scale, q_BxCxHxK.dtype),
-                        k_BxSxHxK).astype(jnp.float32)
+                        k_BxSxHxK, precision=_fp32_precision(q_BxCxHxK, k_BxSxHxK)
+                        ).astype(jnp.float32)
     scores = jnp.where(mask_BxCxS[:, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q_BxCxHxK.dtype)
-    return jnp.einsum("bhcs,bshk->bchk", probs, v_BxSxHxK)
+    return jnp.einsum("bhcs,bshk->bchk", probs, v_BxSxHxK,
+                      precision=_fp32_precision(probs, v_BxSxHxK))
 
 
 def rms_norm(x, weight, eps: float, stock: bool = False):

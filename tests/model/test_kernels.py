@@ -77,3 +77,26 @@ def test_log_softmax_keeps_minus_inf_and_sums_to_one():
     g = jax.grad(lambda a: jnp.sum(jnp.where(jnp.isfinite(kn.log_softmax(a)),
                                              kn.log_softmax(a), 0.0)))(x)
     assert np.isfinite(np.asarray(g)[:, [0, 2]]).all()
+
+
+def test_off_the_cpu_branch_pads_rows_and_asks_for_full_fp32_precision(monkeypatch):
+    """The GPU/TPU form (64-row padding, one dot, Precision.HIGHEST for fp32 so GPUs do not
+    use TF32), traced and run here with `on_cpu` patched: same values as the CPU form, and the
+    precision request is in the program (none for bf16)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 3, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 40)) / 8, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, 20, 4, 16)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 3, 20)) < 0.7).at[:, :, 0].set(True)
+    cpu_mm, cpu_att = kn.matmul(x, w), kn.attention(q, kv, kv, mask, 0.25)
+    monkeypatch.setattr(kn, "on_cpu", lambda: False)
+    np.testing.assert_allclose(np.asarray(kn.matmul(x, w)), np.asarray(cpu_mm), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kn.attention(q, kv, kv, mask, 0.25)),
+                               np.asarray(cpu_att), rtol=1e-5, atol=1e-5)
+    assert "HIGHEST" in str(jax.make_jaxpr(kn.matmul)(x, w))
+    assert "HIGHEST" in str(jax.make_jaxpr(kn.stock_matmul)(x, w))
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert "HIGHEST" not in str(jax.make_jaxpr(kn.matmul)(xb, wb))
+    assert kn.row_tile() == kn.ROW_TILE
