@@ -6,11 +6,11 @@ the same weights, prompts (arithmetic task prompts) and seed for every configura
 run. Each configuration samples at temperature 1 with stop ids off, so every row decodes a fixed
 number of new tokens: `MAX_NEW` = 32 in the sweep over batch sizes and thresholds, `B1_MAX_NEW`
 = 128 for the `_b1` keys. At 32 tokens the sequence (prompt ~20 + 32) is so short that a loop
-costs little more than the per-step work outside the loops, and the deferred window (16) is
-flushed just twice, so edge effects dominate; 128 tokens is closer to an RL rollout (the GSM8K
-configs sample up to 512) and shows the policies' steady state. Both are reported
-(`*_b1_new32` keys for the short one). The KV policies change the decode steps, so the policy ratios use decode
-tokens/s = rows x (new tokens - 1) / wall seconds of the decode steps (`generate(timings=)`; the
+costs little more than the per-step work outside the loops and a deferred window is hardly
+used, so edge effects dominate; 128 tokens is closer to an RL rollout (the GSM8K configs sample
+up to 512) and shows the policies' steady state. Both are reported (`*_b1_new32` keys for the
+short one). The KV policies change the decode steps, so the policy ratios use decode tokens/s
+= rows x (new tokens - 1) / wall seconds of the decode steps (`generate(timings=)`; the
 prefill, which runs every loop for every prompt position under any policy and emits the first
 token, is timed apart); whole-call tokens/s (rows x new tokens / the whole `generate` call) are
 reported next to them. Parameters are device arrays, as in training. After a compile/warm-up
@@ -23,9 +23,8 @@ speed-up T / mean_exit_loop. The `_b1` keys are at batch 1, 128 new tokens
 and the q of `B1_Q` (mean exit loop <= 2.0 for the trained gate, checked). Flax vs the PyTorch
 reference (`TorchOuro.generate_greedy`, its own KV cache of one slot per (loop, layer), every
 loop for every token): greedy decoding, all T loops, same weights, batch 1 and 16, 32 new
-tokens, whole calls on
-both sides (prefill included); torch at its default thread count and at 1 thread, the faster
-one counts.
+tokens, whole calls on both sides (prefill included); torch at its default thread count and at
+1 thread, the faster one counts.
 
 Run: `python benchmarks/rollout.py` (no arguments; <= 400 s on 2 CPU cores). Last line: JSON.
 """

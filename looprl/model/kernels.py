@@ -91,6 +91,15 @@ def _contract(spec: str, a, b, a_axis: int, b_axis: int, out_dtype):
     return acc.astype(out_dtype)
 
 
+def _dot(spec: str, a, b, a_axis: int, b_axis: int, out_dtype):
+    """The invariant kernels' dot: on the CPU `_contract` (K_TILE slices); elsewhere one einsum,
+    fp32 at `Precision.HIGHEST` (`_fp32_precision`)."""
+    if on_cpu():
+        return _contract(spec, a, b, a_axis, b_axis, out_dtype)
+    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype,
+                      precision=_fp32_precision(a, b))
+
+
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
 
@@ -107,14 +116,12 @@ def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     k, n = x.shape[-1], w_KxN.shape[-1]
     rows = x.reshape(-1, k)
     out_dtype = out_dtype or x.dtype
+    m, w = rows.shape[0], w_KxN
     if on_cpu():
-        n_pad = -(-n // N_MIN) * N_MIN
-        w = jnp.pad(w_KxN, [(0, 0), (0, n_pad - n)]) if n_pad != n else w_KxN
-        y = _contract("mk,kn->mn", rows, w, 1, 0, out_dtype)[:, :n]
+        w, _ = _pad_rows(w_KxN, 1, N_MIN)  # zero columns, cut off below
     else:
-        rows, m = _pad_rows(rows, 0)
-        y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype,
-                       precision=_fp32_precision(rows, w_KxN))[:m]
+        rows, _ = _pad_rows(rows, 0)
+    y = _dot("mk,kn->mn", rows, w, 1, 0, out_dtype)[:m, :n]
     return y.reshape(*lead, n)
 
 
@@ -146,23 +153,12 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     q_BxHxCxK, _ = _pad_rows(jnp.swapaxes(q_BxCxHxK, 1, 2), 2, tile)
     k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
     v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
-    if cpu:
-        scores = _contract("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK, 3, 3, jnp.float32)
-    else:
-        scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK,
-                            preferred_element_type=jnp.float32,
-                            precision=_fp32_precision(q_BxHxCxK, k_BxHxSxK))
+    scores = _dot("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK, 3, 3, jnp.float32)
     scores = scores * jnp.float32(scale)
     mask, _ = _pad_rows(mask_BxCxS, 1, tile)
     scores = jnp.where(mask[:, None], scores, MASK_VALUE)
     probs = softmax(scores).astype(q_BxCxHxK.dtype)
-    if cpu:
-        out = _contract("bhcs,bhsk->bhck", probs, v_BxHxSxK, 3, 2, q_BxCxHxK.dtype)
-    else:
-        out = jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK,
-                         preferred_element_type=q_BxCxHxK.dtype,
-                         precision=_fp32_precision(probs, v_BxHxSxK))
-    out = out[:, :, :C]
+    out = _dot("bhcs,bhsk->bhck", probs, v_BxHxSxK, 3, 2, q_BxCxHxK.dtype)[:, :, :C]
     return jnp.swapaxes(out, 1, 2)
 
 

@@ -406,7 +406,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
     if timings is not None:
         jax.block_until_ready(s)
         timings["decode_s"] = time.perf_counter() - t1
-        timings["decode_steps"] = int(jnp.max(s.p)) - P
+        timings["decode_steps"] = done_steps
     sched = Schedule(
         kv_policy=scfg.kv_policy,
         exit_threshold=None if scfg.fixed_depth is not None else float(scfg.exit_threshold),
