@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from looprl.model import hf
+from looprl.io import hf
+from looprl.model import looped
 from looprl.model.config import preset
 from looprl.model.looped import all_loop_outputs, cast_weights
 from looprl.reference.torch_ouro import TorchOuro
@@ -62,7 +63,7 @@ def main() -> dict:
     cfg = preset("tiny")
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: (rng.standard_normal(s.shape) * 0.05).astype(np.float32),
-                          hf.expected_param_shapes(cfg))
+                          looped.expected_param_shapes(cfg))
     tokens = rng.integers(0, cfg.vocab_size, (B, S)).astype(np.int32)
     with tempfile.TemporaryDirectory() as d:
         path = hf.save_hf(params, cfg, Path(d) / "hf", "float32")

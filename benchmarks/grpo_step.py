@@ -27,9 +27,10 @@ import jax
 import numpy as np
 
 from looprl.config import apply_overrides, load_experiment
-from looprl.rl.trainer import GRPOLearner
+from looprl.rl.learner import GRPOLearner
 from looprl.model.looped import init_params
-from looprl.train.run import build_tasks, model_config
+from looprl.train.setup import build_tasks
+from looprl.model.config import from_model_section
 from looprl.train.warm_start import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def main() -> dict:
     cfg = load_experiment(ROOT / "experiments" / "tiny_arith.py")
     warm_task, rl_task = build_tasks(cfg)
     tok = warm_task.tokenizer()
-    mcfg = model_config(cfg)
+    mcfg = from_model_section(cfg.model)
     ws = cfg.warm_start
     params, _ = warm_start(mcfg, init_params(mcfg, cfg.run.seed), warm_task, tok,
                            steps=WARM_STEPS, batch_size=ws.batch_size,

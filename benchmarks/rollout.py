@@ -42,7 +42,7 @@ import jax
 import numpy as np
 import torch
 
-from looprl.model import hf
+from looprl.io import hf
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.reference.torch_ouro import TorchOuro

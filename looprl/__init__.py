@@ -5,16 +5,23 @@ from looprl.determinism import configure_xla as _configure_xla  # noqa: E402
 
 _configure_xla()  # before jax creates its backend: see looprl/determinism.py
 
-from looprl.errors import (CheckpointError, ConfigError, LooprlError, SamplingError,  # noqa: E402
-                           ScheduleError, TaskError)
+from looprl.errors import (  # noqa: E402
+    CheckpointError,
+    ConfigError,
+    LooprlError,
+    SamplingError,
+    ScheduleError,
+    TaskError,
+)
 
 
 def load_hf(path, dtype="float32", **kw):
     """Load an HF-format Ouro directory (`config.json` + safetensors) as a `LoopedLM`.
 
     Parameters are held in fp32 when dtype is float32, and compute runs in `dtype`
-    (`float32` or `bfloat16`). See `looprl.model.hf.load_hf`."""
-    from looprl.model.hf import load_hf as _load_hf
+    (`float32` or `bfloat16`). See `looprl.io.hf.load_hf`. Imported lazily, so that
+    `import looprl` stays light and sets XLA's flags before jax starts."""
+    from looprl.io.hf import load_hf as _load_hf
     return _load_hf(path, dtype=dtype, **kw)
 
 

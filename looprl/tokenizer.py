@@ -25,6 +25,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
+from tokenizers import AddedToken, Tokenizer, decoders, models
+
 from looprl.errors import ConfigError, TaskError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -145,8 +147,6 @@ def load_tokenizer(path: str | os.PathLike, end_of_turn_id: int | None = None,
       ConfigError: the file is missing or is not a valid tokenizer.json, or lacks the end-of-turn
         / pad tokens and no override is given.
     """
-    from tokenizers import Tokenizer
-
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
@@ -165,7 +165,6 @@ def tokenizer_from_json(text: str) -> TextTokenizer:
     Raises:
       ConfigError: the text is not a valid tokenizer.json.
     """
-    from tokenizers import Tokenizer
     try:
         json.loads(text)
         tok = Tokenizer.from_str(text)
@@ -183,8 +182,6 @@ def build_char_tokenizer(chars: str = CHAR_TOKENIZER_CHARS) -> TextTokenizer:
     Raises:
       ConfigError: `chars` repeats a character or contains a special token's text.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-
     if len(set(chars)) != len(chars):
         raise ConfigError(f"char tokenizer: repeated characters in {chars!r}")
     vocab = {tok: i for i, tok in enumerate(_CHAR_SPECIALS)}

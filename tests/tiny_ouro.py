@@ -50,7 +50,7 @@ def write_tiny_hf(path, seed: int = 0, dtype: str = "bfloat16", gate_bias: float
     exit gate's weights are small, so lambda is set by its bias: `gate_bias` 0.4 gives lambda ~ 0.6
     per loop (CDF ~ 0.6, 0.84, 0.94, 1), so tokens exit at loop 3 or 4 at q = 0.9 and at loop 1
     at q = 0.5."""
-    from looprl.model import hf
+    from looprl.io import hf
     from looprl.model.looped import init_params
 
     cfg = tiny_ouro_config()

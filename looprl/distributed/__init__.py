@@ -1,1 +1,2 @@
 """Meshes, shardings and multi-process start (issue 7): `mesh` and `multihost`."""
+

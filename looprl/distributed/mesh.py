@@ -31,7 +31,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from looprl.errors import ConfigError
 
@@ -175,7 +177,6 @@ def put_global(host, sharding: NamedSharding):
 def to_host(x) -> np.ndarray:
     """A (possibly multi-process, sharded) jax array as a full numpy array on every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 

@@ -21,6 +21,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
+from jax.experimental import multihost_utils
+
+from looprl.determinism import backend_initialized
 from looprl.errors import ConfigError
 
 
@@ -75,8 +79,6 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     kw = distributed_settings(coordinator, num_processes, process_id, auto)
     if kw is None:
         return False
-    import jax
-    from looprl.determinism import backend_initialized
     if backend_initialized():
         raise ConfigError("init_distributed: jax's backends already exist; call it first")
     if os.environ.get("LOOPRL_CPU_COLLECTIVES", "gloo"):
@@ -88,13 +90,10 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
 
 def is_main_process() -> bool:
     """True on process 0 (the one that writes logs, metrics, reports and summaries)."""
-    import jax
     return jax.process_index() == 0
 
 
 def sync(name: str) -> None:
     """A barrier across processes (no-op for one process)."""
-    import jax
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)

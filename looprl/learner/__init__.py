@@ -1,1 +1,2 @@
-"""Learner log-probs (dense, replay, hybrid, stock) and the reproducibility matrix."""
+"""Learner log-probs of a recorded rollout: dense, replay, hybrid, stock (DESIGN.md §4)."""
+

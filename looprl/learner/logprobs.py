@@ -27,10 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from looprl.distributed.mesh import row_sharded_call
+from looprl.errors import ScheduleError
 from looprl.model.config import OuroConfig
 from looprl.model.layers import stack_pass
 from looprl.model.looped import Layout, cast_weights, embed, exit_lambda, lm_logits
 from looprl.sampling.processing import process_logits
+from looprl.sampling.sampler import SamplingConfig, generate
 
 METHODS = ("dense", "replay", "hybrid", "stock")
 
@@ -155,7 +158,6 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
                   temperature=float(sch.temperature), method=method, top_k=int(sch.top_k),
                   top_p=float(sch.top_p), remat=remat)
     if mesh is not None and mesh.size > 1:
-        from looprl.distributed.mesh import row_sharded_call
         lp, lpp = row_sharded_call(_jit_logprobs, mesh, (params,),
                                    (tokens, pad, exit_loop, kv_depth), static=static,
                                    row_axes_out=(0, 0))
@@ -179,9 +181,6 @@ def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None, mesh=None)
 
     `mesh`: re-run on a mesh (the sampler's `mesh` argument).
     Raises: ScheduleError if the re-run does not follow the recorded schedule (exit loops)."""
-    from looprl.errors import ScheduleError
-    from looprl.sampling.sampler import SamplingConfig, generate
-
     sch = batch.schedule
     scfg = SamplingConfig(
         max_new_tokens=sch.seq_len - sch.prompt_len, temperature=sch.temperature,

@@ -174,3 +174,30 @@ def preset(name: str, **overrides) -> OuroConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides)
+
+
+SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "total_ut_steps")
+
+
+def from_model_section(section, vocab_size: int | None = None) -> OuroConfig:
+    """The `OuroConfig` an experiment's `model` section (`looprl.config.ModelConfig`) describes:
+    its preset with the section's shape overrides (`SHAPE_KEYS`; None keeps the preset's).
+
+    Overriding `num_heads` sets `num_kv_heads` to it (multi-head attention, as the released
+    models), and overriding `hidden_size` or `num_heads` sets `head_dim = hidden_size //
+    num_heads`. `vocab_size`, when given, replaces the preset's (`looprl verify` sizes the
+    vocabulary to its task tokenizer). Every command that builds a model from a config uses this
+    one function (`looprl train`'s and `looprl verify --config`'s models once differed in
+    `head_dim` and `num_kv_heads`). Raises ConfigError for an unknown preset.
+    """
+    over = {k: getattr(section, k) for k in SHAPE_KEYS if getattr(section, k) is not None}
+    if "num_heads" in over:
+        over["num_kv_heads"] = over["num_heads"]
+    if "hidden_size" in over or "num_heads" in over:
+        base = preset(section.preset)
+        over["head_dim"] = over.get("hidden_size", base.hidden_size) // over.get(
+            "num_heads", base.num_heads)
+    if vocab_size is not None:
+        over["vocab_size"] = vocab_size
+    return preset(section.preset, **over)
+

@@ -12,12 +12,14 @@ sampler, the learner and the tests share one implementation.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from looprl.errors import CheckpointError
 from looprl.model import kernels as kn
 from looprl.model.config import OuroConfig
 from looprl.model.layers import LAYER_KEYS, stack_pass
@@ -200,3 +202,45 @@ def all_loop_outputs(cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None) -> ModelO
         logits.append(lm_logits(w, h))
         lams.append(exit_lambda(w, h))
     return ModelOutput(jnp.stack(logits), jnp.stack(lams))
+
+
+def expected_param_shapes(cfg: OuroConfig) -> dict[str, Any]:
+    """The parameter dict layout of `cfg` as a nested dict of `jax.ShapeDtypeStruct` (fp32),
+    from an abstract `LoopedLM` (no arrays are allocated)."""
+    abstract = nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+
+def check_param_tree(params: dict[str, Any], cfg: OuroConfig, source: str = "parameters"):
+    """Raise CheckpointError naming the leaf if `params` does not have `cfg`'s layout
+    (a missing or unexpected leaf, or a shape other than expected)."""
+    template = expected_param_shapes(cfg)
+    flat_t = dict(jax.tree_util.tree_flatten_with_path(template)[0])
+    flat_p = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, leaf in flat_t.items():
+        name = jax.tree_util.keystr(path)
+        if path not in flat_p:
+            raise CheckpointError(f"{source}: parameter {name} missing (expected shape "
+                                  f"{list(leaf.shape)})")
+        if tuple(np.shape(flat_p[path])) != tuple(leaf.shape):
+            raise CheckpointError(f"{source}: parameter {name} has shape "
+                                  f"{list(np.shape(flat_p[path]))}, expected {list(leaf.shape)}")
+    extra = sorted(jax.tree_util.keystr(p) for p in flat_p if p not in flat_t)
+    if extra:
+        raise CheckpointError(f"{source}: unexpected parameter {extra[0]}")
+
+
+def model_from_params(params: dict[str, Any], cfg: OuroConfig, dtype="float32"):
+    """A `LoopedLM` holding `params` cast to `dtype`, with `compute_dtype = dtype`.
+
+    The module is built abstractly (`nnx.eval_shape`, no random init) and every Param is then
+    filled from `params`; a missing or misshapen leaf is a CheckpointError.
+    """
+    check_param_tree(params, cfg)
+    dt = jnp.dtype(dtype)
+    abstract = nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), compute_dtype=dt))
+    graphdef, state = nnx.split(abstract)
+    filled = jax.tree.map(lambda t, p: jnp.asarray(np.asarray(p), dtype=dt),
+                          nnx.to_pure_dict(state), params)
+    nnx.replace_by_pure_dict(state, filled)
+    return nnx.merge(graphdef, state)

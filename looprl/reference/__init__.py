@@ -1,1 +1,2 @@
 """Independent reference implementations (PyTorch) used as parity oracles."""
+

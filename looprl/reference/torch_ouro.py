@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from looprl.model.config import OuroConfig
 
@@ -33,8 +34,6 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 def load_hf_state_dict_torch(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF directory via `safetensors.torch` (single file or sharded index)."""
-    from safetensors.torch import load_file
-
     hf_dir = Path(hf_dir)
     if (hf_dir / "model.safetensors").exists():
         return load_file(str(hf_dir / "model.safetensors"))

@@ -1,1 +1,2 @@
 """Rollout engine: prefill/decode with early exit, KV policies, recorded schedules."""
+

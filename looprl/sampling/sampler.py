@@ -1,5 +1,6 @@
 """The rollout engine: jitted prefill + decode with per-token early exit and a (loop, layer) KV
-cache, recording the schedule (DESIGN.md §3).
+cache, recording the schedule (DESIGN.md §3). One concept, kept in one file: the decode loop, its
+forced re-run (the same program) and its per-device form share their state and helpers.
 
 Layout: B = prompts x G rows, left-padded to the longest prompt rounded up to a multiple of
 `prompt_len_multiple` (P; the compiled shapes depend on P, so a multiple > 1 lets batches of
@@ -24,17 +25,27 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as PS
 
+from looprl.distributed import mesh as ml
+from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError
 from looprl.model.config import OuroConfig
 from looprl.model.kernels import row_tile
 from looprl.model.layers import stack_pass
-from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
-                                 exit_state_update, lm_logits, q_exit_decision)
+from looprl.model.looped import (
+    Layout,
+    cast_weights,
+    embed,
+    exit_lambda,
+    exit_state_init,
+    exit_state_update,
+    lm_logits,
+    q_exit_decision,
+)
 from looprl.sampling import policies
 from looprl.sampling.processing import process_logits, row_keys, sample_tokens
 from looprl.sampling.schedule import RolloutBatch, Schedule, params_fingerprint
-
 
 KERNELS = ("invariant", "stock")
 
@@ -432,24 +443,16 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
 # --- on a mesh (issue 7): the same programs, one per device on its rows -------------------------
 
 def _mesh_record(mesh, params):
-    from looprl.distributed.mesh import mesh_record
     return mesh_record(mesh if mesh is not None and mesh.size > 1 else None, params)
 
 
 def _state_specs():
-    from jax.sharding import PartitionSpec as PS
-
-    from looprl.distributed.mesh import ROW_AXES
     row, kv = PS(ROW_AXES), PS(None, None, ROW_AXES)  # the caches are [T, L, B, S, Hkv, K]
     return DecodeState(row, row, row, kv, kv, row, row, row, row, row, row, row)
 
 
 @functools.lru_cache(maxsize=32)
 def _mesh_prefill(st: _Static, mesh):
-    from jax.sharding import PartitionSpec as PS
-
-    from looprl.distributed.mesh import ROW_AXES
-
     def body(params, tokens_BxS, rows, step):
         s = _prefill(st, params, tokens_BxS, rows, step)
         return s._replace(p=s.p[None])  # each device's position: p is [devices] on the mesh
@@ -460,10 +463,6 @@ def _mesh_prefill(st: _Static, mesh):
 
 @functools.lru_cache(maxsize=32)
 def _mesh_decode(st: _Static, mesh, n_steps: int):
-    from jax.sharding import PartitionSpec as PS
-
-    from looprl.distributed.mesh import ROW_AXES
-
     def body(params, s, rows, step):
         s = _decode(st, params, s._replace(p=s.p[0]), rows, step, n_steps)
         return s._replace(p=s.p[None])
@@ -478,8 +477,6 @@ def _on_mesh(mesh, tokens, rows: RowInfo, step: int):
 
     Each device's decode loop stops when its own rows are done, so `p` differs per device;
     devices still running advance together, hence `generate` counts steps by the largest p."""
-    from looprl.distributed import mesh as ml
-
     n = ml.padded_rows(tokens.shape[0], mesh)
     put = lambda a: ml.put_global(ml.pad_rows(np.asarray(a), n, fill="first"),  # noqa: E731
                                   ml.row_sharding(mesh, np.ndim(a)))

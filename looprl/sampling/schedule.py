@@ -180,7 +180,7 @@ def params_fingerprint(params) -> str:
     Each leaf is bitcast to uint32 words (bf16 leaves are widened bit-exactly), multiplied by
     position-dependent odd constants and summed modulo 2**32 (integer addition is associative,
     so the reduction order and device count cannot change the result), with two independent
-    multiplier streams. Not cryptographic; `looprl.train.checkpoint` computes a full SHA-256 at
+    multiplier streams. Not cryptographic; `looprl.io.checkpoint` computes a full SHA-256 at
     checkpoints."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     leaves.sort(key=lambda kv: jax.tree_util.keystr(kv[0]))

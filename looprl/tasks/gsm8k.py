@@ -31,6 +31,7 @@ from typing import Any, Iterable
 from looprl.errors import ConfigError, TaskError
 from looprl.tasks.base import EVAL, TRAIN, Problem, Task
 from looprl.tasks.grading import grade_answer
+from looprl.tokenizer import chat_prompt
 
 DEFAULT_DATA_DIR = "../shared/data/gsm8k"
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -231,7 +232,6 @@ class GSM8KTask(Task):
 
     def format_prompt(self, problem: Problem) -> str:
         """Return the ChatML prompt: question, blank line, instruction (see `chat_prompt`)."""
-        from looprl.tokenizer import chat_prompt
         text = f"{problem.prompt}\n\n{self.instruction}" if self.instruction else problem.prompt
         return chat_prompt(text, self.prompt_style)
 

@@ -1,1 +1,3 @@
-"""Checkpoints, metrics and plots of training runs (leaf package: model <- train)."""
+"""Training runs (the floor below the CLI): the `looprl train` loop (`run`), task setup,
+the supervised warm start, training checkpoints and resume, variants, plots."""
+

@@ -1,4 +1,4 @@
-"""`looprl plot RUN_DIR [RUN_DIR ...]`: PNG plots of reward, accuracy, exit depth and mismatch.
+"""PNG plots of runs (`looprl plot RUN_DIR [RUN_DIR ...]`, `looprl.cli.plot`) of reward, accuracy, exit depth and mismatch.
 
 Reads each run's `metrics.jsonl` (and `warm_start_curve.json` when present) and writes
 `reward.png`, `accuracy.png`, `exit_depth.png`, `mismatch.png`, `optimization.png`,
@@ -79,8 +79,3 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     return written
 
 
-def run_plot(args) -> int:
-    out = args.out or str(Path(args.run_dirs[0]) / "plots")
-    for p in plot_runs(args.run_dirs, out):
-        print(p)
-    return 0

@@ -1,7 +1,7 @@
 """Training checkpoints of a run directory: save every N steps, retention, latest, exact resume.
 
 Layout under `RUN_DIR/checkpoints/`:
-  step_{N:08d}/   a complete looprl checkpoint (`looprl.train.checkpoint`; any CLI command's
+  step_{N:08d}/   a complete looprl checkpoint (`looprl.io.checkpoint`; any CLI command's
                   `--checkpoint` takes it) of the parameters after N GRPO steps, with
                   `train_state` = `GRPOLearner.train_state(N)` (optax state, run PRNG key,
                   step N = the next step to run, data position), `experiment_config.json` (the
@@ -26,12 +26,26 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+
 from looprl.config import ExperimentConfig, from_json, to_dict, to_json
+from looprl.distributed.mesh import to_host
+from looprl.distributed.multihost import is_main_process
 from looprl.errors import CheckpointError, ConfigError
+from looprl.io.checkpoint import (
+    load_model_checkpoint,
+    load_train_state,
+    params_sha256,
+    read_checkpoint_meta,
+    save_model_checkpoint,
+)
+from looprl.io.train_state import is_prng_key, leaf_name, tree_like_template
 
 CHECKPOINTS_DIR = "checkpoints"
 INDEX_FILE = "index.jsonl"
 CONFIG_IN_CHECKPOINT = "experiment_config.json"
+REFERENCE_FILE = "reference.json"  # the reference policy of a run without a warm start
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _LEFTOVER_RE = re.compile(r"^\.step_\d{8}\.(tmp|old)-")
 
@@ -53,8 +67,6 @@ def checkpoint_candidates(run_dir: str | Path) -> list[tuple[int, Path, str | No
     """[(step, dir, problem)] of every `step_*` directory under `RUN_DIR/checkpoints`, by step;
     `problem` is None for a complete training checkpoint, else why it cannot be used (an
     interrupted write, a missing part, a meta step that disagrees with the name)."""
-    from looprl.train.checkpoint import read_checkpoint_meta
-
     root = Path(run_dir) / CHECKPOINTS_DIR
     found = []
     if not root.is_dir():
@@ -95,12 +107,6 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
     index, then keep only the newest `cfg.run.keep_checkpoints` complete checkpoints (and remove
     leftovers of interrupted writes). An existing (e.g. incomplete) directory of that step is
     replaced. Returns (dir, params_sha256)."""
-    import jax
-
-    from looprl.distributed.mesh import to_host
-    from looprl.distributed.multihost import is_main_process
-    from looprl.train.checkpoint import params_sha256, save_model_checkpoint
-
     run_dir = Path(run_dir)
     params = jax.tree.map(to_host, learner.params)
     sha = params_sha256(params)
@@ -127,14 +133,8 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
 def train_state_sha256(state) -> str:
     """`params_sha256` of a `GRPOLearner.train_state` tree (typed PRNG keys as their key data):
     recorded at save, compared at restore, so silently damaged optimizer state is caught."""
-    import jax
-    import numpy as np
-
-    from looprl.distributed.mesh import to_host
-    from looprl.train.checkpoint import _is_prng_key, params_sha256
-
     def plain(x):
-        if _is_prng_key(x):
+        if is_prng_key(x):
             return np.asarray(jax.random.key_data(x))
         return to_host(x)  # a sharded leaf may span processes
 
@@ -185,13 +185,6 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
     model or optimizer is a CheckpointError naming the array; then their SHA-256 against the
     ones recorded at save, so damaged bytes of the right size are a CheckpointError too, and
     `learner` is left untouched). Returns the next GRPO step."""
-    import jax
-
-    from looprl.distributed.mesh import to_host
-    from looprl.train.checkpoint import (leaf_name, load_model_checkpoint, load_train_state,
-                                         params_sha256, read_checkpoint_meta,
-                                         tree_like_template)
-
     ckpt = Path(ckpt)
     meta = read_checkpoint_meta(ckpt)
     if not meta.get("has_train_state"):
@@ -209,3 +202,42 @@ def restore_training_checkpoint(ckpt: str | Path, learner) -> int:
                                   f"the {meta[key][:12]}... recorded when it was saved")
     return learner.restore_train_state(params, state)
 
+
+def load_reference(out: Path):
+    """The reference (pre-GRPO) policy of a run being resumed: its `warm_start/` checkpoint, or
+    the model checkpoint `reference.json` points at (runs without a warm start), checked
+    against the SHA-256 recorded when the run started. Returns (params, cfg, tokenizer_json,
+    dir). Raises CheckpointError if that checkpoint is gone or changed."""
+    if (out / "warm_start").is_dir():
+        params, mcfg, tok, meta = load_model_checkpoint(out / "warm_start")
+        # runs that predate the recorded SHA-256 have nothing to compare against
+        ref = {"checkpoint": str(out / "warm_start"), "params_sha256": meta.get("params_sha256")}
+    else:
+        ref = json.loads((out / REFERENCE_FILE).read_text())
+        params, mcfg, tok, _ = load_model_checkpoint(ref["checkpoint"])
+    recorded = ref["params_sha256"]
+    sha = None if recorded is None else params_sha256(params)
+    if sha != recorded:
+        raise CheckpointError(f"{ref['checkpoint']}: the run's reference checkpoint changed since "
+                              f"the run started (params_sha256 {sha[:12]}..., recorded "
+                              f"{recorded[:12]}... at the start)")
+    return params, mcfg, tok, Path(ref["checkpoint"])
+
+
+def resume_candidates(out: Path, say) -> list[tuple[int, Path]]:
+    """The complete training checkpoints of run `out`, newest first, after saying which step
+    directories are unusable and why. Raises CheckpointError when there is none."""
+    cands = checkpoint_candidates(out)
+    for _, d, problem in cands:
+        if problem is not None:
+            say(f"skipping {d.name}: {problem}")
+    good = [(s, d) for s, d, problem in reversed(cands) if problem is None]
+    if good:
+        return good
+    if cands:
+        raise CheckpointError(f"{out}: no usable training checkpoint: "
+                              + "; ".join(f"{d.name}: {p}" for _, d, p in cands))
+    raise CheckpointError(f"{out}: no training checkpoint under checkpoints/: the run was "
+                          f"interrupted before its first one (during the warm start or the "
+                          f"evaluation before GRPO), so there is nothing to resume; remove "
+                          f"{out} or start again with another out_dir")

@@ -19,8 +19,9 @@ import numpy as np  # noqa: E402
 
 from looprl.config import apply_overrides, load_experiment  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
-from looprl.rl.trainer import GRPOLearner  # noqa: E402
-from looprl.train.run import build_tasks, model_config  # noqa: E402
+from looprl.rl.learner import GRPOLearner  # noqa: E402
+from looprl.train.setup import build_tasks
+from looprl.model.config import from_model_section  # noqa: E402
 
 SMOKE = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "tiny_arith_smoke.py")
 BASE = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4",
@@ -35,7 +36,7 @@ def main():
     # so advantages correlate with token counts and the token-mean loss does not cancel to ~0
     task.reward = lambda problem, text: float(len(text))
     tok = task.tokenizer()
-    mcfg = model_config(cfg)
+    mcfg = from_model_section(cfg.model)
     learner = GRPOLearner(cfg, mcfg, init_params(mcfg, 0), task, tok)
     m = learner.step(0)
     res = {"loss": m["loss"], "grad_norm": m["grad_norm"],
@@ -47,7 +48,7 @@ def main():
     flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
     ckpt = os.environ.get("LOOPRL_TEST_CKPT")
     if ckpt:
-        from looprl.train.checkpoint import load_model_checkpoint, save_model_checkpoint
+        from looprl.io.checkpoint import load_model_checkpoint, save_model_checkpoint
         save_model_checkpoint(ckpt, learner.params, mcfg, tok.to_json(),
                               train_state={"opt_state": learner.opt_state, "step": 1})
         got, _, _, _ = load_model_checkpoint(ckpt)

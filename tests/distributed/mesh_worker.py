@@ -37,7 +37,7 @@ def params0():
 
 
 def replay(out: Path):
-    from looprl.learner.verify import VerifyOptions, _cell_group, updated_params
+    from looprl.verify.matrix import VerifyOptions, _cell_group, updated_params
     n = jax.device_count()
     mesh = make_mesh(MeshConfig(data=-1))
     p = params0()
@@ -72,7 +72,7 @@ def replay(out: Path):
 def ckpt(out: Path):
     import optax
 
-    from looprl.train.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from looprl.io.checkpoint import load_model_checkpoint, save_model_checkpoint
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1))
     restored, cfg, tok, _ = load_model_checkpoint(out / "ck1", mesh=mesh)
     specs = {jax.tree_util.keystr(k): str(v.sharding.spec)

@@ -176,8 +176,7 @@ def test_sharded_learner_replays_the_sharded_sampler_bit_for_bit(tmp_path, devic
 def test_checkpoints_cross_device_counts(tmp_path):
     """Written on 1 device, restored onto 4 (fsdp-sharded); written on 4 from sharded arrays,
     restored on 1 — same bits."""
-    from looprl.train.checkpoint import load_model_checkpoint, load_train_state, \
-        save_model_checkpoint
+    from looprl.io.checkpoint import load_model_checkpoint, load_train_state, save_model_checkpoint
     sys.path.insert(0, str(HERE))
     import mesh_worker
     p0 = mesh_worker.params0()
@@ -218,7 +217,7 @@ def test_two_processes_run_a_grpo_step_and_a_checkpoint_round_trip(tmp_path):
     assert meta["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert meta["replay_exact_fraction"] == 1.0 and np.isfinite(meta["loss"])
     assert meta["ckpt_roundtrip_bits"]
-    from looprl.train.checkpoint import load_model_checkpoint
+    from looprl.io.checkpoint import load_model_checkpoint
     got, _, _, _ = load_model_checkpoint(tmp_path / "ck")
     saved = np.concatenate([np.asarray(got_leaf).ravel() for _, got_leaf in sorted(
         ((jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(got)),
@@ -232,7 +231,7 @@ def test_verify_cells_on_one_device_keep_the_two_batchings_and_no_mesh_cells():
     sys.path.insert(0, str(HERE))
     import mesh_worker
 
-    from looprl.learner.verify import VerifyOptions, _cell_group, updated_params
+    from looprl.verify.matrix import VerifyOptions, _cell_group, updated_params
     from looprl.sampling.sampler import SamplingConfig, generate
     p = mesh_worker.params0()
     rb = generate(mesh_worker.CFG, p, mesh_worker.PROMPTS,

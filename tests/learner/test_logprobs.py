@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from looprl.learner.logprobs import batch_logprobs, sequence_logprobs
-from looprl.learner.verify import compare_logprobs, updated_params
+from looprl.verify.matrix import compare_logprobs, updated_params
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from looprl.model import hf
+from looprl.io import hf
+from looprl.model import looped
 from looprl.model.config import preset
 from looprl.reference.torch_ouro import TorchOuro
 
@@ -15,7 +16,7 @@ def random_params(cfg, seed=0):
     """Random fp32 params with O(1) logits: non-unit norms and a nonzero gate bias, so that a
     transposed or swapped tensor shows in the outputs."""
     rng = np.random.default_rng(seed)
-    tmpl = hf.expected_param_shapes(cfg)
+    tmpl = looped.expected_param_shapes(cfg)
 
     def leaf(path, s):
         name = jax.tree_util.keystr(path)
@@ -116,7 +117,7 @@ def test_one_loop_equals_plain_layer_stack(tmp_path, num_kv_heads):
     cfg = preset("tiny", total_ut_steps=1, num_kv_heads=num_kv_heads)
     params = random_params(cfg, seed=3)
     ids = tokens(cfg, B=2, S=9)
-    out = hf.model_from_params(params, cfg)(jnp.asarray(ids))
+    out = looped.model_from_params(params, cfg)(jnp.asarray(ids))
     want_logits, want_gate = _plain_stack(params, cfg, ids)
     assert out.logits.shape == (1, 2, 9, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(out.logits[0]), want_logits, atol=1e-4, rtol=0)

@@ -63,7 +63,7 @@ def test_without_checkpoint_the_run_stops_before_loading_anything(tmp_path, caps
 
 
 def test_gsm8k_with_warm_start_is_a_clear_error(tiny, tmp_path):
-    from looprl.train.run import build_tasks
+    from looprl.train.setup import build_tasks
 
     cfg = apply_overrides(load_experiment(CFG_1P4B), [f"model.checkpoint={tiny[0]}",
                                                       "warm_start.enabled=true"])
@@ -73,7 +73,7 @@ def test_gsm8k_with_warm_start_is_a_clear_error(tiny, tmp_path):
 
 @needs_data
 def test_gsm8k_task_keys_reach_the_task(tiny):
-    from looprl.train.run import build_tasks
+    from looprl.train.setup import build_tasks
 
     cfg = apply_overrides(load_experiment(CFG_1P4B), [f"model.checkpoint={tiny[0]}",
                                                       "task.prompt_style=thinking"])

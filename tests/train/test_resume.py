@@ -23,8 +23,8 @@ import pytest
 
 from looprl.config import apply_overrides, load_experiment
 from looprl.errors import CheckpointError, ConfigError
-from looprl.train.checkpoint import (load_model_checkpoint, load_train_state,
-                                     read_checkpoint_meta, save_model_checkpoint)
+from looprl.io.checkpoint import (load_model_checkpoint, load_train_state, read_checkpoint_meta,
+                                  save_model_checkpoint)
 from looprl.train.resume import (check_resume_config, complete_checkpoints, latest_checkpoint,
                                  restore_training_checkpoint, save_training_checkpoint, step_dir)
 
@@ -142,7 +142,7 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_exactly(runs, tmp_path
     step 3 (0-based), so the run checkpoints at 4 and stops (exit 143); resuming again (from
     the run directory's config.json) finishes with A's bits."""
     from looprl.cli import main
-    from looprl.rl.trainer import GRPOLearner
+    from looprl.rl.learner import GRPOLearner
 
     c = tmp_path / "C"
     shutil.copytree(runs["A"], c)
@@ -182,11 +182,12 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_exactly(runs, tmp_path
 
 def _learner(*overrides):
     from looprl.model.looped import init_params
-    from looprl.rl.trainer import GRPOLearner
-    from looprl.train.run import build_tasks, model_config
+    from looprl.rl.learner import GRPOLearner
+    from looprl.train.setup import build_tasks
+    from looprl.model.config import from_model_section
 
     cfg = apply_overrides(load_experiment(SMOKE), list(overrides))
-    mcfg = model_config(cfg)
+    mcfg = from_model_section(cfg.model)
     _, rl_task = build_tasks(cfg)
     return cfg, mcfg, GRPOLearner(cfg, mcfg, init_params(mcfg, 0), rl_task, rl_task.tokenizer())
 

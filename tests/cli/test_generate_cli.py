@@ -6,7 +6,7 @@ import pytest
 from looprl.cli import main
 from looprl.model import init_params, preset
 from looprl.tokenizer import build_char_tokenizer
-from looprl.train.checkpoint import save_model_checkpoint
+from looprl.io.checkpoint import save_model_checkpoint
 
 
 @pytest.fixture(scope="module")

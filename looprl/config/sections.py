@@ -1,28 +1,10 @@
-"""Experiment configs: typed, frozen, nested dataclasses; `key=value` overrides; JSON round trip.
-
-An experiment is a Python file under `experiments/` that defines `CONFIG` (an
-`ExperimentConfig`) or a function `config()` returning one; `load_experiment(path)` imports it.
-`apply_overrides(cfg, ["grpo.eps_high=0.28", "seed=1"])` parses each value by the field's
-declared type (int, float, bool, str, Optional[...], Literal[...] choices, tuple[str, ...] as a
-comma list) and accepts a dotted path (`section.field`) or a bare field name that is unique
-across sections (`out_dir=`, `seed=`, `stop_after=`, `resume=`, `group_size=` ...).
-`to_json`/`from_json` write and read the resolved config saved in the run directory.
-
-Every section checks its field types and value ranges when constructed (in the experiment
-file, by an override, or from JSON), so a bad config fails before any work starts.
-
-Raises `ConfigError` naming the key, the expected type or choices, and the value found.
-"""
+"""The experiment config's sections: typed, frozen dataclasses that check their fields when
+constructed (`looprl.config` has the whole story)."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib.util
-import json
-import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal, Optional
 
 from looprl.errors import ConfigError
@@ -41,29 +23,29 @@ TaskSource = Literal["jsonl", "hub"]
 
 # --- typed, self-checking sections --------------------------------------------------------------
 
-def _type_name(tp) -> str:
+def type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return "optional " + " or ".join(_type_name(a) for a in args) + " (or none)"
+        return "optional " + " or ".join(type_name(a) for a in args) + " (or none)"
     if origin is tuple:
-        return f"tuple of {_type_name(typing.get_args(tp)[0])} (comma-separated)"
+        return f"tuple of {type_name(typing.get_args(tp)[0])} (comma-separated)"
     return getattr(tp, "__name__", str(tp))
 
 
-def _check_value(tp, value, key: str):
+def check_value(tp, value, key: str):
     """`value` as type `tp` (an int is accepted for a float), or ConfigError naming the key."""
     def bad():
-        return ConfigError(f"config key {key!r}: expected {_type_name(tp)}, found {value!r}")
+        return ConfigError(f"config key {key!r}: expected {type_name(tp)}, found {value!r}")
 
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _check_value(inner[0], value, key)
+        return check_value(inner[0], value, key)
     if origin is Literal:
         if value not in typing.get_args(tp) or isinstance(value, bool):
             raise bad()
@@ -71,7 +53,7 @@ def _check_value(tp, value, key: str):
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
             raise bad()
-        return tuple(_check_value(typing.get_args(tp)[0], v, key) for v in value)
+        return tuple(check_value(typing.get_args(tp)[0], v, key) for v in value)
     if tp is bool:
         if not isinstance(value, bool):
             raise bad()
@@ -95,7 +77,7 @@ def _check_value(tp, value, key: str):
     raise TypeError(f"config key {key!r}: unsupported field type {tp!r}")
 
 
-def _field_types(cls) -> dict[str, Any]:
+def field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -104,10 +86,10 @@ class _Section:
     runs `_validate` for value ranges. Subclasses are frozen dataclasses."""
 
     def __post_init__(self):
-        hints = _field_types(type(self))
+        hints = field_types(type(self))
         for f in dataclasses.fields(self):
             key = f"{self._section_name()}{f.name}"
-            object.__setattr__(self, f.name, _check_value(hints[f.name], getattr(self, f.name), key))
+            object.__setattr__(self, f.name, check_value(hints[f.name], getattr(self, f.name), key))
         self._validate()
 
     def _section_name(self) -> str:
@@ -431,248 +413,3 @@ class ExperimentConfig(_Section):
         if self.rollout.kernels == "stock" and self.learner.replay_impl == "invariant":
             raise ConfigError("config key 'learner.replay_impl': 'invariant' cannot reproduce a "
                               "sampler run with rollout.kernels='stock'; use 'forced' or 'auto'")
-
-
-# --- key=value overrides ------------------------------------------------------------------------
-
-def _leaf_paths(cls, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    """Every leaf field of a section class: path tuple -> declared type."""
-    out = {}
-    for name, tp in _field_types(cls).items():
-        if name == "SECTION":
-            continue
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            out.update(_leaf_paths(tp, prefix + (name,)))
-        else:
-            out[prefix + (name,)] = tp
-    return out
-
-
-def resolve_key(cfg_cls, key: str) -> tuple[str, ...]:
-    """The leaf path a key names: a full dotted path, or a bare field name unique across
-    sections. Raises ConfigError for unknown or ambiguous keys (listing the candidates)."""
-    leaves = _leaf_paths(cfg_cls)
-    path = tuple(key.split("."))
-    if path in leaves:
-        return path
-    matches = [p for p in leaves if len(p) >= len(path) and p[-len(path):] == path]
-    if len(matches) == 1:
-        return matches[0]
-    dotted = sorted(".".join(p) for p in leaves)
-    if len(matches) > 1:
-        raise ConfigError(f"config key {key!r} is ambiguous: it matches "
-                          f"{sorted('.'.join(p) for p in matches)}; use the dotted path")
-    near = difflib.get_close_matches(key, dotted + sorted({p[-1] for p in leaves}), n=3)
-    hint = f"; did you mean {near}?" if near else ""
-    raise ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(dotted)})")
-
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-_NONE = {"none", "null"}
-
-
-def parse_value(tp, text: str, key: str):
-    """Parse the command-line string `text` as type `tp`; ConfigError naming key/type/value."""
-    def bad():
-        return ConfigError(f"config key {key!r}: expected {_type_name(tp)}, found {text!r}")
-
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if text.strip().lower() in _NONE:
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        try:
-            return parse_value(inner[0], text, key)
-        except ConfigError:
-            raise bad() from None
-    if origin is Literal:
-        if text not in typing.get_args(tp):
-            raise bad()
-        return text
-    if origin is tuple:
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        return tuple(parse_value(typing.get_args(tp)[0], p, key) for p in parts)
-    if tp is bool:
-        low = text.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise bad()
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise bad() from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise bad() from None
-    if tp is str:
-        return text
-    raise bad()
-
-
-def _rebuild(obj, updates: dict[tuple[str, ...], Any]):
-    """`obj` with the leaf updates applied, every section rebuilt once (validated once)."""
-    kw = {}
-    for f in dataclasses.fields(obj):
-        sub = {p[1:]: v for p, v in updates.items() if p[0] == f.name and len(p) > 1}
-        if (f.name,) in updates:
-            kw[f.name] = updates[(f.name,)]
-        elif sub:
-            kw[f.name] = _rebuild(getattr(obj, f.name), sub)
-    return dataclasses.replace(obj, **kw) if kw else obj
-
-
-def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | tuple[str, ...]
-                    ) -> ExperimentConfig:
-    """`cfg` with `key=value` overrides applied (later ones win), e.g. `grpo.eps_high=0.28`,
-    `seed=1`, `resume=runs/x`, `fixed_exit_loop=none`, `task.train_datasets=chain_sum,leg_counting`.
-
-    Raises ConfigError for a malformed item, an unknown or ambiguous key, a value that does
-    not parse as the field's type or choices, or a resulting config that fails validation.
-    """
-    updates: dict[tuple[str, ...], Any] = {}
-    leaves = _leaf_paths(type(cfg))
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"override {item!r}: expected key=value")
-        path = resolve_key(type(cfg), key)
-        updates[path] = parse_value(leaves[path], text, ".".join(path))
-    return _rebuild(cfg, updates)
-
-
-# --- experiment files and JSON ------------------------------------------------------------------
-
-def load_experiment(path: str | Path) -> ExperimentConfig:
-    """Import `path` (an `experiments/*.py` file) and return its `CONFIG`, or `config()`'s
-    result. Raises ConfigError if the file is missing, does not import, or defines neither."""
-    return load_experiment_module(path)[0]
-
-
-def load_experiment_module(path: str | Path
-                           ) -> tuple[ExperimentConfig, dict[str, list[str]] | None, bool]:
-    """(config, variants, shared_warm_start) of an experiment file.
-
-    An experiment file may declare variants of its `CONFIG` as
-    `VARIANTS = {"name": ["key=value", ...], ...}` (each a list of overrides, checked here by
-    applying it); `looprl train` then runs every variant into `out_dir/<name>`. With
-    `SHARED_WARM_START = True` the warm start runs once (into `out_dir/warm_start_run`) and
-    every variant starts from its checkpoint (`model.checkpoint=...`,
-    `warm_start.enabled=false`), so only what the variants override differs.
-    Raises ConfigError if the file is missing or is not a `.py` file, does not import, defines
-    neither CONFIG nor config(), or has a malformed VARIANTS or a variant whose overrides fail.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file {str(path)!r} not found")
-    if path.suffix != ".py":
-        raise ConfigError(f"{str(path)!r} is not an experiment file: expected a .py file defining "
-                          f"CONFIG (e.g. experiments/*.py), or a run directory's config.json")
-    mod_name = f"looprl_experiment_{path.stem}_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"experiment file {str(path)!r} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    sys.path.insert(0, str(path.resolve().parent))  # so an experiment can import its siblings
-    try:
-        spec.loader.exec_module(module)
-    except ConfigError as e:
-        raise ConfigError(f"experiment file {str(path)!r}: {e}") from e
-    except (SyntaxError, ImportError) as e:
-        raise ConfigError(f"experiment file {str(path)!r} does not import: {e}") from e
-    finally:
-        sys.modules.pop(mod_name, None)
-        sys.path.remove(str(path.resolve().parent))
-    if hasattr(module, "CONFIG"):
-        cfg = module.CONFIG
-    elif callable(getattr(module, "config", None)):
-        cfg = module.config()
-    else:
-        raise ConfigError(f"experiment file {str(path)!r} defines neither CONFIG nor config()")
-    if not isinstance(cfg, ExperimentConfig):
-        raise ConfigError(f"experiment file {str(path)!r}: CONFIG must be an ExperimentConfig, "
-                          f"found {type(cfg).__name__}")
-    variants = getattr(module, "VARIANTS", None)
-    if variants is not None:
-        ok = isinstance(variants, dict) and len(variants) > 0 and all(
-            isinstance(k, str) and k and "/" not in k and isinstance(v, (list, tuple))
-            and all(isinstance(x, str) for x in v) for k, v in variants.items())
-        if not ok:
-            raise ConfigError(f"experiment file {str(path)!r}: VARIANTS must be a non-empty dict "
-                              f"{{name: [\"key=value\", ...]}} (names without '/'), found "
-                              f"{variants!r}")
-        variants = {k: list(v) for k, v in variants.items()}
-        for name, over in variants.items():
-            try:
-                apply_overrides(cfg, over)
-            except ConfigError as e:
-                raise ConfigError(f"experiment file {str(path)!r}: variant {name!r}: {e}") from e
-    shared = getattr(module, "SHARED_WARM_START", False)
-    if not isinstance(shared, bool):
-        raise ConfigError(f"experiment file {str(path)!r}: SHARED_WARM_START must be a bool, "
-                          f"found {shared!r}")
-    return cfg, variants, shared
-
-
-def to_dict(cfg) -> dict[str, Any]:
-    """Nested plain dict (tuples become lists)."""
-    return json.loads(to_json(cfg))
-
-
-def to_json(cfg: ExperimentConfig, indent: int | None = 2) -> str:
-    """The resolved config as JSON text (sections nested, keys in declaration order)."""
-    return json.dumps(dataclasses.asdict(cfg), indent=indent)
-
-
-def _from_dict(cls, d: Any, where: str):
-    if not isinstance(d, dict):
-        raise ConfigError(f"config section {where or 'root'!r}: expected an object, found {d!r}")
-    hints = _field_types(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(f"unknown config keys {[prefix + u for u in unknown]}")
-    kw = {}
-    for name, value in d.items():
-        tp = hints[name]
-        key = f"{where}.{name}" if where else name
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            kw[name] = _from_dict(tp, value, key)
-        else:
-            kw[name] = _check_value(tp, value, key)
-    return cls(**kw)
-
-
-def from_json(text: str, source: str = "config.json") -> ExperimentConfig:
-    """Inverse of `to_json`: `from_json(to_json(cfg)) == cfg`. Missing keys take their defaults;
-    unknown keys and wrong types raise ConfigError (the message names `source`)."""
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{source}: not valid JSON ({e})") from e
-    try:
-        return _from_dict(ExperimentConfig, d, "")
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from e
-
-
-def save_json(cfg: ExperimentConfig, path: str | Path) -> None:
-    """Write `to_json(cfg)` to `path` (the run directory's `config.json`)."""
-    Path(path).write_text(to_json(cfg) + "\n")
-
-
-def load_json(path: str | Path) -> ExperimentConfig:
-    """Read a config written by `save_json`. Raises ConfigError naming the file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from e
-    return from_json(text, source=str(path))

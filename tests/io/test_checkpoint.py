@@ -8,9 +8,8 @@ import pytest
 
 from looprl.errors import CheckpointError
 from looprl.model.config import preset
-from looprl.model.hf import expected_param_shapes
-from looprl.train.checkpoint import (load_model_checkpoint, load_train_state,
-                                     save_model_checkpoint)
+from looprl.model.looped import expected_param_shapes
+from looprl.io.checkpoint import load_model_checkpoint, load_train_state, save_model_checkpoint
 
 CFG = preset("tiny")
 TOK = '{"version": "1.0", "note": "opaque to the checkpoint"}'

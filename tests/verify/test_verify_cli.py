@@ -6,12 +6,13 @@ import json
 import pytest
 
 from looprl.cli import main
-from looprl.learner.verify import (VerifyOptions, batching_layouts, replay_impl_of,
-                                   report_markdown, requirement_failures)
+from looprl.verify.matrix import (VerifyOptions, batching_layouts, replay_impl_of,
+                                  requirement_failures)
+from looprl.verify.report import report_markdown
 from looprl.model import init_params, preset
 from looprl.sampling.schedule import RolloutBatch
 from looprl.tokenizer import build_char_tokenizer
-from looprl.train.checkpoint import save_model_checkpoint
+from looprl.io.checkpoint import save_model_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +134,8 @@ def test_forced_learner_logprobs_are_one_array_matching_the_sampler(stock_rollou
     the (logprob, processed) pair of `forced_replay_logprobs`."""
     import numpy as np
 
-    from looprl.learner.verify import learner_logprobs
-    from looprl.train.checkpoint import load_model_checkpoint
+    from looprl.verify.matrix import learner_logprobs
+    from looprl.io.checkpoint import load_model_checkpoint
 
     ckpt, path = stock_rollout
     params, cfg, _, _ = load_model_checkpoint(ckpt)
@@ -143,3 +144,23 @@ def test_forced_learner_logprobs_are_one_array_matching_the_sampler(stock_rollou
                           replay_impl="forced")
     assert isinstance(lp, np.ndarray) and lp.shape == rb.logprob_BxS.shape
     np.testing.assert_array_equal(lp.view(np.uint32), np.asarray(rb.logprob_BxS).view(np.uint32))
+
+
+def test_verify_config_builds_the_model_train_builds(tmp_path):
+    """`looprl verify --config` and `looprl train` build one model from one config (they once
+    differed: verify left `head_dim` and `num_kv_heads` at the preset's when `hidden_size` or
+    `num_heads` was overridden)."""
+    from looprl.cli.verify import verify_model_config
+    from looprl.config import load_experiment
+    from looprl.model.config import from_model_section
+
+    exp = tmp_path / "exp.py"
+    exp.write_text("from looprl.config import ExperimentConfig, ModelConfig\n"
+                   "CONFIG = ExperimentConfig(model=ModelConfig(preset='tiny', hidden_size=64, "
+                   "num_heads=2, num_layers=1))\n")
+    verify_cfg = verify_model_config(str(exp), vocab_size=58)
+    train_cfg = from_model_section(load_experiment(exp).model)
+    assert (verify_cfg.hidden_size, verify_cfg.num_heads, verify_cfg.num_kv_heads,
+            verify_cfg.head_dim, verify_cfg.num_layers) == (64, 2, 2, 32, 1)
+    assert verify_cfg.vocab_size == 58
+    assert verify_cfg.replace(vocab_size=train_cfg.vocab_size) == train_cfg

@@ -47,9 +47,17 @@ from typing import Any
 
 import numpy as np
 
+from looprl.cli.main import EVAL_TASKS
+from looprl.determinism import environment
 from looprl.errors import CheckpointError, ConfigError
+from looprl.io.convert import load_any_checkpoint
+from looprl.rl.evaluation import evaluate_problems as generate_and_grade
+from looprl.sampling.sampler import SamplingConfig
+from looprl.tasks import get_task
+from looprl.tasks.grading import extract_answer
+from looprl.tokenizer import tokenizer_from_json
 
-EVAL_TASKS = ("gsm8k",)
+
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -75,8 +83,6 @@ def parse_thresholds(text: str) -> list[float]:
 
 def build_eval_task(name: str, data_dir: str, source: str, prompt_style: str):
     """The task whose held-out set is evaluated. Raises ConfigError for an unknown task."""
-    from looprl.tasks import get_task
-
     if name not in EVAL_TASKS:
         raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {name!r}")
     return get_task(name, data_dir=data_dir, source=source, prompt_style=prompt_style)
@@ -108,9 +114,6 @@ def _check_args(args) -> list[float]:
 
 def _load(checkpoint: str):
     """(params, OuroConfig, TextTokenizer) of a looprl checkpoint or HF directory."""
-    from looprl.sampling.generate import load_any_checkpoint
-    from looprl.tokenizer import tokenizer_from_json
-
     path = Path(checkpoint).expanduser()
     if not path.exists():
         raise CheckpointError(f"{checkpoint}: no such checkpoint directory")
@@ -127,12 +130,9 @@ def _load(checkpoint: str):
 
 def evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg, *, batch_size: int,
                       seed: int = 0, progress=None) -> list[dict[str, Any]]:
-    """`looprl.rl.trainer.evaluate_problems` (one greedy completion per problem, graded), each
+    """`looprl.rl.evaluation.evaluate_problems` (one greedy completion per problem, graded), each
     row with `extracted`, the final answer `looprl.tasks.grading.extract_answer` finds (or
     None), after its completion; the task's raw reward is left out (`correct` says it)."""
-    from looprl.rl.trainer import evaluate_problems as generate_and_grade
-    from looprl.tasks.grading import extract_answer
-
     return [{"completion": r["completion"], "extracted": extract_answer(r["completion"]),
              **{k: r[k] for k in ("correct", "tokens", "truncated", "exit_loops")}}
             for r in generate_and_grade(model_cfg, params, task, tokenizer, problems, scfg,
@@ -185,12 +185,10 @@ def _print_table(summaries, title: str) -> None:
     Console(width=120).print(table)
 
 
-def run_eval(args) -> int:
+def run(args) -> int:
     """CLI entry (`looprl eval`); see the module docstring."""
     from tqdm import tqdm
 
-    from looprl.determinism import environment
-    from looprl.sampling.sampler import SamplingConfig
 
     thresholds = _check_args(args)
     task = build_eval_task(args.task, args.data_dir, args.source, args.prompt_style)
@@ -250,33 +248,3 @@ def run_eval(args) -> int:
                             f"{args.checkpoint}")
     print(f"wrote {out / 'results.json'} and {out / 'problems.jsonl'}")
     return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="pass@1 on a task's held-out set at one or more exit "
-                                    "thresholds")
-    p.add_argument("--checkpoint", required=True, metavar="CKPT",
-                   help="looprl checkpoint (or HF directory) with a tokenizer.json")
-    p.add_argument("--task", required=True, help=f"one of {', '.join(EVAL_TASKS)}")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="directory for results.json, problems.jsonl (and the plot)")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="evaluate the first N held-out problems (default: all)")
-    p.add_argument("--exit-threshold", default="1.0", metavar="Q[,Q...]",
-                   help="q of the Q-exit rule, several separated by commas (default 1.0)")
-    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
-    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=32, help="problems per sampler call")
-    p.add_argument("--data-dir", default="../shared/data/gsm8k",
-                   help="GSM8K: directory of train.jsonl/test.jsonl (relative: to the working "
-                        "directory, else to the repository root)")
-    p.add_argument("--source", default="jsonl", choices=["jsonl", "hub"],
-                   help="GSM8K: read the JSONL files, or openai/gsm8k through `datasets`")
-    p.add_argument("--prompt-style", default="chatml", choices=["chatml", "thinking"],
-                   help="thinking: the prompt ends with <think>\\n (Ouro Thinking models)")
-    p.add_argument("--prompt-len-multiple", type=int, default=64, metavar="N",
-                   help="left-pad prompts to a multiple of N tokens (fewer compilations)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling noise (with --temperature > 0)")
-    p.set_defaults(func=run_eval)

@@ -10,7 +10,8 @@ from safetensors.numpy import save_file
 
 from looprl.cli import main
 from looprl.errors import CheckpointError
-from looprl.model import hf
+from looprl.io import hf
+from looprl.model import looped
 from looprl.model.config import preset
 
 CFG = preset("tiny", num_kv_heads=2)
@@ -19,7 +20,7 @@ CFG = preset("tiny", num_kv_heads=2)
 def random_params(cfg, seed=0):
     rng = np.random.default_rng(seed)
     p = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32),
-                     hf.expected_param_shapes(cfg))
+                     looped.expected_param_shapes(cfg))
     p["norm"][0] = -0.0  # raw-bit comparison must keep the sign of zero
     return p
 

@@ -9,7 +9,7 @@ import pytest
 from looprl.cli import main
 from looprl.config import apply_overrides, load_experiment
 from looprl.errors import TrainingError
-from looprl.train.checkpoint import params_sha256
+from looprl.io.checkpoint import params_sha256
 
 SMOKE = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arith_smoke.py"
 FAST = ["warm_start.max_steps=10", "eval.eval_problems=16", "warm_start.eval_problems=8",
@@ -71,7 +71,7 @@ def test_forced_replay_fallback_trains_on_a_stock_kernel_sampler(tmp_path):
     """`rollout.kernels=stock` has no invariant replay; `learner.replay_impl` auto picks the
     forced re-run, whose bits equal the sampler's, so the first update's ratio is exactly 1 and
     the second minibatch (after an update) still trains on the forced re-run's values."""
-    from looprl.rl.trainer import resolve_replay_impl
+    from looprl.rl.learner import resolve_replay_impl
     from looprl.train.run import train
 
     cfg = apply_overrides(load_experiment(SMOKE), FAST + [
@@ -104,7 +104,7 @@ def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
     from looprl.learner.logprobs import sequence_logprobs
     from looprl.model.config import preset
     from looprl.model.looped import init_params
-    from looprl.rl.trainer import _LossSpec, _policy_loss
+    from looprl.rl.loss import LossSpec, policy_loss
 
     cfg = preset("tiny", vocab_size=16, hidden_size=32, intermediate_size=64, num_heads=2,
                  num_kv_heads=2, head_dim=16, num_layers=1)
@@ -128,8 +128,8 @@ def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
     norm, gnorm = jnp.float32(10.0), jnp.float32(1.0)
 
     def run(mb_, **kw):
-        return jax.jit(jax.value_and_grad(_policy_loss, has_aux=True), static_argnums=4)(
-            params, mb_, norm, gnorm, _LossSpec(**spec, **kw))
+        return jax.jit(jax.value_and_grad(policy_loss, has_aux=True), static_argnums=4)(
+            params, mb_, norm, gnorm, LossSpec(**spec, **kw))
 
     forced_mb = dict(mb, old_lp=jnp.asarray(replay), replay_lp=jnp.asarray(replay),
                      replay_lpp=jnp.asarray(replay))

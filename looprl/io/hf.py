@@ -33,10 +33,12 @@ from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 from looprl.errors import CheckpointError
 from looprl.model.config import OuroConfig
 from looprl.model.layers import LAYER_KEYS
+from looprl.model.looped import model_from_params
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -310,60 +312,6 @@ def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None) -> HFCh
     return HFCheckpoint(params, cfg, source_dtype, source_dtypes, tokenizer_json)
 
 
-def expected_param_shapes(cfg: OuroConfig) -> dict[str, Any]:
-    """The parameter dict layout of `cfg` as a nested dict of `jax.ShapeDtypeStruct` (fp32),
-    from an abstract `LoopedLM` (no arrays are allocated)."""
-    from flax import nnx
-
-    from looprl.model.looped import LoopedLM
-
-    abstract = nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0)))
-    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-
-
-def check_param_tree(params: dict[str, Any], cfg: OuroConfig, source: str = "parameters"):
-    """Raise CheckpointError naming the leaf if `params` does not have `cfg`'s layout
-    (a missing or unexpected leaf, or a shape other than expected)."""
-    import jax
-
-    template = expected_param_shapes(cfg)
-    flat_t = dict(jax.tree_util.tree_flatten_with_path(template)[0])
-    flat_p = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    for path, leaf in flat_t.items():
-        name = jax.tree_util.keystr(path)
-        if path not in flat_p:
-            raise CheckpointError(f"{source}: parameter {name} missing (expected shape "
-                                  f"{list(leaf.shape)})")
-        if tuple(np.shape(flat_p[path])) != tuple(leaf.shape):
-            raise CheckpointError(f"{source}: parameter {name} has shape "
-                                  f"{list(np.shape(flat_p[path]))}, expected {list(leaf.shape)}")
-    extra = sorted(jax.tree_util.keystr(p) for p in flat_p if p not in flat_t)
-    if extra:
-        raise CheckpointError(f"{source}: unexpected parameter {extra[0]}")
-
-
-def model_from_params(params: dict[str, Any], cfg: OuroConfig, dtype="float32"):
-    """A `LoopedLM` holding `params` cast to `dtype`, with `compute_dtype = dtype`.
-
-    The module is built abstractly (`nnx.eval_shape`, no random init) and every Param is then
-    filled from `params`; a missing or misshapen leaf is a CheckpointError.
-    """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from looprl.model.looped import LoopedLM
-
-    check_param_tree(params, cfg)
-    dt = jnp.dtype(dtype)
-    abstract = nnx.eval_shape(lambda: LoopedLM(cfg, rngs=nnx.Rngs(0), compute_dtype=dt))
-    graphdef, state = nnx.split(abstract)
-    filled = jax.tree.map(lambda t, p: jnp.asarray(np.asarray(p), dtype=dt),
-                          nnx.to_pure_dict(state), params)
-    nnx.replace_by_pure_dict(state, filled)
-    return nnx.merge(graphdef, state)
-
-
 def load_hf(path: str | Path, dtype="float32", token_ids: dict[str, int] | None = None):
     """Load an HF Ouro directory as a `LoopedLM` with parameters and compute in `dtype`.
 
@@ -403,8 +351,6 @@ def save_hf(params: dict[str, Any], cfg: OuroConfig, out_dir: str | Path,
     `config.json` records it as `torch_dtype`. Written atomically: built in a temporary
     sibling directory and renamed; an existing non-empty `out_dir` is a CheckpointError.
     """
-    from safetensors.numpy import save_file
-
     out_dir = Path(out_dir)
     tensors = hf_state_from_params(params, cfg, dtype)
     tmp = _atomic_dir(out_dir)

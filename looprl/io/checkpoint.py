@@ -28,6 +28,7 @@ names the array. Paths are made absolute here (orbax refuses relative ones).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -35,10 +36,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from looprl.distributed.mesh import param_shardings
+from looprl.distributed.multihost import sync
 from looprl.errors import CheckpointError, ConfigError
 from looprl.model.config import OuroConfig
+from looprl.io.train_state import flatten_train_state, tree_like_template
+from looprl.model.looped import check_param_tree, expected_param_shapes
 
 FORMAT = "looprl-checkpoint"
 VERSION = 1
@@ -55,7 +61,6 @@ def _checkpointer():
 
 
 def _to_numpy(tree, dtype=None):
-    import jax
     return jax.tree.map(lambda a: np.asarray(a) if dtype is None else np.asarray(a).astype(dtype),
                         tree)
 
@@ -65,57 +70,11 @@ def _abs(path: str | Path) -> Path:
     return Path(os.path.abspath(Path(path).expanduser()))
 
 
-def leaf_name(key_path) -> str:
-    """`/`-joined name of a pytree key path (dict keys, sequence indices, attribute names), e.g.
-    `opt_state/0/inner_states/train/inner_state/1/0/mu/layers/q_proj`."""
-    parts = []
-    for k in key_path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def _is_prng_key(x) -> bool:
-    import jax
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _flatten_train_state(state) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
-    """(orbax tree {leaf_00000: array, ...}, leaf records [{name, dtype, shape, prng_impl}]).
-
-    Every leaf becomes a numpy array (a Python or numpy scalar a 0-d array of its own dtype); a
-    typed PRNG key becomes its `key_data` (uint32) with the implementation's name recorded."""
-    import jax
-
-    flat, records = {}, []
-    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_prng_key)[0]
-    for i, (path, leaf) in enumerate(leaves):
-        impl = None
-        if _is_prng_key(leaf):
-            impl = str(jax.random.key_impl(leaf))
-            leaf = jax.random.key_data(leaf)
-        # sharded arrays stay jax arrays (each process writes its shards), the rest numpy
-        sharded = isinstance(leaf, jax.Array) and not leaf.is_fully_replicated
-        a = leaf if sharded else np.asarray(leaf)
-        flat[f"leaf_{i:05d}"] = a
-        records.append({"name": leaf_name(path), "dtype": np.dtype(a.dtype).name,
-                        "shape": list(a.shape), "prng_impl": impl})
-    names = [r["name"] for r in records]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise CheckpointError(f"train_state: leaf names {dup[:3]} are ambiguous (a key holds '/')")
-    return flat, records
 def _to_saveable(tree, dtype=None):
     """Leaves as orbax writes them: a jax array sharded over devices stays one (every process
     writes its own shards; needed across hosts, where no process holds the whole array), the
     rest become numpy. On disk both are the same tensorstore arrays; `_restore` reads either
     on any device count."""
-    import jax
-
     def one(a):
         if isinstance(a, jax.Array) and not a.is_fully_replicated:
             return a if dtype is None else a.astype(dtype)
@@ -128,7 +87,6 @@ def _restore(directory: Path, shardings=None):
     `jax.sharding.Sharding` matching the stored tree), as global jax arrays placed so. Restore
     arguments are always explicit, so a tree written on N devices restores on any M (orbax's
     default would reuse the writer's device shardings)."""
-    import jax
     import orbax.checkpoint as ocp
 
     ckptr = _checkpointer()
@@ -162,8 +120,6 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
       extra_files: {file name: text} written into the checkpoint (and required on load).
     Raises: CheckpointError if `path` exists (and not `overwrite`) or params mismatch `cfg`.
     """
-    from looprl.model.hf import check_param_tree
-
     path = _abs(path)
     extra_files = dict(extra_files or {})
     reserved = {PARAMS_DIR, TRAIN_STATE_DIR, CONFIG_FILE, TOKENIZER_FILE, META_FILE}
@@ -175,9 +131,7 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
-    import jax
 
-    from looprl.distributed.multihost import sync
 
     multi = jax.process_count() > 1
     main = jax.process_index() == 0
@@ -194,7 +148,7 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
         ckptr.save(tmp / PARAMS_DIR, _to_saveable(params, np.float32))
         records = None
         if train_state is not None:
-            flat, records = _flatten_train_state(train_state)
+            flat, records = flatten_train_state(train_state)
             ckptr.save(tmp / TRAIN_STATE_DIR, flat)
         if main:
             _finish_checkpoint(path, tmp, cfg, tokenizer_json, extra_meta, extra_files,
@@ -306,10 +260,6 @@ def load_model_checkpoint(path: str | Path, mesh=None
     `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, or
     a param mismatch (naming the array).
     """
-    import jax
-
-    from looprl.model.hf import check_param_tree
-
     path = _abs(path)
     meta = read_checkpoint_meta(path)
     try:
@@ -320,8 +270,6 @@ def load_model_checkpoint(path: str | Path, mesh=None
     try:
         shardings = None
         if mesh is not None:
-            from looprl.distributed.mesh import param_shardings
-            from looprl.model.hf import expected_param_shapes
             shardings = param_shardings(expected_param_shapes(cfg), mesh)
         params = _restore(path / PARAMS_DIR, shardings)
     except Exception as e:  # orbax raises several types for a damaged directory
@@ -352,7 +300,6 @@ def load_train_state(path: str | Path, template: Any = None) -> Any:
     template) an array is missing, unexpected, or of another shape or dtype: the message names
     the array, the expected and the found shape/dtype.
     """
-    import jax
     import orbax.checkpoint as ocp
 
     path = _abs(path)
@@ -395,59 +342,10 @@ def load_train_state(path: str | Path, template: Any = None) -> Any:
     return tree_like_template(stored, template, where=str(path / TRAIN_STATE_DIR))
 
 
-def tree_like_template(stored: dict[str, Any], template: Any, where: str) -> Any:
-    """`stored` ({leaf name: array or typed PRNG key}, names as `leaf_name` makes them) as a
-    pytree with `template`'s structure, after checking that the names are the template's, and
-    every leaf's dtype and shape (for a typed key: its impl and shape) equal the template's.
-
-    Raises: CheckpointError naming the array, the expected and the found dtype/shape; never
-    casts."""
-    import jax
-
-    t_leaves, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_prng_key)
-    names = [leaf_name(p) for p, _ in t_leaves]
-    extra = sorted(set(stored) - set(names))
-    if extra:
-        raise CheckpointError(f"{where}: unexpected array {extra[0]!r} (not in the template; "
-                              f"{len(extra)} unexpected in all)")
-    out = []
-    for name, (_, t) in zip(names, t_leaves):
-        if name not in stored:
-            raise CheckpointError(f"{where}: array {name!r} missing (expected "
-                                  f"{_describe(t)})")
-        a = stored[name]
-        if _is_prng_key(a) != _is_prng_key(t) or (
-                _is_prng_key(a) and str(jax.random.key_impl(a)) != str(jax.random.key_impl(t))):
-            raise CheckpointError(f"{where}: array {name!r} is {_describe(a)}, expected "
-                                  f"{_describe(t)}")
-        if np.shape(a) != np.shape(t) or (not _is_prng_key(a) and
-                                          _dtype_of(a) != _dtype_of(t)):
-            raise CheckpointError(f"{where}: array {name!r} is {_describe(a)}, expected "
-                                  f"{_describe(t)} (restores never cast)")
-        out.append(a)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _describe(leaf) -> str:
-    import jax
-    if _is_prng_key(leaf):
-        return f"a PRNG key ({jax.random.key_impl(leaf)}) of shape {list(np.shape(leaf))}"
-    return f"dtype {_dtype_of(leaf).name} shape {list(np.shape(leaf))}"
-
-
-def _dtype_of(x) -> np.dtype:
-    """A leaf's dtype without reading its values (a sharded array may span processes)."""
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-
-
 def params_sha256(params: dict[str, Any]) -> str:
     """SHA-256 (hex) of a parameter tree (DESIGN.md §5): leaves in sorted path order, each fed as
     `path|dtype|shape|` (path `/`-joined keys, dtype numpy name, shape comma-joined) followed by
     its little-endian bytes."""
-    import hashlib
-
-    import jax
-
     flat = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)

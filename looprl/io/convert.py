@@ -1,8 +1,5 @@
-"""`looprl convert`: HF directory <-> looprl checkpoint (DESIGN.md §2).
-
-  looprl convert --hf DIR --out CKPT                     HF (config.json + safetensors) -> looprl
-  looprl convert --checkpoint CKPT --to-hf DIR [--dtype]  looprl -> HF, in the source dtype
-                                                         unless `--dtype` says otherwise
+"""HF directory <-> looprl checkpoint (DESIGN.md §2; the `looprl convert` command is
+`looprl.cli.convert`), and `load_any_checkpoint`, which reads either kind.
 
 The source dtype (`source_dtype`, and `source_dtypes` per tensor when the source mixed dtypes)
 is recorded in the checkpoint's `looprl_meta.json`, so HF -> looprl -> HF is bit-identical.
@@ -12,7 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from looprl.errors import CheckpointError, ConfigError
+import jax
+from tokenizers import Tokenizer
+
+from looprl.errors import CheckpointError
+from looprl.io.checkpoint import load_model_checkpoint, save_model_checkpoint
+from looprl.io.hf import load_hf, read_hf, save_hf
 
 
 def _read_tokenizer(path: str | Path) -> str:
@@ -27,7 +29,6 @@ def _read_tokenizer(path: str | Path) -> str:
 
 
 def _check_tokenizer(text: str, source: str):
-    from tokenizers import Tokenizer
     try:
         Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception subclass
@@ -35,16 +36,12 @@ def _check_tokenizer(text: str, source: str):
 
 
 def _n_params(params) -> int:
-    import jax
     return sum(int(a.size) for a in jax.tree.leaves(params))
 
 
 def hf_to_checkpoint(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None = None
                      ) -> dict:
     """Convert an HF Ouro directory into a looprl checkpoint; returns a summary dict."""
-    from looprl.model.hf import read_hf
-    from looprl.train.checkpoint import save_model_checkpoint
-
     ckpt = read_hf(hf_dir)
     tok = _read_tokenizer(tokenizer) if tokenizer else ckpt.tokenizer_json
     if tok is not None and not tokenizer:
@@ -62,9 +59,6 @@ def checkpoint_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str | N
                      tokenizer: str | Path | None = None) -> dict:
     """Export a looprl checkpoint to an HF directory; `dtype` None = the recorded source dtype
     (per tensor for a mixed source; fp32 when none is recorded). Returns a summary dict."""
-    from looprl.model.hf import save_hf
-    from looprl.train.checkpoint import load_model_checkpoint
-
     params, cfg, tok, meta = load_model_checkpoint(checkpoint)
     if tokenizer:
         tok = _read_tokenizer(tokenizer)
@@ -79,24 +73,14 @@ def checkpoint_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str | N
             "cfg": cfg}
 
 
-def run_convert(args) -> int:
-    """CLI entry (`looprl convert`); prints one summary line. Errors are CheckpointError /
-    ConfigError (printed by `looprl.cli.main` as one line, exit status 2)."""
-    if args.hf:
-        if not args.out or args.to_hf:
-            raise ConfigError("convert --hf DIR needs --out CKPT (and no --to-hf)")
-        if args.dtype:
-            raise ConfigError("convert --hf: --dtype applies to --to-hf exports only (a looprl "
-                              "checkpoint always holds fp32 master weights)")
-        s = hf_to_checkpoint(args.hf, args.out, args.tokenizer)
-        what = f"source dtype {s['source_dtype']}, stored as fp32"
-    else:
-        if not args.to_hf or args.out:
-            raise ConfigError("convert --checkpoint CKPT needs --to-hf DIR (and no --out)")
-        s = checkpoint_to_hf(args.checkpoint, args.to_hf, args.dtype, args.tokenizer)
-        what = f"written as {s['dtype']}"
-    cfg = s["cfg"]
-    print(f"looprl convert: {s['source']} -> {s['out']} ({s['direction']}; {s['params']:,} "
-          f"params, L={cfg.num_layers} T={cfg.total_ut_steps} D={cfg.hidden_size} "
-          f"V={cfg.vocab_size}; {what}; tokenizer {'yes' if s['tokenizer'] else 'none'})")
-    return 0
+def load_any_checkpoint(path: str):
+    """(params fp32 dict, OuroConfig, tokenizer json or None, meta) from a looprl checkpoint or
+    an HF directory. Raises CheckpointError naming the path when it is neither."""
+    p = Path(path)
+    if (p / "config.json").exists() and not (p / "looprl_meta.json").exists():
+        model = load_hf(p, dtype="float32")
+        tok = (p / "tokenizer.json").read_text() if (p / "tokenizer.json").exists() else None
+        return model.weights(), model.cfg, tok, {"source": "hf"}
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such checkpoint directory")
+    return load_model_checkpoint(p)

@@ -1,8 +1,10 @@
 """`looprl` command line: train | generate | verify | eval | convert | plot.
 
-Each subcommand's parser is built here and its work is done by a `run_*` function in the module
-that owns the concept (imported lazily, so `looprl --help` is fast). Errors of the looprl
-families are printed as one clear line with exit status 2, never a bare traceback.
+Every subcommand's parser is built here; its work is done by `run(args)` in `looprl.cli.<command>`,
+imported only when that command runs (the one place where looprl modules are imported inside a
+function), so `looprl --help` stays fast. `looprl verify` pins XLA CPU to one intra-op thread
+before anything imports jax. Errors of the looprl families are printed as one clear line with
+exit status 2, never a bare traceback.
 """
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import argparse
 import sys
 import time
 
+from looprl import determinism
 from looprl.errors import LooprlError
 
 COMMAND_START = time.time()  # `wall_s` of `looprl train` counts from here (imports included)
+EVAL_TASKS = ("gsm8k",)  # the tasks `looprl eval` evaluates
 
 
 def _add_convert(sub):
@@ -26,7 +30,6 @@ def _add_convert(sub):
                    help="dtype of the written HF tensors (default: the source dtype)")
     p.add_argument("--tokenizer", metavar="FILE", default=None,
                    help="tokenizer.json to store (default: DIR/tokenizer.json)")
-    p.set_defaults(func=lambda a: _lazy("looprl.model.convert", "run_convert")(a))
 
 
 def _add_verify(sub):
@@ -48,7 +51,6 @@ def _add_verify(sub):
                    help="auto: where the invariant replay is not exact, replay by re-running the "
                         "sampler in forced mode (recorded per cell as replay_impl)")
     p.add_argument("--out", metavar="DIR", required=True, help="directory for report.json/.md")
-    p.set_defaults(func=lambda a: _lazy("looprl.learner.verify", "run_verify")(a))
 
 
 def _add_train(sub):
@@ -68,7 +70,6 @@ def _add_train(sub):
     d.add_argument("--distributed", action="store_true",
                    help="join a multi-process run, auto-detecting coordinator, count and id "
                         "(TPU pod slices, SLURM srun, Open MPI)")
-    p.set_defaults(func=lambda a: _lazy("looprl.train.run", "run_train")(a))
 
 
 def _add_plot(sub):
@@ -77,22 +78,77 @@ def _add_plot(sub):
                    help="run directories (several: curves side by side)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="where to write the PNGs (default: the first RUN_DIR/plots)")
-    p.set_defaults(func=lambda a: _lazy("looprl.train.plots", "run_plot")(a))
 
 
 def _add_generate(sub):
-    from looprl.sampling.generate import add_parser
-    add_parser(sub)
+    p = sub.add_parser("generate", help="sample a completion; print tokens with their exit loops")
+    p.add_argument("--checkpoint", required=True, metavar="CKPT")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt-style", default=None,
+                   choices=["chatml", "thinking", "compact", "raw"])
+    p.add_argument("--exit-threshold", type=float, default=None, metavar="Q",
+                   help="q of the Q-exit rule, in (0, 1] (default 1.0: always loop T)")
+    p.add_argument("--fixed-depth", type=int, default=None, metavar="D",
+                   help="exit every token at loop D (1..T); not with --exit-threshold")
+    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kernels", default="invariant", choices=["invariant", "stock"],
+                   help="invariant (default): replayable by the learner's dense pass; stock: "
+                        "plain matmuls, faster at small batch, replayed by forced re-run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--save-rollout", metavar="FILE.npz", help="save the RolloutBatch")
 
 
 def _add_eval(sub):
-    from looprl.evaluate import add_parser
-    add_parser(sub)
+    p = sub.add_parser("eval", help="pass@1 on a task's held-out set at one or more exit "
+                                    "thresholds")
+    p.add_argument("--checkpoint", required=True, metavar="CKPT",
+                   help="looprl checkpoint (or HF directory) with a tokenizer.json")
+    p.add_argument("--task", required=True, help=f"one of {', '.join(EVAL_TASKS)}")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for results.json, problems.jsonl (and the plot)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="evaluate the first N held-out problems (default: all)")
+    p.add_argument("--exit-threshold", default="1.0", metavar="Q[,Q...]",
+                   help="q of the Q-exit rule, several separated by commas (default 1.0)")
+    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=32, help="problems per sampler call")
+    p.add_argument("--data-dir", default="../shared/data/gsm8k",
+                   help="GSM8K: directory of train.jsonl/test.jsonl (relative: to the working "
+                        "directory, else to the repository root)")
+    p.add_argument("--source", default="jsonl", choices=["jsonl", "hub"],
+                   help="GSM8K: read the JSONL files, or openai/gsm8k through `datasets`")
+    p.add_argument("--prompt-style", default="chatml", choices=["chatml", "thinking"],
+                   help="thinking: the prompt ends with <think>\\n (Ouro Thinking models)")
+    p.add_argument("--prompt-len-multiple", type=int, default=64, metavar="N",
+                   help="left-pad prompts to a multiple of N tokens (fewer compilations)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling noise (with --temperature > 0)")
 
 
-def _lazy(module: str, name: str):
-    import importlib
-    return getattr(importlib.import_module(module), name)
+def _command_module(command: str):
+    """The module that runs `command` (lazy: the CLI dispatch)."""
+    if command == "train":
+        from looprl.cli import train as module
+    elif command == "generate":
+        from looprl.cli import generate as module
+    elif command == "convert":
+        from looprl.cli import convert as module
+    elif command == "verify":
+        determinism.configure_xla(pin_threads=True)  # before jax starts (DESIGN.md §5)
+        from looprl.cli import verify as module
+    elif command == "eval":
+        from looprl.cli import eval as module
+    else:
+        from looprl.cli import plot as module
+    return module
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.t_start = COMMAND_START
     try:
-        rc = args.func(args)
+        rc = _command_module(args.command).run(args)
     except LooprlError as e:
         print(f"looprl {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,6 @@ is written.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any
@@ -34,25 +33,21 @@ import optax
 from jax.sharding import PartitionSpec as PS
 
 from looprl.config import ExperimentConfig
+from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
-from looprl.learner.logprobs import (batch_logprobs, forced_replay_logprobs, loop_logprobs,
-                                     sequence_logprobs)
+from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
 from looprl.model.config import OuroConfig
-from looprl.model.looped import exit_distribution
 from looprl.rl import grpo
-from looprl.sampling.sampler import SamplingConfig, generate
-
-
-def sampling_config(cfg: ExperimentConfig, *, greedy: bool = False) -> SamplingConfig:
-    """The rollout's (or, with `greedy`, the evaluation's) `SamplingConfig`."""
-    r = cfg.rollout
-    return SamplingConfig(max_new_tokens=r.max_new_tokens,
-                          temperature=0.0 if greedy else r.temperature,
-                          top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
-                          exit_threshold=r.exit_threshold, fixed_depth=r.fixed_exit_loop,
-                          kv_policy=r.kv_policy, deferred_max_pending=r.deferred_max_pending,
-                          stop_ids=(2,), compute_dtype=cfg.model.compute_dtype,
-                          prompt_len_multiple=r.prompt_len_multiple, kernels=r.kernels)
+from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
+from looprl.rl.rollout import (
+    bits_equal_fraction,
+    completion_rewards,
+    mean_exit_loop,
+    rollout_sha256,
+    sampling_config,
+)
+from looprl.sampling.sampler import generate
+from looprl.sampling.schedule import params_fingerprint
 
 
 def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> str:
@@ -63,83 +58,6 @@ def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> st
         return impl
     backend = backend or jax.default_backend()
     return "invariant" if backend == "cpu" and cfg.rollout.kernels == "invariant" else "forced"
-
-
-def completion_rewards(task, tokenizer, problems, batch, group_size: int):
-    """(rewards_B fp32, completion texts) of a rollout batch (row b = problem b // G)."""
-    toks = np.asarray(batch.tokens_BxS)
-    P = batch.schedule.prompt_len
-    n = np.asarray(batch.completion_len_B)
-    texts, rewards = [], []
-    for b in range(toks.shape[0]):
-        text = tokenizer.decode_completion(toks[b, P:P + int(n[b])].tolist())
-        texts.append(text)
-        rewards.append(task.reward(problems[b // group_size], text))
-    return np.asarray(rewards, np.float32), texts
-
-
-def mean_exit_loop(batch) -> float:
-    """Mean exit loop over the completion's emitting positions (DESIGN.md §3 alignment)."""
-    el = np.asarray(batch.exit_loop_BxS)[:, batch.schedule.prompt_len - 1:]
-    return float(el[el > 0].mean()) if np.any(el > 0) else 0.0
-
-
-def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
-                      scfg: SamplingConfig, *, batch_size: int, seed: int = 0,
-                      progress=None) -> list[dict[str, Any]]:
-    """Generate one completion per problem (in batches of `batch_size`, noise keyed by each
-    problem's id) and grade it.
-
-    Returns one dict per problem (in order): completion (text before the end of turn), reward
-    (`task.reward`), correct (reward == 1.0), tokens (completion tokens, the end of turn
-    included), truncated (no end of turn within `scfg.max_new_tokens`), exit_loops (the exit
-    loop of each completion token, DESIGN.md §3). `progress(n)` is called after each batch with
-    its number of problems.
-    """
-    rows = []
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i:i + batch_size]
-        prompts = [tokenizer.encode(task.format_prompt(p)) for p in chunk]
-        batch = generate(model_cfg, params, prompts, scfg, group_size=1, seed=seed, step=0,
-                         prompt_indices=[p.id for p in chunk])
-        P = batch.schedule.prompt_len
-        toks = np.asarray(batch.tokens_BxS)
-        exits = np.asarray(batch.exit_loop_BxS)
-        lens = np.asarray(batch.completion_len_B)
-        for b, p in enumerate(chunk):
-            n = int(lens[b])
-            ids = toks[b, P:P + n].tolist()
-            text = tokenizer.decode_completion(ids)
-            reward = task.reward(p, text)
-            rows.append({"completion": text, "reward": reward, "correct": reward == 1.0,
-                         "tokens": n, "truncated": tokenizer.end_of_turn_id not in ids,
-                         "exit_loops": exits[b, P - 1:P - 1 + n].tolist()})
-        if progress is not None:
-            progress(len(chunk))
-    return rows
-
-
-def evaluate(model_cfg: OuroConfig, params, task, tokenizer, cfg: ExperimentConfig, problems,
-             exit_threshold: float | None = None) -> dict[str, Any]:
-    """Greedy held-out accuracy at the run's q (or `exit_threshold`), in batches of
-    `eval.eval_batch_size` (`evaluate_problems`). Returns {accuracy (mean reward),
-    mean_exit_loop, problems}, and by_terms (accuracy per metadata `num_terms`) for tasks whose
-    problems have terms (arithmetic, not GSM8K)."""
-    scfg = sampling_config(cfg, greedy=True)
-    if exit_threshold is not None:
-        scfg = dataclasses.replace(scfg, exit_threshold=exit_threshold)
-    rows = evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg,
-                             batch_size=cfg.eval.eval_batch_size, seed=cfg.run.seed)
-    correct_a = np.asarray([float(r["reward"]) for r in rows])
-    exits = [e for r in rows for e in r["exit_loops"]]
-    result = {"accuracy": float(correct_a.mean()), "mean_exit_loop": float(np.mean(exits)),
-              "problems": len(problems)}
-    terms = [p.metadata.get("num_terms") for p in problems]
-    if any(t is not None for t in terms):
-        terms_a = np.asarray([-1 if t is None else int(t) for t in terms])
-        result["by_terms"] = {str(k): float(correct_a[terms_a == k].mean())
-                              for k in np.unique(terms_a) if k >= 0}
-    return result
 
 
 def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformation:
@@ -168,143 +86,10 @@ def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformatio
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
 
 
-@dataclasses.dataclass(frozen=True)
-class _LossSpec:
-    """Static (hashable) arguments of the jitted loss/grad function."""
-    cfg: OuroConfig
-    kv_policy: str
-    compute_dtype: str
-    temperature: float
-    top_k: int
-    top_p: float
-    method: str
-    eps_low: float
-    eps_high: float
-    loss_agg: str
-    max_new_tokens: int
-    kl_beta: float
-    tis_cap: float | None
-    loop_credit: str
-    loop_credit_alpha: float
-    train_gate: bool
-    gate_loss_coef: float
-    forced_replay: bool = False  # hybrid's value from mb["replay_lp"/"replay_lpp"] (forced re-run)
-
-    @property
-    def truncated(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0
-
-
-def _policy_loss(params, mb, normalizer, gate_normalizer, spec: _LossSpec):
-    """Scalar loss of one microbatch (its share of the minibatch loss) and fp32 stats."""
-    tokens, pad, exit_loop, kv_depth = mb["tokens"], mb["pad"], mb["exit_loop"], mb["kv_depth"]
-    mask = exit_loop > 0
-    hybrid_forced = spec.forced_replay and spec.method == "hybrid"
-    lp, lpp = sequence_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
-                                kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
-                                temperature=spec.temperature,
-                                method="dense" if hybrid_forced else spec.method,
-                                top_k=spec.top_k, top_p=spec.top_p)
-    if hybrid_forced:  # value: the forced re-run's bits; gradient: dense's (DESIGN.md §4)
-        sg = jax.lax.stop_gradient
-        lp = sg(mb["replay_lp"]) + (lp - sg(lp))
-        lpp = sg(mb["replay_lpp"]) + (lpp - sg(lpp))
-    cur = lpp if spec.truncated else lp
-    old = mb["old_lp"]
-    need_loops = spec.loop_credit != "none" or spec.train_gate
-    if need_loops:
-        lp_T, gate_z = loop_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
-                                     kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
-                                     temperature=spec.temperature)
-    if spec.loop_credit != "none":
-        probs = exit_distribution(jax.nn.sigmoid(mb["old_gate_z"]))
-        w = grpo.loop_credit_weights(exit_loop, spec.cfg.total_ut_steps, spec.loop_credit,
-                                     alpha=spec.loop_credit_alpha, exit_probs_TxBxS=probs)
-        cur = grpo.loop_credit_logprobs(lp_T, w)
-        old = grpo.loop_credit_logprobs(mb["old_lp_T"], w)
-    tis = {}
-    if spec.tis_cap is not None:
-        tis = dict(sampler_logprobs_BxS=mb["sampler_lp"], tis_cap=spec.tis_cap)
-    loss_bs, stats = grpo.ppo_clip_loss(cur, old, mb["adv"], mask, eps_low=spec.eps_low,
-                                        eps_high=spec.eps_high, **tis)
-    if spec.kl_beta > 0:
-        loss_bs = loss_bs + spec.kl_beta * grpo.k3_kl(lp, mb["ref_lp"], mask)
-    loss = grpo.aggregate_loss(loss_bs, mask, spec.loss_agg, normalizer)
-    if spec.train_gate:
-        gate_loss = grpo.gate_stage2_loss(-lp_T, mask, gate_logits_TxBxS=gate_z,
-                                          normalizer=gate_normalizer)
-        loss = loss + spec.gate_loss_coef * gate_loss
-        stats["gate_loss"] = jax.lax.stop_gradient(gate_loss)
-    return loss, stats
-
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _loss_and_grad(params, mb, normalizer, gate_normalizer, *, spec: _LossSpec):
-    (loss, stats), grads = jax.value_and_grad(_policy_loss, has_aux=True)(
-        params, mb, normalizer, gate_normalizer, spec)
-    return loss, stats, grads
-
-
-_STAT_SUM = ("tokens", "gate_loss")
-_STAT_MIN, _STAT_MAX = ("ratio_min",), ("ratio_max",)
-
-
-def _reduce_stats(stats):
-    """Inside `shard_map`: the microbatch's stats from every device's: token counts and loss
-    shares summed, min/max reduced, the rest (token means) re-weighted by token counts."""
-    from looprl.distributed.mesh import ROW_AXES
-    n = stats["tokens"]
-    n_all = jax.lax.psum(n, ROW_AXES)
-    out = {}
-    for k, v in stats.items():
-        if k in _STAT_SUM:
-            out[k] = jax.lax.psum(v, ROW_AXES)
-        elif k in _STAT_MIN:
-            out[k] = jax.lax.pmin(v, ROW_AXES)
-        elif k in _STAT_MAX:
-            out[k] = jax.lax.pmax(v, ROW_AXES)
-        else:
-            out[k] = jax.lax.psum(v * n, ROW_AXES) / jnp.maximum(n_all, 1.0)
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _mesh_loss_and_grad(spec: _LossSpec, mesh, param_specs_flat, mb_keys: tuple):
-    """`_loss_and_grad` on a mesh: each device runs `_policy_loss` on its rows with the
-    parameters all-gathered (`gather_fsdp`); the loss shares and gradients are summed over the
-    row axes (gradients come back with the parameters' shardings)."""
-    from jax.sharding import PartitionSpec as PS
-
-    from looprl.distributed.mesh import ROW_AXES, gather_fsdp, sum_grads
-
-    treedef, leaves = param_specs_flat
-    pspecs = jax.tree_util.tree_unflatten(treedef, leaves)
-
-    def body(params, mb, normalizer, gate_normalizer):
-        def local(p):
-            return _policy_loss(gather_fsdp(p, pspecs), mb, normalizer, gate_normalizer, spec)
-        (loss, stats), grads = jax.value_and_grad(local, has_aux=True)(params)
-        return (jax.lax.psum(loss, ROW_AXES), _reduce_stats(stats), sum_grads(grads, pspecs))
-
-    mb_specs = {k: PS(None, ROW_AXES) if k in _LOOP_KEYS else PS(ROW_AXES) for k in mb_keys}
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspecs, mb_specs, PS(), PS()),
-                                 out_specs=(PS(), PS(), pspecs), check_vma=False))
-
-
-_LOOP_KEYS = ("old_lp_T", "old_gate_z")  # [T, B, S]: rows on axis 1
-
-
 @functools.partial(jax.jit, static_argnames=("opt",))
 def _apply(params, opt_state, grads, *, opt):
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _old_loop_pass(params, tokens, pad, exit_loop, kv_depth, *, spec: _LossSpec):
-    return loop_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
-                         kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
-                         temperature=spec.temperature, remat=False)
 
 
 def nonfinite_leaves(tree) -> list[str]:
@@ -314,30 +99,6 @@ def nonfinite_leaves(tree) -> list[str]:
         if not bool(jnp.all(jnp.isfinite(leaf))):
             bad.append(jax.tree_util.keystr(path))
     return bad
-
-
-def rollout_sha256(batch) -> str:
-    """SHA-256 (hex) of what a rollout sampled: tokens_BxS (int32), exit_loop_BxS (int32) and
-    the recorded logprob_BxS (fp32 bits), each little-endian, in that order. Two runs sampled
-    the same completions at a step exactly when their values agree."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for a, dt in ((batch.tokens_BxS, "<i4"), (batch.exit_loop_BxS, "<i4"),
-                  (batch.logprob_BxS, "<f4")):
-        a = np.ascontiguousarray(np.asarray(a))
-        if a.dtype != np.dtype(dt):
-            raise TypeError(f"rollout array of dtype {a.dtype}, expected {dt}")
-        h.update(a.astype(dt, copy=False).tobytes())
-    return h.hexdigest()
-
-
-def bits_equal_fraction(a, b, mask) -> float:
-    """Fraction of masked entries whose fp32 bits are equal."""
-    a, b, m = np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(mask, bool)
-    if not m.any():
-        return 1.0
-    return float(np.mean(a[m].view(np.uint32) == b[m].view(np.uint32)))
 
 
 class GRPOLearner:
@@ -355,7 +116,6 @@ class GRPOLearner:
                  ref_params=None, mesh=None):
         """`mesh`: a `jax.sharding.Mesh`; default `cfg.mesh` over every visible device when
         there are several (one device: no mesh, the unsharded programs)."""
-        from looprl.distributed import mesh as ml
         self.cfg, self.model_cfg, self.task, self.tokenizer = cfg, model_cfg, task, tokenizer
         if mesh is None and jax.device_count() > 1:
             mesh = ml.make_mesh(cfg.mesh)
@@ -374,7 +134,7 @@ class GRPOLearner:
         self.scfg = sampling_config(cfg)
         r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
         self.replay_impl = resolve_replay_impl(cfg)
-        self.spec = _LossSpec(
+        self.spec = LossSpec(
             cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=cfg.model.compute_dtype,
             temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
             method=lc.logprob_method, eps_low=g.eps_low, eps_high=g.eps_high,
@@ -406,9 +166,8 @@ class GRPOLearner:
         self.params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         self.opt_state = jax.tree.map(jnp.asarray, state["opt_state"])
         if self.mesh is not None:  # back onto this run's mesh (any device count wrote them)
-            from looprl.distributed.mesh import place_params
-            self.params = place_params(self.params, self.mesh)
-            self.opt_state = place_params(self.opt_state, self.mesh)
+            self.params = ml.place_params(self.params, self.mesh)
+            self.opt_state = ml.place_params(self.opt_state, self.mesh)
         self.data_position = int(state["data_position"])
         return int(state["step"])
 
@@ -416,13 +175,12 @@ class GRPOLearner:
     def _check_handoff(self, batch, step: int) -> None:
         """The weights the sampler used are the learner's (digest), and the rollout's mesh lets
         the learner claim exact replay; raises TrainingError otherwise."""
-        from looprl.distributed.mesh import mesh_record, replay_compatible
-        from looprl.sampling.schedule import params_fingerprint
         fp = params_fingerprint(self.params)
         if fp != batch.schedule.params_fingerprint:
             raise TrainingError(f"GRPO step {step}: the rollout was sampled with parameters "
                                 f"{batch.schedule.params_fingerprint}, the learner holds {fp}")
-        ok, why = replay_compatible(batch.schedule.mesh, mesh_record(self.mesh, self.params))
+        ok, why = ml.replay_compatible(batch.schedule.mesh,
+                                       ml.mesh_record(self.mesh, self.params))
         if not ok:
             raise TrainingError(f"GRPO step {step}: {why}")
 
@@ -430,18 +188,17 @@ class GRPOLearner:
         """One microbatch's (loss, stats, grads), on the mesh when there is one (rows padded
         with zero rows, which carry no tokens, to a multiple of the row shards)."""
         if self.mesh is None:
-            return _loss_and_grad(self.params, {k: jnp.asarray(v) for k, v in mb.items()},
+            return loss_and_grad(self.params, {k: jnp.asarray(v) for k, v in mb.items()},
                                   norm, gate_norm, spec=self.spec)
-        from looprl.distributed import mesh as ml
         n = ml.padded_rows(len(mb["tokens"]), self.mesh)
         placed = {}
         for k, v in mb.items():
-            ax = 1 if k in _LOOP_KEYS else 0
+            ax = 1 if k in LOOP_KEYS else 0
             placed[k] = ml.put_global(ml.pad_rows(v, n, ax), ml.row_sharding(self.mesh,
                                                                              v.ndim, ax))
         specs = ml.param_specs(self.params, self.mesh)
         flat = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, PS))
-        fn = _mesh_loss_and_grad(self.spec, self.mesh, (flat[1], tuple(flat[0])),
+        fn = mesh_loss_and_grad(self.spec, self.mesh, (flat[1], tuple(flat[0])),
                                  tuple(sorted(mb)))
         rep = ml.replicated(self.mesh)
         return fn(self.params, placed, ml.put_global(np.float32(norm), rep),
@@ -500,12 +257,11 @@ class GRPOLearner:
         if spec.loop_credit != "none":
             loop_in = tuple(arrays[k] for k in ("tokens", "pad", "exit_loop", "kv_depth"))
             if self.mesh is not None:
-                from looprl.distributed.mesh import row_sharded_call
-                old_T, old_z = row_sharded_call(_old_loop_pass, self.mesh, (self.params,),
+                old_T, old_z = ml.row_sharded_call(old_loop_pass, self.mesh, (self.params,),
                                                 loop_in, static={"spec": spec},
                                                 row_axes_out=(1, 1))
             else:
-                old_T, old_z = _old_loop_pass(self.params, *map(jnp.asarray, loop_in),
+                old_T, old_z = old_loop_pass(self.params, *map(jnp.asarray, loop_in),
                                               spec=spec)
             arrays["old_lp_T"] = np.asarray(old_T)
             arrays["old_gate_z"] = np.asarray(old_z)
@@ -531,7 +287,7 @@ class GRPOLearner:
                 grads_sum, loss_sum = None, 0.0
                 for u in range(0, mb_rows, micro):
                     r = rows[u:u + micro]
-                    mb = {k: v[:, r] if k in _LOOP_KEYS else v[r] for k, v in arrays.items()}
+                    mb = {k: v[:, r] if k in LOOP_KEYS else v[r] for k, v in arrays.items()}
                     loss, stats, grads = self._loss_and_grad(mb, norm, gate_norm)
                     loss_sum += float(loss)
                     grads_sum = grads if grads_sum is None else jax.tree.map(jnp.add, grads_sum,

@@ -11,21 +11,9 @@ import sys
 from pathlib import Path
 
 from looprl.errors import CheckpointError, SamplingError
-
-
-def load_any_checkpoint(path: str):
-    """(params fp32 dict, OuroConfig, tokenizer json or None, meta) from a looprl checkpoint or
-    an HF directory. Raises CheckpointError naming the path when it is neither."""
-    p = Path(path)
-    if (p / "config.json").exists() and not (p / "looprl_meta.json").exists():
-        from looprl.model.hf import load_hf
-        model = load_hf(p, dtype="float32")
-        tok = (p / "tokenizer.json").read_text() if (p / "tokenizer.json").exists() else None
-        return model.weights(), model.cfg, tok, {"source": "hf"}
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such checkpoint directory")
-    from looprl.train.checkpoint import load_model_checkpoint
-    return load_model_checkpoint(p)
+from looprl.io.convert import load_any_checkpoint
+from looprl.sampling.sampler import SamplingConfig, generate
+from looprl.tokenizer import chat_prompt, tokenizer_from_json
 
 
 def check_args(args) -> None:
@@ -43,15 +31,13 @@ def check_args(args) -> None:
                                 f"does not exist")
 
 
-def run_generate(args) -> int:
+def run(args) -> int:
     """Sample one completion and print it (text with one line per token, or `--json`); with
     `--save-rollout FILE` also write the RolloutBatch (in both modes). Raises SamplingError for
     bad arguments (checked before sampling, see `check_args`) and CheckpointError for a missing
     or tokenizer-less checkpoint."""
     from tqdm import tqdm
 
-    from looprl.sampling.sampler import SamplingConfig, generate
-    from looprl.tokenizer import chat_prompt, tokenizer_from_json
 
     check_args(args)
     q = 1.0 if args.exit_threshold is None else args.exit_threshold
@@ -102,26 +88,3 @@ def run_generate(args) -> int:
     return 0
 
 
-def add_parser(sub):
-    p = sub.add_parser("generate", help="sample a completion; print tokens with their exit loops")
-    p.add_argument("--checkpoint", required=True, metavar="CKPT")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--prompt-style", default=None,
-                   choices=["chatml", "thinking", "compact", "raw"])
-    p.add_argument("--exit-threshold", type=float, default=None, metavar="Q",
-                   help="q of the Q-exit rule, in (0, 1] (default 1.0: always loop T)")
-    p.add_argument("--fixed-depth", type=int, default=None, metavar="D",
-                   help="exit every token at loop D (1..T); not with --exit-threshold")
-    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kernels", default="invariant", choices=["invariant", "stock"],
-                   help="invariant (default): replayable by the learner's dense pass; stock: "
-                        "plain matmuls, faster at small batch, replayed by forced re-run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--save-rollout", metavar="FILE.npz", help="save the RolloutBatch")
-    p.set_defaults(func=run_generate)

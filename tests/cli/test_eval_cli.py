@@ -8,7 +8,7 @@ from tiny_ouro import tiny_looprl_checkpoint
 
 from looprl.cli import main
 from looprl.errors import ConfigError
-from looprl.evaluate import parse_thresholds, summarize
+from looprl.cli.eval import parse_thresholds, summarize
 from looprl.tasks.grading import extract_answer, grade_answer
 from looprl.tasks.gsm8k import REPO_ROOT
 
@@ -114,7 +114,7 @@ def test_eval_missing_checkpoint_names_the_path(tmp_path, capsys):
 @needs_data
 def test_eval_checkpoint_without_tokenizer_is_refused(tmp_path, capsys):
     from looprl.model import init_params, preset
-    from looprl.train.checkpoint import save_model_checkpoint
+    from looprl.io.checkpoint import save_model_checkpoint
 
     cfg = preset("tiny")
     save_model_checkpoint(tmp_path / "ckpt", init_params(cfg, 0), cfg, None)
@@ -157,37 +157,3 @@ def test_eval_out_that_is_a_file_is_a_clear_error(tiny, tmp_path, capsys, where)
     err = capsys.readouterr().err
     assert err.startswith("looprl eval: error: --out:") and "is a file" in err and str(out) in err
     assert (tmp_path / "f").read_text() == "not a directory"
-
-
-def test_trainer_evaluate_reports_by_terms_only_for_tasks_with_terms(monkeypatch):
-    """`looprl.rl.trainer.evaluate` (the in-training evaluation), the sampler faked: arithmetic
-    problems (metadata num_terms) get a per-terms breakdown, GSM8K problems none."""
-    from types import SimpleNamespace
-
-    from looprl.rl import trainer
-    from looprl.tasks.base import Problem
-
-    rewards = {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0}  # by problem id
-
-    def fake_generate(model_cfg, params, prompts, scfg, *, prompt_indices, **kw):
-        n = len(prompts)
-        exits = np.zeros((n, 3), np.int32)
-        exits[:, 1:] = 4  # prompt_len 2: the completion's positions exit at loop 4
-        return SimpleNamespace(exit_loop_BxS=exits, schedule=SimpleNamespace(prompt_len=2),
-                               tokens_BxS=np.zeros((n, 3), np.int32),
-                               completion_len_B=np.ones((n,), np.int32))
-
-    monkeypatch.setattr(trainer, "sampling_config", lambda cfg, greedy: SimpleNamespace())
-    monkeypatch.setattr(trainer, "generate", fake_generate)
-    cfg = SimpleNamespace(eval=SimpleNamespace(eval_batch_size=3), run=SimpleNamespace(seed=0))
-    task = SimpleNamespace(format_prompt=lambda p: p.prompt, reward=lambda p, text: rewards[p.id])
-    tok = SimpleNamespace(encode=lambda text: [1, 2], decode_completion=lambda ids: "",
-                          end_of_turn_id=2)
-
-    arith = [Problem(i, "eval", "1 + 1", "2", {"num_terms": t}) for i, t in enumerate((2, 3, 3, 2))]
-    res = trainer.evaluate(None, None, task, tok, cfg, arith)
-    assert res == {"accuracy": 0.75, "mean_exit_loop": 4.0, "problems": 4,
-                   "by_terms": {"2": 1.0, "3": 0.5}}
-    gsm8k = [Problem(i, "eval", "q", "2", {"file": "test.jsonl", "line": i + 1}) for i in range(4)]
-    assert trainer.evaluate(None, None, task, tok, cfg, gsm8k) == {
-        "accuracy": 0.75, "mean_exit_loop": 4.0, "problems": 4}

@@ -1,4 +1,5 @@
-"""`looprl verify`: the reproducibility matrix of DESIGN.md §5 and its report (§6).
+"""The reproducibility matrix of DESIGN.md §5 (`looprl verify`, `looprl.cli.verify`; the report
+is `looprl.verify.report`).
 
 Cells: compute dtype {float32, bfloat16} x KV policy {dense, deferred, copy} x weights {random,
 trained} x learner batching {same, different} x parameters {sampler, updated} (x devices {1, N}
@@ -45,16 +46,21 @@ report's `env` records them. The CLI pins XLA CPU to one intra-op thread by appe
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-PINNED_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from looprl.distributed.mesh import make_mesh
+from looprl.errors import ScheduleError
+from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs, sequence_logprobs
+from looprl.sampling.sampler import SamplingConfig, generate
+from looprl.sampling.schedule import params_fingerprint
+
 DTYPES = ("float32", "bfloat16")
 POLICIES = ("dense", "deferred", "copy")
 METHODS = ("replay", "dense", "stock")
@@ -94,56 +100,11 @@ class VerifyOptions:
 
 # --- environment --------------------------------------------------------------------------------
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_commit() -> dict[str, Any]:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10).stdout
-        return {"git_commit": head or None, "git_dirty": bool(dirty.strip())}
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-
-
-def environment() -> dict[str, Any]:
-    """What the bits depend on (DESIGN.md §5): build, backend, CPU/device, threads, flags, commit."""
-    import jax
-    import jaxlib
-
-    dev = jax.devices()[0]
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    return {
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
-        "backend": jax.default_backend(), "device_kind": dev.device_kind,
-        "device_count": jax.device_count(), "cpu_model": _cpu_model(),
-        "cpu_count": os.cpu_count(), "cpu_affinity": affinity,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "intra_op_threads": 1 if "xla_cpu_multi_thread_eigen=false" in
-        os.environ.get("XLA_FLAGS", "") else affinity,
-        "platform": platform.platform(), **_git_commit(),
-    }
-
 
 # --- comparisons --------------------------------------------------------------------------------
 
 def compare_logprobs(lp_BxS, ref_BxS, mask_BxS) -> dict[str, float]:
     """Exact-bit fraction (fp32 bits as uint32), max/mean |delta| and mean k3 KL over `mask`."""
-    import numpy as np
-
     lp = np.asarray(lp_BxS, np.float32)[mask_BxS]
     ref = np.asarray(ref_BxS, np.float32)[mask_BxS]
     exact = lp.view(np.uint32) == ref.view(np.uint32)
@@ -162,9 +123,7 @@ def device_mesh(devices: int):
     """A data-parallel mesh over the first `devices` devices (None for one device)."""
     if devices <= 1:
         return None
-    import jax
 
-    from looprl.distributed.mesh import make_mesh
     return make_mesh(None, jax.devices()[:devices])
 
 
@@ -174,10 +133,6 @@ def learner_logprobs(cfg, params, batch, method: str, batching: str, perm, minib
     `same`, `perm` for `different`). `replay` of a stock-kernel rollout is always the forced
     re-run (`replay_impl_of`). `devices` > 1: the rows split across that many devices
     (`looprl.distributed.mesh`; each device runs the one-device program on its rows)."""
-    import numpy as np
-
-    from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
-
     mesh = device_mesh(devices)
     if method == "replay" and replay_impl_of(batch, replay_impl) == "forced":
         return forced_replay_logprobs(cfg, params, batch,
@@ -236,13 +191,6 @@ def batching_layouts(batch_size: int, n_devices: int) -> tuple[list[tuple[str, i
 def updated_params(cfg, params, batch, learning_rate: float, seed: int):
     """One AdamW step on `-mean(adv_b * hybrid_logprob)` over the sampled tokens of `batch`,
     with advantages +-1 drawn from `seed`: parameters one optimizer step past the sampler's."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    from looprl.learner.logprobs import sequence_logprobs
-
     sch = batch.schedule
     rng = np.random.default_rng(seed)
     adv = jnp.asarray(rng.choice([-1.0, 1.0], size=sch.batch_size), jnp.float32)
@@ -272,8 +220,6 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
     also reports `exact_fraction_vs_one_device_sampler`, the learner against the sampler re-run
     in forced mode on one device (informative: the kernels' row invariance across local batch
     sizes, not needed for replay)."""
-    import numpy as np
-
     sch = rb.schedule
     T = sch.total_ut_steps
     mask = np.asarray(rb.exit_loop_BxS) > 0
@@ -290,7 +236,7 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
     unmet = requirement_failures(tokens, early, sch, opts)
     refs = {"sampler": np.asarray(rb.logprob_BxS)}
     t0 = time.time()
-    forced = __import__("looprl.learner.logprobs", fromlist=["x"]).forced_replay_logprobs
+    forced = forced_replay_logprobs
     mesh = device_mesh(n_devices)
     refs["updated"] = forced(cfg, params_u, rb, mesh=mesh)[0]  # the sampler re-run, forced mode
     log(f"    forced sampler at updated params: {time.time() - t0:.1f}s")
@@ -365,10 +311,6 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
                notes: list[str] | None = None) -> list[dict]:
     """Every cell for every weight set (`{"random": params, "trained": params}`); notes on
     skipped layouts go to `notes`."""
-    import jax
-
-    from looprl.sampling.sampler import SamplingConfig, generate
-
     n_devices = jax.device_count()
     cells = []
     for weights, params in weight_sets.items():
@@ -406,14 +348,10 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
                    notes: list[str] | None = None):
     """The cells of one saved rollout (re-verification). Raises ScheduleError when `params` are
     not the ones the rollout was sampled with (fingerprint mismatch)."""
-    from looprl.errors import ScheduleError
-    from looprl.sampling.schedule import params_fingerprint
-
     fp = params_fingerprint(params)
     if fp != rb.schedule.params_fingerprint:
         raise ScheduleError(f"rollout was sampled with parameters {rb.schedule.params_fingerprint}"
                             f", these are {fp}: pass the sampler's --checkpoint")
-    import jax
     params_u = updated_params(cfg, params, rb, opts.update_learning_rate, opts.seed)
     n = min(int(rb.schedule.devices or 1), jax.device_count())
     if n != int(rb.schedule.devices or 1):
@@ -425,234 +363,7 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
 
 # --- report -------------------------------------------------------------------------------------
 
-def summarize(cells: list[dict]) -> dict[str, Any]:
-    replay = [c for c in cells if c["method"] == "replay"]
-    stock = [c for c in cells if c["method"] == "stock"]
-    failures = [c for c in cells if c.get("passed") is False]
-    return {"replay_cells": len(replay),
-            "replay_exact_cells": sum(c["exact_fraction"] == 1.0 for c in replay),
-            "replay_forced_cells": sum(c.get("replay_impl") == "forced" for c in replay),
-            "negative_control_cells": len(stock),
-            "negative_control_mismatching": sum(c["exact_fraction"] < 1.0 for c in stock),
-            "failed_cells": len(failures),
-            "requirements_met": all(c["requirements_met"] for c in cells),
-            "requirements_unmet": list(dict.fromkeys(
-                r for c in cells for r in c.get("requirements_unmet", ()))),
-            "passed": not failures and bool(replay) and bool(stock)}
-
-
-def write_report(out: Path, report: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(report_markdown(report))
-
-
-def report_markdown(report: dict) -> str:
-    env, s = report["env"], report["summary"]
-    lines = ["# looprl reproducibility report", "",
-             f"Verdict: **{'PASS' if s['passed'] else 'FAIL'}** — replay exact in "
-             f"{s['replay_exact_cells']}/{s['replay_cells']} cells "
-             f"({s['replay_forced_cells']} via forced replay), negative control mismatching in "
-             f"{s['negative_control_mismatching']}/{s['negative_control_cells']} cells.", "",
-             f"Requirements (per rollout: >= {report['setup'].get('min_tokens', 512)} sampled "
-             f"tokens, q < 1, >= {report['setup'].get('min_early_exit_fraction', 0.2):.0%} early "
-             f"exit): "
-             + ("met." if s.get("requirements_met", True) else
-                "**not met**: " + "; ".join(s.get("requirements_unmet", [])) +
-                " (such cells fail whatever their bits)."), ""]
-    if report.get("notes"):
-        lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
-    lines += ["## Environment", ""]
-    lines += [f"- {k}: `{v}`" for k, v in env.items()]
-    lines += ["", "## Setup", ""]
-    lines += [f"- {k}: `{v}`" for k, v in report["setup"].items() if k != "warm_start_curve"]
-    lines += ["", "## Cells", "",
-              "| dtype | kv | weights | batching | params | dev | method | impl | tokens | early "
-              "| req | exact | max abs | mean abs | k3 KL | pass |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in report["cells"]:
-        lines.append(
-            f"| {c['dtype']} | {c['kv_policy']} | {c['weights']} | {c['batching']} | "
-            f"{c['params']} | {c['devices']} | {c['method']} | {c.get('replay_impl', '')} | "
-            f"{c['tokens']} | {c['early_exit_fraction']:.2f} | "
-            f"{'yes' if c['requirements_met'] else '**NO**'} | {c['exact_fraction']:.4f} | "
-            f"{c['max_abs_diff']:.2e} | {c['mean_abs_diff']:.2e} | {c['k3_kl']:.1e} | "
-            f"{'' if c['passed'] is None else ('yes' if c['passed'] else '**NO**')} |")
-    lines += ["", "A `replay` cell passes at exact fraction 1.0 (raw fp32 bits). `stock` cells are "
-              "the negative control: they must mismatch, and stay within 1e-4 in fp32. `dense` "
-              "is informative (exact where the kernels are invariant). `req`: whether the cell's "
-              "rollout met the requirements above.", ""]
-    return "\n".join(lines)
-
 
 # --- CLI ----------------------------------------------------------------------------------------
 
-def _load_weights(args, opts: VerifyOptions, log):
-    """(cfg, weight_sets, prompts, setup) from --checkpoint / --config / defaults."""
-    import jax
-    import numpy as np
 
-    from looprl.model.config import preset
-    from looprl.model.looped import init_params
-    from looprl.tasks.arithmetic import ArithmeticTask
-
-    setup: dict[str, Any] = {}
-    task = ArithmeticTask(seed=0)
-    tokenizer = task.tokenizer()
-    if args.checkpoint:
-        from looprl.tokenizer import tokenizer_from_json
-        from looprl.train.checkpoint import load_model_checkpoint
-        params, cfg, tok_json, meta = load_model_checkpoint(args.checkpoint)
-        params = jax.tree.map(np.asarray, params)
-        if tok_json:
-            tokenizer = tokenizer_from_json(tok_json)
-        setup.update(checkpoint=str(args.checkpoint), checkpoint_meta_keys=sorted(meta))
-        weight_sets = {"random": init_params(cfg, opts.seed), "trained": params}
-        setup["trained_weights"] = f"checkpoint {args.checkpoint}"
-    else:
-        from looprl.train.warm_start import warm_start
-        model_preset, overrides = "tiny", {}
-        if args.config:
-            from looprl.config import load_experiment
-            exp = load_experiment(args.config)
-            model_preset = exp.model.preset
-            overrides = {k: getattr(exp.model, k) for k in
-                         ("hidden_size", "num_layers", "num_heads", "intermediate_size",
-                          "total_ut_steps") if getattr(exp.model, k) is not None}
-            setup["config"] = str(args.config)
-        cfg = preset(model_preset, vocab_size=tokenizer.vocab_size, **overrides)
-        params0 = init_params(cfg, opts.seed)
-        t0 = time.time()
-        trained, ws = warm_start(cfg, params0, task, tokenizer, steps=opts.warm_start_steps,
-                                 batch_size=opts.warm_start_batch_size,
-                                 learning_rate=opts.warm_start_learning_rate, seed=opts.seed,
-                                 gate_steps=opts.warm_start_gate_steps)
-        log(f"  warm start: {time.time() - t0:.1f}s, stage-I loss {ws['stage1_final_loss']:.4f}")
-        weight_sets = {"random": params0, "trained": trained}
-        setup.update(trained_weights="looprl.train.warm_start (arithmetic chain_sum task)",
-                     warm_start_stage1_steps=ws["stage1_steps"],
-                     warm_start_stage1_final_loss=ws["stage1_final_loss"],
-                     warm_start_stage2_steps=ws["stage2_steps"],
-                     warm_start_stage2_final_loss=ws["stage2_final_loss"],
-                     warm_start_batch_size=ws["batch_size"],
-                     warm_start_learning_rate=ws["learning_rate"])
-    prompts = task_prompts(task, tokenizer, opts.n_prompts)
-    setup.update(model={k: v for k, v in cfg.to_dict().items()}, num_params=cfg.num_params,
-                 prompt_lengths=[len(p) for p in prompts], **dataclasses.asdict(opts))
-    return cfg, weight_sets, prompts, setup
-
-
-def check_out_dir(out: Path) -> None:
-    """Raises ConfigError when `out` is a file. A report already in `out` is replaced at the
-    end (DESIGN.md §6: `looprl verify --quick --out DIR` needs no other flag), with a note on
-    stderr now, so it is never replaced silently."""
-    from looprl.errors import ConfigError
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out: {str(out)!r} exists and is not a directory")
-    if (out / "report.json").exists():
-        print(f"looprl verify: note: {out / 'report.json'} exists and will be replaced when "
-              f"this run finishes", file=sys.stderr)
-
-
-def run_verify(args) -> int:
-    """`looprl verify`: run the matrix (or re-verify `--rollout`), write the report, return the
-    exit status (0 only if every replay cell is exact and every negative control mismatches
-    within 1e-4 in fp32, and every cell met its size requirements; when requirements are unmet
-    the console and report.md say which). Raises ConfigError when `--out` is a file or
-    `--config` is given with `--rollout`, ScheduleError for an
-    unreadable rollout or one sampled with other parameters, CheckpointError for a bad
-    `--checkpoint`."""
-    from looprl import determinism
-    from looprl.errors import ConfigError
-    determinism.configure_xla(pin_threads=True)  # one intra-op thread + looprl's required flags
-    import jax
-    import numpy as np
-
-    t_start = time.time()
-    out = Path(args.out)
-    check_out_dir(out)
-    if args.rollout and args.config:
-        raise ConfigError("--config has no effect with --rollout (the rollout records its "
-                          "schedule): pass --checkpoint CKPT, the parameters it was sampled with")
-    make = VerifyOptions.quick if args.quick else VerifyOptions.full
-    opts = make(replay_impl=args.replay_impl)
-    notes: list[str] = []
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    if args.rollout:
-        from looprl.sampling.schedule import RolloutBatch
-        rb = RolloutBatch.load(args.rollout)
-        out.mkdir(parents=True, exist_ok=True)
-        if args.checkpoint:
-            from looprl.train.checkpoint import load_model_checkpoint
-            params, cfg, _, _ = load_model_checkpoint(args.checkpoint)
-            params = jax.tree.map(np.asarray, params)
-        else:
-            params, cfg = _rollout_params(Path(args.rollout))
-        cells = verify_rollout(cfg, params, rb, opts, weights="checkpoint", log=log, notes=notes)
-        setup = {"rollout": str(args.rollout), "checkpoint": args.checkpoint,
-                 "schedule": rb.schedule.to_dict(), "replay_impl": opts.replay_impl,
-                 "min_tokens": opts.min_tokens,
-                 "min_early_exit_fraction": opts.min_early_exit_fraction}
-    else:
-        cfg, weight_sets, prompts, setup = _load_weights(args, opts, log)
-        rdir = out / "rollouts"
-        rdir.mkdir(parents=True, exist_ok=True)
-        for name, p in weight_sets.items():
-            _save_params(rdir / f"{name}_params.npz", p, cfg)
-        cells = run_matrix(cfg, weight_sets, prompts, opts, log=log, rollout_dir=rdir,
-                           notes=notes)
-    summary = summarize(cells)
-    report = {"format_version": 1, "command": "looprl verify " + " ".join(sys.argv[2:])
-              if sys.argv[1:2] == ["verify"] else "looprl verify", "env": environment(),
-              "setup": setup, "summary": summary, "cells": cells,
-              "negative_control": [c for c in cells if c["method"] == "stock"],
-              "notes": notes, "wall_s": round(time.time() - t_start, 1)}
-    write_report(out, report)
-    if not summary["requirements_met"]:
-        log("looprl verify: FAIL: requirements not met: "
-            + "; ".join(summary["requirements_unmet"])
-            + " (cells of such a rollout fail whatever their bits; see report.md)")
-    log(f"looprl verify: {'PASS' if summary['passed'] else 'FAIL'} "
-        f"({summary['replay_exact_cells']}/{summary['replay_cells']} replay cells exact, "
-        f"{summary['negative_control_mismatching']}/{summary['negative_control_cells']} negative "
-        f"controls mismatching) in {report['wall_s']}s -> {out / 'report.json'}")
-    return 0 if summary["passed"] else 1
-
-
-def _save_params(path: Path, params, cfg) -> None:
-    """The weights a rollout was sampled with, next to it, so `--rollout` can re-verify it."""
-    import jax
-    import numpy as np
-
-    flat = {jax.tree_util.keystr(k): np.asarray(v)
-            for k, v in jax.tree_util.tree_leaves_with_path(params)}
-    np.savez(path, model_config=np.asarray(json.dumps(cfg.to_dict())), **flat)
-
-
-def _rollout_params(rollout: Path):
-    """Params saved by `looprl verify` next to a rollout (`<weights>_params.npz`)."""
-    import jax
-    import numpy as np
-
-    from looprl.errors import ScheduleError
-    from looprl.model.config import OuroConfig
-    from looprl.model.looped import init_params
-
-    weights = rollout.stem.split("_")[0]
-    path = rollout.with_name(f"{weights}_params.npz")
-    if not path.exists():
-        raise ScheduleError(f"{rollout}: no --checkpoint given and no {path.name} next to it (only "
-                            f"rollouts written by `looprl verify` have one): pass --checkpoint "
-                            f"CKPT, the parameters the rollout was sampled with")
-    with np.load(path) as z:
-        cfg = OuroConfig.from_dict(json.loads(str(z["model_config"])))
-        flat = {k: z[k] for k in z.files if k != "model_config"}
-    template = init_params(cfg, 0)
-    leaves = jax.tree_util.tree_leaves_with_path(template)
-    treedef = jax.tree_util.tree_structure(template)
-    return jax.tree_util.tree_unflatten(
-        treedef, [flat[jax.tree_util.keystr(k)] for k, _ in leaves]), cfg

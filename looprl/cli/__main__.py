@@ -1,0 +1,6 @@
+"""`python -m looprl.cli ...` = `looprl ...`."""
+import sys
+
+from looprl.cli.main import main
+
+sys.exit(main())

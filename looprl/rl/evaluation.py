@@ -1,0 +1,72 @@
+"""Greedy evaluation on a task's held-out problems: generate one completion per problem and
+grade it (used by `looprl train` before and after GRPO, and by `looprl eval`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from looprl.config import ExperimentConfig
+from looprl.model.config import OuroConfig
+from looprl.rl.rollout import sampling_config
+from looprl.sampling.sampler import SamplingConfig, generate
+
+
+def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
+                      scfg: SamplingConfig, *, batch_size: int, seed: int = 0,
+                      progress=None) -> list[dict[str, Any]]:
+    """Generate one completion per problem (in batches of `batch_size`, noise keyed by each
+    problem's id) and grade it.
+
+    Returns one dict per problem (in order): completion (text before the end of turn), reward
+    (`task.reward`), correct (reward == 1.0), tokens (completion tokens, the end of turn
+    included), truncated (no end of turn within `scfg.max_new_tokens`), exit_loops (the exit
+    loop of each completion token, DESIGN.md §3). `progress(n)` is called after each batch with
+    its number of problems.
+    """
+    rows = []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        prompts = [tokenizer.encode(task.format_prompt(p)) for p in chunk]
+        batch = generate(model_cfg, params, prompts, scfg, group_size=1, seed=seed, step=0,
+                         prompt_indices=[p.id for p in chunk])
+        P = batch.schedule.prompt_len
+        toks = np.asarray(batch.tokens_BxS)
+        exits = np.asarray(batch.exit_loop_BxS)
+        lens = np.asarray(batch.completion_len_B)
+        for b, p in enumerate(chunk):
+            n = int(lens[b])
+            ids = toks[b, P:P + n].tolist()
+            text = tokenizer.decode_completion(ids)
+            reward = task.reward(p, text)
+            rows.append({"completion": text, "reward": reward, "correct": reward == 1.0,
+                         "tokens": n, "truncated": tokenizer.end_of_turn_id not in ids,
+                         "exit_loops": exits[b, P - 1:P - 1 + n].tolist()})
+        if progress is not None:
+            progress(len(chunk))
+    return rows
+
+
+def evaluate(model_cfg: OuroConfig, params, task, tokenizer, cfg: ExperimentConfig, problems,
+             exit_threshold: float | None = None) -> dict[str, Any]:
+    """Greedy held-out accuracy at the run's q (or `exit_threshold`), in batches of
+    `eval.eval_batch_size` (`evaluate_problems`). Returns {accuracy (mean reward),
+    mean_exit_loop, problems}, and by_terms (accuracy per metadata `num_terms`) for tasks whose
+    problems have terms (arithmetic, not GSM8K)."""
+    scfg = sampling_config(cfg, greedy=True)
+    if exit_threshold is not None:
+        scfg = dataclasses.replace(scfg, exit_threshold=exit_threshold)
+    rows = evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg,
+                             batch_size=cfg.eval.eval_batch_size, seed=cfg.run.seed)
+    correct_a = np.asarray([float(r["reward"]) for r in rows])
+    exits = [e for r in rows for e in r["exit_loops"]]
+    result = {"accuracy": float(correct_a.mean()), "mean_exit_loop": float(np.mean(exits)),
+              "problems": len(problems)}
+    terms = [p.metadata.get("num_terms") for p in problems]
+    if any(t is not None for t in terms):
+        terms_a = np.asarray([-1 if t is None else int(t) for t in terms])
+        result["by_terms"] = {str(k): float(correct_a[terms_a == k].mean())
+                              for k in np.unique(terms_a) if k >= 0}
+    return result
