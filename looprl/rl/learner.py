@@ -39,13 +39,8 @@ from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
-from looprl.rl.rollout import (
-    bits_equal_fraction,
-    completion_rewards,
-    mean_exit_loop,
-    rollout_sha256,
-    sampling_config,
-)
+from looprl.rl.rollout import (bits_equal_fraction, completion_rewards, mean_exit_loop,
+                               rollout_sha256, sampling_config)
 from looprl.sampling.sampler import generate
 from looprl.sampling.schedule import params_fingerprint
 

@@ -33,16 +33,8 @@ from looprl.errors import SamplingError
 from looprl.model.config import OuroConfig
 from looprl.model.kernels import row_tile
 from looprl.model.layers import stack_pass
-from looprl.model.looped import (
-    Layout,
-    cast_weights,
-    embed,
-    exit_lambda,
-    exit_state_init,
-    exit_state_update,
-    lm_logits,
-    q_exit_decision,
-)
+from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
+                                 exit_state_update, lm_logits, q_exit_decision)
 from looprl.sampling import policies
 from looprl.sampling.processing import process_logits, row_keys, sample_tokens
 from looprl.sampling.schedule import RolloutBatch, Schedule, params_fingerprint

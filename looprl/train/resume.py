@@ -33,13 +33,8 @@ from looprl.config import ExperimentConfig, from_json, to_dict, to_json
 from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process
 from looprl.errors import CheckpointError, ConfigError
-from looprl.io.checkpoint import (
-    load_model_checkpoint,
-    load_train_state,
-    params_sha256,
-    read_checkpoint_meta,
-    save_model_checkpoint,
-)
+from looprl.io.checkpoint import (load_model_checkpoint, load_train_state, params_sha256,
+                                  read_checkpoint_meta, save_model_checkpoint)
 from looprl.io.train_state import is_prng_key, leaf_name, tree_like_template
 
 CHECKPOINTS_DIR = "checkpoints"

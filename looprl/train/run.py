@@ -42,10 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from looprl.config import (
-    ExperimentConfig,
-    save_json,
-)
+from looprl.config import ExperimentConfig, save_json
 from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process, sync
 from looprl.errors import CheckpointError, ConfigError, TrainingError

@@ -17,8 +17,8 @@ import pytest
 
 from looprl.errors import SamplingError, ScheduleError
 from looprl.model.config import preset
-from looprl.model.looped import (all_loop_outputs, cast_weights, exit_distribution,
-                                 init_params, q_exit_loops)
+from looprl.model.looped import (all_loop_outputs, cast_weights, exit_distribution, init_params,
+                                 q_exit_loops)
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
 
