@@ -213,6 +213,9 @@ def loop_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_
     bit-identical to it (XLA fuses this pass differently): old and new loop-credit log-probs
     must both come from this function.
 
+    The gate logits carry gradient into the gate's parameters only (h(t) is read under
+    stop_gradient), so the stage-II gate loss never trains the LM.
+
     Returns (logprob_TxBxS fp32, gate_logit_TxBxS fp32).
     """
     w = cast_weights(params, compute_dtype)
@@ -234,7 +237,10 @@ def loop_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_
         h, k_new, v_new = stack_pass(cfg, w, h, positions, layout, pad_B, k_in, v_in, write, 0)
         full, _ = process_logits(lm_logits(w, h).reshape(B * S, -1), temperature, 0, 1.0)
         lp = jnp.take_along_axis(full, target.reshape(B * S, 1), axis=1).reshape(B, S)
-        z = jnp.einsum("bsd,d->bs", h.astype(jnp.float32), g["kernel"][:, 0]) + g["bias"][0]
+        # the gate logit reads h(t) under stop_gradient: the stage-II gate loss trains the gate
+        # only (DESIGN.md §1), never the LM that produced h (tests/rl/test_train_gate.py)
+        h_sg = jax.lax.stop_gradient(h).astype(jnp.float32)
+        z = jnp.einsum("bsd,d->bs", h_sg, g["kernel"][:, 0]) + g["bias"][0]
         return h, k_new, v_new, jnp.where(emit, lp, 0.0), z
 
     if remat:

@@ -11,16 +11,14 @@ learning rate as the LM, while the LM keeps training by the PPO loss. So the cla
 The one setting where only the gate *should* train is a step whose policy term is exactly 0
 (every group degenerate: equal rewards, advantages 0, `kl_beta` 0): the stage-II loss is
 documented to train only the gate (DESIGN.md §1, `grpo.gate_stage2_loss`: CE stop-gradient), so
-the LM should stay bit-identical there. It does not (xfail below): the gate logit
-`z = w . h(t) + b` is taken on the LM's hidden state without a stop-gradient
-(`learner.logprobs.loop_logprobs`), so the gate loss's gradient reaches every LM parameter but
-`lm_head` (which z does not read).
+the LM stays bit-identical there. It did not until 2026-12-01: the gate logit `z = w . h(t) + b`
+was taken on the LM's hidden state without a stop-gradient (`learner.logprobs.loop_logprobs`),
+so the gate loss's gradient reached every LM parameter but `lm_head`.
 """
 from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
 from looprl.config import apply_overrides, load_experiment
 from looprl.model.config import from_model_section
@@ -80,9 +78,6 @@ def test_with_train_gate_the_gate_moves_and_the_lm_still_trains():
     assert all(lm.values()), [k for k, v in lm.items() if not v]
 
 
-@pytest.mark.xfail(strict=True, reason="the stage-II gate loss's gradient reaches the LM "
-                   "through the gate logit w . h(t) (no stop-gradient on h in loop_logprobs), "
-                   "so the LM moves on a step whose policy term is exactly 0")
 def test_with_train_gate_and_a_zero_policy_term_only_the_gate_moves():
     before, after, m = _one_step(True, lambda problem, text: 0.0)
     gate, lm = _moved(before, after)
