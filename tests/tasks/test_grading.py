@@ -1,0 +1,171 @@
+"""Grading: marked answers without a number (issue 15, "Grading false positives"), number words,
+negated markers, and the unmarked last-number fallback that must stay as it was."""
+import pytest
+
+from looprl.tasks.grading import extract_answer, grade_answer
+
+
+# The three false positives of issue 15: each was graded by an earlier (or the negated) number
+# before the fix (these tests failed then).
+def test_number_word_answer_is_not_graded_by_an_earlier_number():
+    completion = "Each of the 6 hens lays 3 eggs each, so the answer is eighteen."
+    assert extract_answer(completion) == "18"
+    assert grade_answer(completion, "3") == 0.0
+    assert grade_answer(completion, "6") == 0.0
+    assert grade_answer(completion, "18") == 1.0
+
+
+def test_boxed_number_words_are_not_graded_by_an_earlier_number():
+    completion = "She has 3 boxes of 24 crayons, so $\\boxed{seventy-two}$."
+    assert extract_answer(completion) == "72"
+    assert grade_answer(completion, "3") == 0.0
+    assert grade_answer(completion, "24") == 0.0
+    assert grade_answer(completion, "72") == 1.0
+
+
+def test_a_negated_number_is_no_answer():
+    completion = "She had 20 dollars, so the answer is not 20"
+    assert extract_answer(completion) is None
+    assert grade_answer(completion, "20") == 0.0
+    assert extract_answer("the answer is not 20") is None
+    assert grade_answer("the answer is not 20", "20") == 0.0
+
+
+# Marked answers whose words are not a number: no answer, whatever the earlier numbers say.
+@pytest.mark.parametrize("completion, gold", [
+    ("She had 5 apples and ate 5. \\boxed{none}", "5"),
+    ("She had 5 apples and ate 5. $\\boxed{\\text{None}}$", "5"),
+    ("There are 3 cats, so the answer is unknown.", "3"),
+    ("There are 3 cats. **Final Answer:** undefined", "3"),
+    ("Each of the 18 eggs, so the answer is nineteen eighty-four.", "18"),  # not one number
+    ("With 18 eggs the answer is eighteenth.", "18"),  # an ordinal is no number
+    ("With 100 pens the answer is hundreds.", "100"),
+])
+def test_marked_words_that_are_no_number_are_no_answer(completion, gold):
+    assert extract_answer(completion) is None
+    assert grade_answer(completion, gold) == 0.0
+
+
+def test_words_answer_after_think_does_not_fall_back_to_the_thinking():
+    completion = "<think>\nShe has 3 eggs, so the answer is 3.\n</think>\n\\boxed{none}"
+    assert extract_answer(completion) is None
+    assert grade_answer(completion, "3") == 0.0
+
+
+def test_negated_answer_after_think_does_not_fall_back_to_the_thinking():
+    completion = "<think>\nShe has 3 eggs, so the answer is 3.\n</think>\nThe answer is not 3."
+    assert extract_answer(completion) is None
+    assert grade_answer(completion, "3") == 0.0
+
+
+def test_an_earlier_marked_answer_still_beats_a_later_word_phrase():
+    completion = "\\boxed{72}\n\nI checked it twice, and the answer is correct."
+    assert extract_answer(completion) == "72"
+    assert grade_answer(completion, "72") == 1.0
+
+
+# (number words, value): the grammar in the module docstring
+WORDS = [
+    ("zero", "0"), ("one", "1"), ("two", "2"), ("three", "3"), ("four", "4"), ("five", "5"),
+    ("six", "6"), ("seven", "7"), ("eight", "8"), ("nine", "9"), ("ten", "10"), ("eleven", "11"),
+    ("twelve", "12"), ("thirteen", "13"), ("fourteen", "14"), ("fifteen", "15"),
+    ("sixteen", "16"), ("seventeen", "17"), ("eighteen", "18"), ("nineteen", "19"),
+    ("twenty", "20"), ("thirty", "30"), ("forty", "40"), ("fifty", "50"), ("sixty", "60"),
+    ("seventy", "70"), ("eighty", "80"), ("ninety", "90"),
+    ("seventy-two", "72"), ("seventy two", "72"), ("Ninety-Nine", "99"),
+    ("a hundred", "100"), ("one hundred", "100"), ("one hundred and five", "105"),
+    ("one hundred five", "105"), ("three hundred forty-two", "342"), ("twelve hundred", "1200"),
+    ("fifteen hundred and twenty", "1520"),
+    ("a thousand", "1000"), ("two thousand three hundred", "2300"),
+    ("two thousand and five", "2005"),
+    ("one thousand, two hundred and one", "1201"), ("forty-five thousand", "45000"),
+    ("three million four hundred thousand", "3400000"), ("two billion", "2000000000"),
+    ("a dozen", "12"), ("two dozen", "24"),
+    ("minus five", "-5"), ("negative twelve", "-12"), ("-five", "-5"), ("-seventy-two", "-72"),
+    ("one half", "0.5"), ("a half", "0.5"), ("three quarters", "0.75"), ("a quarter", "0.25"),
+    ("two fifths", "0.4"), ("two and a half", "2.5"), ("one and three quarters", "1.75"),
+    ("minus one half", "-0.5"), ("one third", "1/3"), ("two and two thirds", "8/3"),
+    ("two point five", "2.5"), ("zero point seven five", "0.75"),
+]
+
+
+@pytest.mark.parametrize("words, value", WORDS)
+def test_number_words_in_a_marked_answer(words, value):
+    # the earlier 7 never counts, only the words
+    for completion in (f"Some 7 steps later, the answer is {words}.", f"\\boxed{{{words}}}",
+                       f"7 steps. **Final Answer:** {words}"):
+        assert extract_answer(completion) == value, completion
+        assert grade_answer(completion, "7") == (1.0 if value == "7" else 0.0), completion
+        if "/" not in value:
+            assert grade_answer(completion, value) == 1.0, completion
+
+
+@pytest.mark.parametrize("words, digits", [("one third", "1/3"), ("two and two thirds", "8/3")])
+def test_fractions_without_an_exact_decimal_go_to_math_verify(words, digits):
+    # graded exactly as the same fraction in digits is
+    for gold in ("0.333", "0.3333333333", "2.667", "2.6666666667", "3"):
+        assert grade_answer(f"\\boxed{{{words}}}", gold) == grade_answer(
+            f"\\boxed{{{digits}}}", gold), gold
+    assert grade_answer("\\boxed{one third}", "0.333") == 0.0
+    assert grade_answer("\\boxed{two and two thirds}", "3") == 0.0
+
+
+@pytest.mark.parametrize("completion, value", [
+    ("so the answer is eighteen", "18"),
+    ("So the answer is Eighteen eggs.", "18"),
+    ("The answer is therefore eighteen.", "18"),
+    ("The answer is **eighteen** dollars.", "18"),
+    ("\\boxed{\\text{seventy-two clips}}", "72"),
+    ("\\boxed{x = seventy-two}", "72"),
+    ("The answer is eighteen (6 x 3).", "18"),  # the words lead, so they are the answer
+    ("The answer is a total of 18 eggs.", "18"),  # `a` alone is no number word
+    ("The answer is 18 (eighteen).", "18"),
+    ("The answer is 70. Wait, the answer is seventy-two.", "72"),  # the later answer wins
+    ("The answer is seventy. Wait, the answer is 72.", "72"),
+])
+def test_number_words_with_dressing(completion, value):
+    assert extract_answer(completion) == value
+    assert grade_answer(completion, value) == 1.0
+
+
+@pytest.mark.parametrize("completion, value", [
+    # only the text after a negated number counts
+    ("The answer is not 20.\nRecounting: 48 + 24 = 72 clips.", "72"),
+    ("The answer is not obvious, so we add: 48 + 24 = 72", "72"),
+    ("The answer is 12 apples. Wait, the answer is not 12.", None),  # earlier answers are out
+    ("The answer is not 12; it is 13. The answer is not 13.", None),
+    ("The answer is 12. The answer is not 12; it is 13.", "13"),
+    ("The answer is not 20. The answer is thirty.", "30"),  # a later marked answer
+    ("Answer: not 20", None),
+    ("The answer is not 1/2 but 24.", "24"),  # the negated number is the fraction
+])
+def test_negated_markers(completion, value):
+    assert extract_answer(completion) == value
+    for gold in ("12", "13", "20", "24", "30", "72"):
+        assert grade_answer(completion, gold) == (1.0 if gold == value else 0.0)
+
+
+@pytest.mark.parametrize("completion, value", [
+    # an unmarked completion still falls back to its last number (digits only)
+    ("She sold 48 + 24 = 72 clips", "72"),
+    ("Three hens lay 3 eggs each, 9 in all; eighteen more tomorrow", "9"),
+    ("She has three dogs and 4 cats.", "4"),
+    ("I have seventy-two clips.", None),
+    # a marker that introduces what follows (its tail ends with `:`) is no candidate
+    ("The answer is as follows:\n48 + 24 = 72", "72"),
+    # an empty box is no candidate
+    ("\\boxed{72} \\boxed{}", "72"),
+    # `####` lines read digits only: a Markdown heading in words is no candidate
+    ("#### Step two\nShe sold 48 + 24 = 72 clips", "72"),
+    ("#### One more check\nShe sold 48 + 24 = 72 clips", "72"),
+    ("She sold 72 clips.\n#### Explanation\n", "72"),
+    # corrections read digits only
+    ("The answer is 12. Actually, thirteen.", "12"),
+    # digits followed by a scale word: the digits (as before)
+    ("The answer is 192 million.", "192"),
+])
+def test_unchanged_behaviour(completion, value):
+    assert extract_answer(completion) == value
+    if value is not None:
+        assert grade_answer(completion, value) == 1.0
+    assert grade_answer(completion, "72" if value != "72" else "73") == 0.0
