@@ -2,7 +2,6 @@
 not depend on its batch-mates; the legacy layout-position keying stays for older runs/rollouts."""
 import json
 
-import jax
 import numpy as np
 import pytest
 
