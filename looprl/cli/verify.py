@@ -67,7 +67,7 @@ def _load_weights(args, opts: VerifyOptions, log):
                      warm_start_stage2_final_loss=ws["stage2_final_loss"],
                      warm_start_batch_size=ws["batch_size"],
                      warm_start_learning_rate=ws["learning_rate"])
-    prompts = task_prompts(task, tokenizer, opts.n_prompts)
+    prompts = task_prompts(task, tokenizer, max(opts.n_prompts, *opts.small_batches))
     setup.update(model={k: v for k, v in cfg.to_dict().items()}, num_params=cfg.num_params,
                  prompt_lengths=[len(p) for p in prompts], **dataclasses.asdict(opts))
     return cfg, weight_sets, prompts, setup

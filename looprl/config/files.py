@@ -95,6 +95,11 @@ def to_json(cfg: ExperimentConfig, indent: int | None = 2) -> str:
     return json.dumps(dataclasses.asdict(cfg), indent=indent)
 
 
+# Keys that a config file written before they existed means differently from their default:
+# {section: {key: the value such a file implies}}.
+LEGACY_VALUES = {"rollout": {"noise_keying": "layout"}}
+
+
 def _from_dict(cls, d: Any, where: str):
     if not isinstance(d, dict):
         raise ConfigError(f"config section {where or 'root'!r}: expected an object, found {d!r}")
@@ -105,6 +110,9 @@ def _from_dict(cls, d: Any, where: str):
         prefix = f"{where}." if where else ""
         raise ConfigError(f"unknown config keys {[prefix + u for u in unknown]}")
     kw = {}
+    for name, value in LEGACY_VALUES.get(where, {}).items():
+        if name not in d:
+            kw[name] = value
     for name, value in d.items():
         tp = hints[name]
         key = f"{where}.{name}" if where else name

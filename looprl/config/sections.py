@@ -13,6 +13,7 @@ KVPolicy = Literal["dense", "deferred", "copy"]
 ComputeDtype = Literal["float32", "bfloat16"]
 LogprobMethod = Literal["hybrid", "replay", "dense", "stock"]
 Kernels = Literal["invariant", "stock"]
+NoiseKeying = Literal["completion", "layout"]
 ReplayImpl = Literal["auto", "invariant", "forced"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "dr-grpo"]
 LoopCredit = Literal["none", "uniform", "progressive", "exit_dist"]
@@ -224,6 +225,10 @@ class RolloutConfig(_Section):
     deferred_max_pending: int = 4         # deferred policy: pending positions before a flush
     prompt_len_multiple: int = 1          # left-pad prompts to a multiple of this many tokens, so
                                           # steps with different prompts share compiled shapes
+    noise_keying: NoiseKeying = "completion"  # sampling noise keyed by the token's index in its
+                                          # completion ("layout": by padded position, the keying
+                                          # of runs before 2026-12-01; a config file without this
+                                          # key means "layout", and a resumed run keeps its own)
 
     @property
     def sequences_per_step(self) -> int:

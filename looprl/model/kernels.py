@@ -42,6 +42,10 @@ ROW_TILE = 64  # row padding off the CPU, and the softmax tiles
 K_TILE = 128  # CPU: longest contraction of one dot
 N_MIN = 16  # CPU: output columns of a dot are padded to a multiple of this
 QUERY_TILE = 8  # CPU: attention query rows are padded to a multiple of this
+# The numerics of the invariant kernels: a rollout records it (`Schedule.kernel_version`), and
+# `looprl verify --rollout` refuses a rollout sampled under another version (its bits are
+# another function's). Bump it whenever a kernel's arithmetic changes.
+KERNEL_VERSION = "2026-12-01"
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
 
 

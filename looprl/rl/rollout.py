@@ -23,7 +23,8 @@ def sampling_config(cfg: ExperimentConfig, *, greedy: bool = False) -> SamplingC
                           exit_threshold=r.exit_threshold, fixed_depth=r.fixed_exit_loop,
                           kv_policy=r.kv_policy, deferred_max_pending=r.deferred_max_pending,
                           stop_ids=(2,), compute_dtype=cfg.model.compute_dtype,
-                          prompt_len_multiple=r.prompt_len_multiple, kernels=r.kernels)
+                          prompt_len_multiple=r.prompt_len_multiple, kernels=r.kernels,
+                          noise_keying=r.noise_keying)
 
 
 def completion_rewards(task, tokenizer, problems, batch, group_size: int):

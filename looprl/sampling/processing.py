@@ -1,9 +1,12 @@
 """Per-row randomness and logit processing for sampling.
 
 Randomness: every sampled token draws from a key derived with `fold_in` from (seed, training
-step, the prompt's global index in its dataset, sample index within the group, layout position),
-so a seed reproduces a rollout exactly and no two steps, prompts, samples or positions share
-noise. Never a reused key.
+step, the prompt's global index in its dataset, sample index within the group, the token's index
+in its completion), so a seed reproduces a rollout exactly and no two steps, prompts, samples or
+tokens share noise. Never a reused key. Keying by the completion index (`NOISE_KEYING` =
+"completion") makes a row's samples independent of its batch-mates: the padded layout position
+(the legacy "layout" keying, kept for resuming older runs and re-verifying older rollouts)
+shifts with the longest prompt of the batch.
 
 Processing order (as HF transformers and vLLM do): temperature -> top-k -> top-p. The recorded
 behaviour log-prob is `log_softmax(logits / temperature)` over the full vocabulary in fp32
@@ -20,8 +23,22 @@ import jax.numpy as jnp
 from looprl.model import kernels as kn
 
 
+NOISE_KEYINGS = ("completion", "layout")
+NOISE_KEYING = "completion"  # the default since 2026-12-01 ("layout" before)
+
+
+def noise_position(keying: str, emit_position, prompt_len: int):
+    """The position folded into a sampled token's key: its index in the completion (0 for the
+    first completion token, emitted by layout position P - 1) under "completion", the padded
+    layout position under "layout"."""
+    if keying == "completion":
+        return emit_position - (prompt_len - 1)
+    return emit_position
+
+
 def row_keys(seed: int, step, prompt_index_B, sample_index_B, position):
-    """uint32 PRNG keys `[B, 2]`: fold_in(seed) <- step <- prompt index <- sample <- position."""
+    """uint32 PRNG keys `[B, 2]`: fold_in(seed) <- step <- prompt index <- sample <- position
+    (`noise_position`)."""
     base = jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
     def one(pi, si):

@@ -31,12 +31,13 @@ from looprl.distributed import mesh as ml
 from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError
 from looprl.model.config import OuroConfig
-from looprl.model.kernels import row_tile
+from looprl.model.kernels import KERNEL_VERSION, row_tile
 from looprl.model.layers import stack_pass
 from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
                                  exit_state_update, lm_logits, q_exit_decision)
 from looprl.sampling import policies
-from looprl.sampling.processing import process_logits, row_keys, sample_tokens
+from looprl.sampling.processing import (NOISE_KEYING, NOISE_KEYINGS, noise_position,
+                                        process_logits, row_keys, sample_tokens)
 from looprl.sampling.schedule import RolloutBatch, Schedule, params_fingerprint
 
 KERNELS = ("invariant", "stock")
@@ -62,6 +63,8 @@ class SamplingConfig:
     #                             or "stock" (plain matmuls: faster at small batch; its bits are
     #                             reproduced only by re-running the sampler in forced mode)
     prompt_len_multiple: int = 1    # P = the longest prompt rounded up to a multiple of this
+    noise_keying: str = NOISE_KEYING  # "completion" (token index in its completion) or "layout"
+    #                                   (padded position; runs and rollouts before 2026-12-01)
 
     def validate(self, T: int) -> None:
         """Raises SamplingError naming the bad field."""
@@ -83,6 +86,9 @@ class SamplingConfig:
                                 f"got {self.deferred_max_pending}")
         if self.kernels not in KERNELS:
             raise SamplingError(f"kernels must be one of {list(KERNELS)}, got {self.kernels!r}")
+        if self.noise_keying not in NOISE_KEYINGS:
+            raise SamplingError(f"noise_keying must be one of {list(NOISE_KEYINGS)}, got "
+                                f"{self.noise_keying!r}")
         if self.prompt_len_multiple < 1:
             raise SamplingError(f"prompt_len_multiple must be >= 1, got {self.prompt_len_multiple}")
         if self.compute_dtype not in ("float32", "bfloat16"):
@@ -200,7 +206,8 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
     if st.forced:
         token = jax.lax.dynamic_index_in_dim(rows.forced_tokens_BxS, emit_p + 1, 1, False)
     else:
-        keys = row_keys(st.seed, step, rows.prompt_index_B, rows.sample_index_B, emit_p)
+        keys = row_keys(st.seed, step, rows.prompt_index_B, rows.sample_index_B,
+                        noise_position(scfg.noise_keying, emit_p, st.P))
         token = sample_tokens(keys, processed, greedy=scfg.temperature == 0)
     lp = jnp.take_along_axis(full, token[:, None], axis=1)[:, 0]
     lpp = jnp.take_along_axis(processed, token[:, None], axis=1)[:, 0]
@@ -356,6 +363,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         seed, step = sched.seed, sched.step
         frows = (jnp.asarray(fb.tokens_BxS, jnp.int32), jnp.asarray(fb.exit_loop_BxS, jnp.int32),
                  jnp.asarray(fb.flush_BxS, bool))
+        scfg = dataclasses.replace(scfg, noise_keying=sched.noise_keying)  # tokens are forced
     else:
         G = group_size
         idx = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
@@ -422,7 +430,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         devices=1 if mesh is None else int(mesh.size),
         backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
         row_tile=row_tile() if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
-        mesh=_mesh_record(mesh, params))
+        mesh=_mesh_record(mesh, params), noise_keying=scfg.noise_keying,
+        kernel_version=KERNEL_VERSION)
     return RolloutBatch(
         tokens_BxS=fetch(s.tokens_BxS)[:B], pad_B=np.asarray(pad),
         exit_loop_BxS=fetch(s.exit_loop_BxS)[:B], logprob_BxS=fetch(s.logprob_BxS)[:B],

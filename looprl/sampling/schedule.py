@@ -66,6 +66,12 @@ class Schedule:
     # where it ran (`looprl.distributed.mesh.mesh_record`): axis sizes, devices, processes, the
     # row split and parameter shardings; None in files written before meshes (one device)
     mesh: dict[str, Any] | None = None
+    # what keyed the sampling noise (`looprl.sampling.processing.noise_position`); files written
+    # before 2026-12-01 lack it and were keyed by layout position
+    noise_keying: str = "layout"
+    # the invariant kernels' version (`looprl.model.kernels.KERNEL_VERSION`) the rollout was
+    # sampled with; "" in files written before 2026-12-01 (the scanned-rule kernels)
+    kernel_version: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -76,7 +82,8 @@ class Schedule:
     def from_dict(cls, d: dict[str, Any]) -> "Schedule":
         known = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids",
-                                            "kernels", "mesh"})
+                                            "kernels", "mesh", "noise_keying",
+                                            "kernel_version"})
         if missing:
             raise ScheduleError(f"schedule meta is missing keys {missing}")
         d = {k: v for k, v in d.items() if k in known}

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from looprl.config import ExperimentConfig, from_json, to_dict, to_json
+from looprl.config import ExperimentConfig, apply_overrides, from_json, to_dict, to_json
 from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process
 from looprl.errors import CheckpointError, ConfigError
@@ -51,6 +51,11 @@ RESUMABLE_KEYS = ("run.out_dir", "run.resume", "run.stop_after", "run.checkpoint
                   # the device layout: a run continues on another mesh or device count
                   # (checkpoints restore on any; issue 7)
                   "mesh.data", "mesh.fsdp", "mesh.tensor")
+
+
+# keys a resumed run takes from its checkpoint whatever the command line says: they fix how its
+# samples were drawn (a run started before completion-index noise keeps the layout keying)
+INHERITED_KEYS = ("rollout.noise_keying",)
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -141,7 +146,7 @@ def check_resume_config(saved: ExperimentConfig, cfg: ExperimentConfig, source: 
     differs from the checkpoint's config `saved` (read from `source`)."""
     a, b = _flat(to_dict(saved)), _flat(to_dict(cfg))
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)
-                  and k not in RESUMABLE_KEYS)
+                  and k not in RESUMABLE_KEYS and k not in INHERITED_KEYS)
     if (a.get("run.grpo_steps") != b.get("run.grpo_steps")
             and (cfg.optim.lr_schedule != "constant")):
         diff.append("run.grpo_steps")
@@ -162,16 +167,27 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_resume_point(ckpt: Path, cfg: ExperimentConfig) -> ExperimentConfig:
-    """The config stored in training checkpoint `ckpt`, after `check_resume_config` against
-    `cfg`. Raises CheckpointError (unreadable) or ConfigError (differs)."""
+def load_resume_point(ckpt: Path, cfg: ExperimentConfig, say=None) -> ExperimentConfig:
+    """`cfg` with the `INHERITED_KEYS` of the config stored in training checkpoint `ckpt`, after
+    `check_resume_config` against it (`say` is told of each inherited value that differs from
+    `cfg`'s). Raises CheckpointError (unreadable) or ConfigError (differs)."""
     p = Path(ckpt) / CONFIG_IN_CHECKPOINT
     try:
         saved = from_json(p.read_text(), source=str(p))
     except OSError as e:
         raise CheckpointError(f"{p}: cannot read: {e}") from e
     check_resume_config(saved, cfg, str(p))
-    return saved
+    kept = {}
+    for key in INHERITED_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(saved, section), name)
+        if value != getattr(getattr(cfg, section), name):
+            kept[key] = value
+            if say is not None:
+                say(f"resuming with the run's own {key}={value!r}")
+    if kept:
+        cfg = apply_overrides(cfg, [f"{k}={v}" for k, v in kept.items()])
+    return cfg
 
 
 def restore_training_checkpoint(ckpt: str | Path, learner) -> int:

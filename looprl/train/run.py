@@ -255,7 +255,7 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
     resume_from: list[tuple[int, Path]] = []  # complete training checkpoints, newest first
     if cfg.run.resume is not None:
         resume_from = resume_candidates(out, say)
-        load_resume_point(resume_from[0][1], cfg)
+        cfg = load_resume_point(resume_from[0][1], cfg, say)
     sync("looprl-out-dir")  # every process checked out_dir before process 0 writes into it
     if cfg.run.resume is None and main:
         save_json(cfg, out / "config.json")

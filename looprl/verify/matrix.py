@@ -46,6 +46,7 @@ report's `env` records them. The CLI pins XLA CPU to one intra-op thread by appe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ import optax
 from looprl.distributed.mesh import make_mesh
 from looprl.errors import ScheduleError
 from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs, sequence_logprobs
+from looprl.model.kernels import KERNEL_VERSION
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
 
@@ -85,6 +87,9 @@ class VerifyOptions:
     replay_impl: str = "invariant"  # or "auto": forced replay where the invariant one is not exact
     min_tokens: int = 512
     min_early_exit_fraction: float = 0.2
+    # small decode batches (DESIGN.md §5): rollouts of this many rows (one sample of each of as
+    # many prompts), each decoding ceil(min_tokens / rows) tokens so it holds min_tokens
+    small_batches: tuple[int, ...] = (1, 3, 5)
 
     @classmethod
     def quick(cls, **kw) -> "VerifyOptions":
@@ -229,6 +234,7 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
     perm = np.random.default_rng(opts.seed + 1).permutation(B)
     minibatch = max(B // 2, 1)
     base = {"dtype": sch.compute_dtype, "kv_policy": sch.kv_policy, "weights": weights,
+            "rollout_rows": B,
             "exit_threshold": sch.exit_threshold, "tokens": tokens,
             "early_exit_fraction": early,
             "mean_exit_loop": float(np.asarray(rb.exit_loop_BxS)[mask].mean()),
@@ -310,44 +316,57 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
                log=print, rollout_dir: Path | None = None,
                notes: list[str] | None = None) -> list[dict]:
     """Every cell for every weight set (`{"random": params, "trained": params}`); notes on
-    skipped layouts go to `notes`."""
+    skipped layouts go to `notes`. Per (weights, dtype, policy) the default rollout (the first
+    `opts.n_prompts` prompts x `opts.group_size` samples) and the small decode batches of
+    `opts.small_batches` rows (one sample of each of as many prompts; `prompts` must hold
+    enough), each saved as `<weights>_<dtype>_<policy>[_rows<R>].npz` under `rollout_dir`."""
     n_devices = jax.device_count()
+    batches = [("", prompts[:opts.n_prompts], opts.group_size, opts.max_new_tokens)]
+    for rows in opts.small_batches:
+        if rows > len(prompts):
+            raise ValueError(f"a {rows}-row rollout needs {rows} prompts, given {len(prompts)}")
+        batches.append((f"_rows{rows}", prompts[:rows], 1, -(-opts.min_tokens // rows)))
     cells = []
     for weights, params in weight_sets.items():
         q = opts.exit_threshold_trained if weights == "trained" else opts.exit_threshold_random
         params_u = None
-        for dtype in DTYPES:
-            for policy in POLICIES:
+        for dtype, policy, (suffix, batch_prompts, group, new_tokens) in itertools.product(
+                DTYPES, POLICIES, batches):
+            t0 = time.time()
+            scfg = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, exit_threshold=q,
+                                  kv_policy=policy,
+                                  deferred_max_pending=opts.deferred_max_pending, stop_ids=(),
+                                  compute_dtype=dtype)
+            rb = generate(cfg, params, batch_prompts, scfg, group_size=group, seed=opts.seed,
+                          step=0)
+            name = f"{weights}_{dtype}_{policy}{suffix}"
+            log(f"  {name}: rollout of {rb.schedule.batch_size} rows {time.time() - t0:.1f}s")
+            if rollout_dir is not None:
+                rb.save(rollout_dir / f"{name}.npz")
+            if params_u is None:
+                params_u = updated_params(cfg, params, rb, opts.update_learning_rate, opts.seed)
+            cells += _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts,
+                                 n_devices=1, log=log, notes=notes)
+            if n_devices > 1 and not suffix:  # the same rollout, rows split over devices
                 t0 = time.time()
-                scfg = SamplingConfig(max_new_tokens=opts.max_new_tokens, temperature=1.0,
-                                      exit_threshold=q, kv_policy=policy,
-                                      deferred_max_pending=opts.deferred_max_pending,
-                                      stop_ids=(), compute_dtype=dtype)
-                rb = generate(cfg, params, prompts, scfg, group_size=opts.group_size,
-                              seed=opts.seed, step=0)
-                log(f"  {weights} {dtype} {policy}: rollout {time.time() - t0:.1f}s")
-                if rollout_dir is not None:
-                    rb.save(rollout_dir / f"{weights}_{dtype}_{policy}.npz")
-                if params_u is None:
-                    params_u = updated_params(cfg, params, rb, opts.update_learning_rate,
-                                              opts.seed)
-                cells += _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts,
-                                     n_devices=1, log=log, notes=notes)
-                if n_devices > 1:  # the same rollout sampled with its rows split over devices
-                    t0 = time.time()
-                    rbm = generate(cfg, params, prompts, scfg, group_size=opts.group_size,
-                                   seed=opts.seed, step=0, mesh=device_mesh(n_devices))
-                    log(f"  {weights} {dtype} {policy}: rollout on {n_devices} devices "
-                        f"{time.time() - t0:.1f}s")
-                    cells += _cell_group(cfg, params, params_u, rbm, weights=weights, opts=opts,
-                                         n_devices=n_devices, log=log, notes=notes)
+                rbm = generate(cfg, params, batch_prompts, scfg, group_size=group,
+                               seed=opts.seed, step=0, mesh=device_mesh(n_devices))
+                log(f"  {name}: rollout on {n_devices} devices {time.time() - t0:.1f}s")
+                cells += _cell_group(cfg, params, params_u, rbm, weights=weights, opts=opts,
+                                     n_devices=n_devices, log=log, notes=notes)
     return cells
 
 
 def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpoint", log=print,
                    notes: list[str] | None = None):
     """The cells of one saved rollout (re-verification). Raises ScheduleError when `params` are
-    not the ones the rollout was sampled with (fingerprint mismatch)."""
+    not the ones the rollout was sampled with (fingerprint mismatch), or when it was sampled
+    with another version of the invariant kernels (its bits are another function's)."""
+    if rb.schedule.kernels == "invariant" and rb.schedule.kernel_version != KERNEL_VERSION:
+        raise ScheduleError(f"rollout was sampled with kernel version "
+                            f"{rb.schedule.kernel_version or '(none recorded: before 2026-12-01)'}"
+                            f", this looprl has {KERNEL_VERSION}: its bits come from other "
+                            f"kernels; sample it again with this version")
     fp = params_fingerprint(params)
     if fp != rb.schedule.params_fingerprint:
         raise ScheduleError(f"rollout was sampled with parameters {rb.schedule.params_fingerprint}"

@@ -97,12 +97,13 @@ def report_markdown(report: dict) -> str:
     lines += ["", "## Setup", ""]
     lines += [f"- {k}: `{v}`" for k, v in report["setup"].items() if k != "warm_start_curve"]
     lines += ["", "## Cells", "",
-              "| dtype | kv | weights | batching | params | dev | method | impl | tokens | early "
-              "| req | exact | max abs | mean abs | k3 KL | pass |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| dtype | kv | weights | rows | batching | params | dev | method | impl | tokens "
+              "| early | req | exact | max abs | mean abs | k3 KL | pass |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in report["cells"]:
         lines.append(
-            f"| {c['dtype']} | {c['kv_policy']} | {c['weights']} | {c['batching']} | "
+            f"| {c['dtype']} | {c['kv_policy']} | {c['weights']} | {c.get('rollout_rows', '')} | "
+            f"{c['batching']} | "
             f"{c['params']} | {c['devices']} | {c['method']} | {c.get('replay_impl', '')} | "
             f"{c['tokens']} | {c['early_exit_fraction']:.2f} | "
             f"{'yes' if c['requirements_met'] else '**NO**'} | {c['exact_fraction']:.4f} | "

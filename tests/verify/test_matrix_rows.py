@@ -1,0 +1,46 @@
+"""The matrix's small decode batches (rollouts of 1, 3, 5 rows; cells record `rollout_rows`) and
+the kernel version a rollout records (`verify --rollout` refuses another version's rollout)."""
+import dataclasses
+
+import pytest
+
+from looprl.cli import main
+from looprl.errors import ScheduleError
+from looprl.io.checkpoint import save_model_checkpoint
+from looprl.model import init_params, preset
+from looprl.model.kernels import KERNEL_VERSION
+from looprl.sampling.sampler import SamplingConfig, generate
+from looprl.sampling.schedule import RolloutBatch
+from looprl.tokenizer import build_char_tokenizer
+from looprl.verify.matrix import VerifyOptions, run_matrix, verify_rollout
+
+CFG = preset("tiny", vocab_size=64, num_layers=1)
+PROMPTS = [[1, 5, 6, 7, 2, 1], [1, 9, 2, 1], [1, 8, 8, 9, 10, 2, 1]]
+
+
+def test_small_batches_are_cells_of_their_own_and_replay_exactly():
+    opts = VerifyOptions(n_prompts=2, group_size=2, max_new_tokens=6, small_batches=(1, 3),
+                         min_tokens=12, min_early_exit_fraction=0.0)
+    cells = run_matrix(CFG, {"random": init_params(CFG, 0)}, PROMPTS, opts, log=lambda m: None)
+    rows = sorted({c["rollout_rows"] for c in cells})
+    assert rows == [1, 3, 4]
+    by_rows = {r: [c for c in cells if c["rollout_rows"] == r] for r in rows}
+    assert all(c["tokens"] >= 12 for c in cells)  # ceil(12 / rows) tokens per row
+    assert {c["batching"] for c in by_rows[1]} == {"same"}  # one row: no permutation
+    assert all(c["exact_fraction"] == 1.0 for c in cells if c["method"] == "replay")
+
+
+def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
+    params = init_params(CFG, 0)
+    rb = generate(CFG, params, PROMPTS[:1], SamplingConfig(max_new_tokens=4, exit_threshold=0.5))
+    assert rb.schedule.kernel_version == KERNEL_VERSION
+    old = dataclasses.replace(rb, schedule=dataclasses.replace(rb.schedule, kernel_version=""))
+    with pytest.raises(ScheduleError, match=f"none recorded.*{KERNEL_VERSION}"):
+        verify_rollout(CFG, params, old, VerifyOptions())
+    path = tmp_path / "old.npz"
+    old.save(path)
+    assert RolloutBatch.load(path).schedule.kernel_version == ""
+    ckpt = tmp_path / "ckpt"
+    save_model_checkpoint(ckpt, params, CFG, build_char_tokenizer().to_json())
+    assert main(["verify", "--rollout", str(path), "--checkpoint", str(ckpt),
+                 "--out", str(tmp_path / "rep")]) == 2
