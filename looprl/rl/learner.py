@@ -153,6 +153,7 @@ class GRPOLearner:
         self.opt = make_optimizer(cfg, self.params)
         self.opt_state = self.opt.init(self.params)
         self.data_position = 0
+        self.last_token_abs_delta = None  # per-token |learner - sampler| of the last step
         self.rng_key = jax.random.key(cfg.run.seed)
         self.scfg = sampling_config(cfg)
         r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
@@ -295,6 +296,8 @@ class GRPOLearner:
         # sampler, and with learner.old_logprobs=recompute the PPO ratio's old log-probs
         own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp)
         mismatch = mismatch_stats(own_lp, recorded, emit, cfg.grpo.eps_low, cfg.grpo.eps_high)
+        self.last_token_abs_delta = np.abs(np.asarray(own_lp, np.float32)[emit]
+                                           - recorded.astype(np.float32)[emit])
 
         arrays = {"tokens": np.asarray(batch.tokens_BxS, np.int32),
                   "pad": np.asarray(batch.pad_B, np.int32),
