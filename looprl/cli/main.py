@@ -78,6 +78,10 @@ def _add_plot(sub):
                    help="run directories (several: curves side by side)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="where to write the PNGs (default: the first RUN_DIR/plots)")
+    p.add_argument("--compare", action="store_true",
+                   help="each RUN_DIR is one seed's out_dir of an experiment with VARIANTS: "
+                        "mean and min-max curves per variant across seeds, step-0 |delta "
+                        "logprob| histograms and comparison.md")
 
 
 def _add_generate(sub):

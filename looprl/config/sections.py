@@ -11,7 +11,8 @@ from looprl.errors import ConfigError
 
 KVPolicy = Literal["dense", "deferred", "copy"]
 ComputeDtype = Literal["float32", "bfloat16"]
-LogprobMethod = Literal["hybrid", "replay", "dense", "stock"]
+LogprobMethod = Literal["hybrid", "replay", "dense", "stock", "full_depth", "expected"]
+OldLogprobs = Literal["sampler", "recompute"]
 Kernels = Literal["invariant", "stock"]
 NoiseKeying = Literal["completion", "layout"]
 ReplayImpl = Literal["auto", "invariant", "forced"]
@@ -250,7 +251,13 @@ class RolloutConfig(_Section):
 class LearnerConfig(_Section):
     """How the learner computes log-probs and splits the rollout batch into updates."""
     SECTION = "learner"
-    logprob_method: LogprobMethod = "hybrid"  # replay alone has no gradient: not for training
+    logprob_method: LogprobMethod = "hybrid"  # replay alone has no gradient: not for training;
+    # full_depth / expected ignore the schedule: baselines of what common frameworks compute
+    # (looprl.learner.logprobs; experiments/mismatch_study.py)
+    # the PPO ratio's old log-probs: "sampler" = the rollout's recorded ones; "recompute" = the
+    # learner's own method at the rollout's parameters, once per rollout (as veRL/TRL do; TIS,
+    # grpo.tis_cap, then reweights by min(pi_old / pi_sampler, cap))
+    old_logprobs: OldLogprobs = "sampler"
     # where the replay value (hybrid's value, replay_exact_fraction) comes from: "invariant" =
     # the row-invariant dense pass (free; exact on XLA CPU); "forced" = the sampler re-run in
     # forced mode on the recorded schedule (one re-run per extra update; exact wherever the
@@ -266,7 +273,8 @@ class LearnerConfig(_Section):
 
     def _validate(self):
         self._require(self.logprob_method != "replay", "logprob_method",
-                      "'hybrid', 'dense' or 'stock' ('replay' is stop-gradient: no gradient)")
+                      "'hybrid', 'dense', 'stock', 'full_depth' or 'expected' ('replay' is "
+                      "stop-gradient: no gradient)")
         self._require(self.ppo_epochs >= 1, "ppo_epochs", "a positive int")
         self._require(self.minibatches >= 1, "minibatches", "a positive int")
         self._require(self.microbatch_size >= 0, "microbatch_size", "an int >= 0")

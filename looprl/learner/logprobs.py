@@ -18,6 +18,17 @@ elsewhere. Logits are built only at each position's exit loop (`[B, S, V]`, neve
   gradient.
 - `stock`: the same math written the common way (plain `x @ W`, attention over the live prefix,
   scores in the compute dtype): the baseline and negative control.
+
+Two learners that ignore the schedule, the documented baselines of what a framework without
+looprl computes (`experiments/mismatch_study.py`; both differentiable, dense gradients):
+- `full_depth`: every emitting position's log-prob from loop T, what an ordinary forward gives
+  (dense KV, whatever the rollout's exits and KV policy were).
+- `expected`: `log_softmax(sum_t p_t logits_t / temperature)`, the exit-distribution-weighted
+  mixture of logits that the upstream HF Ouro forward computes when given labels
+  (`p_t = lambda_t prod_{j<t}(1 - lambda_j)`, `p_T` the remainder). Since the lm_head is linear
+  and bias-free, `sum_t p_t W h_t = W sum_t p_t h_t`: the mixture is accumulated loop by loop
+  on the hidden state `[B, S, D]` (never `[T, B, S, V]`) and projected once. p_t carries the
+  gate's gradient, so the gate trains, as in HF.
 """
 from __future__ import annotations
 
@@ -35,7 +46,8 @@ from looprl.model.looped import Layout, cast_weights, embed, exit_lambda, lm_log
 from looprl.sampling.processing import process_logits
 from looprl.sampling.sampler import SamplingConfig, generate
 
-METHODS = ("dense", "replay", "hybrid", "stock")
+METHODS = ("dense", "replay", "hybrid", "stock", "full_depth", "expected")
+SCHEDULE_UNAWARE = ("full_depth", "expected")  # learners that ignore the recorded schedule
 
 
 def exit_hidden(cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, *,
@@ -83,6 +95,39 @@ def exit_hidden(cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_B
     return (h_exit, lams) if with_lambda else h_exit
 
 
+def expected_hidden(cfg: OuroConfig, w, tokens_BxS, pad_B, *, remat: bool = True):
+    """`sum_t p_t h(t)` `[B, S, D]` fp32 over the T loops of a dense teacher-forced pass, with
+    p_t the exit distribution of the gate (HF Ouro's `stacked_exit_pdf`: `p_t = lambda_t *
+    remaining` for t < T, `p_T = remaining`). Differentiable in the gate and the stack."""
+    B, S = tokens_BxS.shape
+    T = cfg.total_ut_steps
+    positions = Layout(pad_B).positions(S)
+    layout = jnp.arange(S)
+    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    dt = w["embed_tokens"].dtype
+    write = jnp.ones((B, S), bool)
+
+    def one_loop(h):
+        h, _, _ = stack_pass(cfg, w, h, positions, layout, pad_B, jnp.zeros(kv_shape, dt),
+                             jnp.zeros(kv_shape, dt), write, 0)
+        return h, exit_lambda(w, h)
+
+    if remat:
+        one_loop = jax.checkpoint(one_loop)
+
+    def body(carry, t):
+        h, mix, remaining = carry
+        h, lam = one_loop(h)
+        p = jnp.where(t < T, lam * remaining, remaining)
+        remaining = remaining * (1.0 - lam)
+        return (h, mix + p[..., None] * h.astype(jnp.float32), remaining), None
+
+    h = embed(w, tokens_BxS)
+    init = (h, jnp.zeros(h.shape, jnp.float32), jnp.ones((B, S), jnp.float32))
+    (_, mix, _), _ = jax.lax.scan(body, init, jnp.arange(1, T + 1, dtype=jnp.int32))
+    return mix
+
+
 def token_logprobs(w, h_exit_BxSxD, tokens_BxS, exit_loop_BxS, temperature: float,
                    top_k: int = 0, top_p: float = 1.0, stock: bool = False):
     """(full, processed) log-probs `[B, S]` fp32 of tokens[:, i+1] at emitting positions i."""
@@ -110,11 +155,19 @@ def sequence_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS,
     w = cast_weights(params, compute_dtype)
     copy_kv = kv_policy == "copy"
     stock = method == "stock"
-    h = exit_hidden(cfg, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, copy_kv=copy_kv,
-                    stock=stock, remat=remat)
+    if method == "expected":  # the mixed hidden state and the lm_head in fp32
+        h = expected_hidden(cfg, w, tokens_BxS, pad_B, remat=remat)
+        w = {**w, "lm_head": w["lm_head"].astype(jnp.float32)}
+    else:
+        exits = exit_loop_BxS
+        if method == "full_depth":  # loop T everywhere, dense KV: an ordinary forward
+            exits = jnp.where(exit_loop_BxS > 0, cfg.total_ut_steps, 0)
+            copy_kv = False
+        h = exit_hidden(cfg, w, tokens_BxS, pad_B, exits, kv_depth_BxS, copy_kv=copy_kv,
+                        stock=stock, remat=remat)
     full, proc = token_logprobs(w, h, tokens_BxS, exit_loop_BxS, temperature, top_k, top_p,
                                 stock)
-    if method in ("dense", "stock"):
+    if method in ("dense", "stock", "full_depth", "expected"):
         return full, proc
     sg_full, sg_proc = jax.lax.stop_gradient(full), jax.lax.stop_gradient(proc)
     if method == "replay":

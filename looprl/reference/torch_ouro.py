@@ -157,6 +157,22 @@ class TorchOuro:
     __call__ = forward
 
     @torch.inference_mode()
+    def expected_logits(self, ids) -> torch.Tensor:
+        """The exit-distribution-weighted mixture of logits `[B, S, V]` fp32 that the upstream HF
+        Ouro forward computes when given labels: `sum_t p_t logits_t` with `p_t = lambda_t *
+        remaining` for t < T and `p_T = remaining` (`remaining` starts at 1 and is multiplied by
+        `1 - lambda_t`), each loop's logits weighted in turn."""
+        logits, gate = self.forward(ids)
+        remaining = torch.ones_like(gate[0])
+        mix = torch.zeros_like(logits[0])
+        T = logits.shape[0]
+        for t in range(T):
+            p = gate[t] * remaining if t < T - 1 else remaining
+            remaining = remaining * (1.0 - gate[t])
+            mix = mix + p[..., None] * logits[t]
+        return mix
+
+    @torch.inference_mode()
     def generate_greedy(self, prompt_ids, max_new_tokens: int) -> np.ndarray:
         """Greedy decoding from the last loop's logits with a KV cache of one slot per
         (loop, layer): prefill the prompt, then one token per step through all T loops.

@@ -45,6 +45,26 @@ from looprl.sampling.sampler import generate
 from looprl.sampling.schedule import params_fingerprint
 
 
+def mismatch_stats(learner_lp_BxS, sampler_lp_BxS, mask_BxS, eps_low: float,
+                   eps_high: float) -> dict[str, float]:
+    """How far the learner's log-probs (at the sampler's parameters) are from the sampler's,
+    over the sampled tokens: `mismatch_k3_kl` (k3 estimate of KL(sampler || learner), tokens
+    drawn from the sampler: mean of `r - 1 - log r`, `r = pi_learner / pi_sampler`),
+    `mismatch_abs_mean` / `mismatch_abs_max` (|delta logprob|, nats) and
+    `ratio_outside_clip_frac` (share of tokens whose ratio r lies outside the PPO clip range
+    `[1 - eps_low, 1 + eps_high]`, where clipping acts on the first update)."""
+    m = np.asarray(mask_BxS, bool)
+    x = (np.asarray(learner_lp_BxS, np.float64) - np.asarray(sampler_lp_BxS, np.float64))[m]
+    if not x.size:
+        return {"mismatch_k3_kl": 0.0, "mismatch_abs_mean": 0.0, "mismatch_abs_max": 0.0,
+                "ratio_outside_clip_frac": 0.0}
+    r = np.exp(x)
+    return {"mismatch_k3_kl": float(np.mean(np.expm1(x) - x)),
+            "mismatch_abs_mean": float(np.mean(np.abs(x))),
+            "mismatch_abs_max": float(np.max(np.abs(x))),
+            "ratio_outside_clip_frac": float(np.mean((r < 1.0 - eps_low) | (r > 1.0 + eps_high)))}
+
+
 def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> str:
     """`learner.replay_impl` with "auto" resolved: "invariant" on XLA CPU with invariant sampler
     kernels (where the dense pass reproduces the sampler bit for bit), "forced" otherwise."""
@@ -57,7 +77,9 @@ def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> st
 
 def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformation:
     """AdamW + global-norm clipping + learning-rate schedule, the exit gate's update zeroed
-    unless `learner.train_gate` (DESIGN.md: exit decisions are replayed, never re-decided)."""
+    unless `learner.train_gate` (DESIGN.md: exit decisions are replayed, never re-decided) or
+    the learner is `expected`, whose log-probs train the gate through the exit distribution
+    (as HF Ouro's forward with labels does)."""
     o = cfg.optim
     total = max(1, cfg.run.grpo_steps * cfg.learner.ppo_epochs * cfg.learner.minibatches)
     if o.lr_schedule == "constant":
@@ -75,8 +97,9 @@ def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformatio
     parts.append(optax.adamw(lr, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                              weight_decay=o.weight_decay))
     train = optax.chain(*parts)
+    gate_trains = cfg.learner.train_gate or cfg.learner.logprob_method == "expected"
     labels = {k: jax.tree.map(lambda _: "frozen" if (k == "early_exit_gate"
-                                                      and not cfg.learner.train_gate)
+                                                      and not gate_trains)
                               else "train", v) for k, v in params.items()}
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
 
@@ -125,6 +148,7 @@ class GRPOLearner:
         self.opt = make_optimizer(cfg, self.params)
         self.opt_state = self.opt.init(self.params)
         self.data_position = 0
+        self.last_token_abs_delta = None  # per-token |learner - sampler| of the last step
         self.rng_key = jax.random.key(cfg.run.seed)
         self.scfg = sampling_config(cfg)
         r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
@@ -199,6 +223,28 @@ class GRPOLearner:
         return fn(self.params, placed, ml.put_global(np.float32(norm), rep),
                   ml.put_global(np.float32(gate_norm), rep))
 
+    # --- the learner's own log-probs -------------------------------------------------------------
+    def _learner_logprobs(self, batch, replay_lp, replay_lpp):
+        """(full, processed) log-probs `[B, S]` of the learner's method at the current
+        parameters (before any update of this step): replay's for `hybrid` (its value), the
+        method's own pass otherwise."""
+        method = self.cfg.learner.logprob_method
+        if method == "hybrid":
+            if replay_lpp is None:
+                _, replay_lpp = batch_logprobs(self.model_cfg, self.params, batch, "replay",
+                                               mesh=self.mesh)
+            return replay_lp, replay_lpp
+        return batch_logprobs(self.model_cfg, self.params, batch, method, mesh=self.mesh)
+
+    def _old_logprobs(self, batch, own_lp, own_lpp):
+        """The PPO ratio's old log-probs `[B, S]` fp32 (`learner.old_logprobs`): the rollout's
+        recorded ones, or the learner's own at the rollout's parameters (`recompute`); the
+        processed ones when top-k/top-p truncation is on."""
+        if self.cfg.learner.old_logprobs == "recompute":
+            return np.asarray(own_lpp if self.spec.truncated else own_lp, np.float32)
+        return np.asarray(batch.logprob_processed_BxS if self.spec.truncated
+                          else batch.logprob_BxS, np.float32)
+
     # --- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
         cfg, spec = self.cfg, self.spec
@@ -227,8 +273,8 @@ class GRPOLearner:
             replay_lp, replay_lpp = forced_replay_logprobs(self.model_cfg, self.params, batch,
                                                            mesh=self.mesh)
         else:
-            replay_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "replay",
-                                          mesh=self.mesh)
+            replay_lp, replay_lpp = batch_logprobs(self.model_cfg, self.params, batch,
+                                                   "replay", mesh=self.mesh)
         replay_exact = bits_equal_fraction(replay_lp, recorded, emit)
         stock_diff = float("nan")
         if cfg.learner.measure_stock:
@@ -241,13 +287,18 @@ class GRPOLearner:
                                        mesh=self.mesh)
         x = (ref_lp - recorded)[emit]
         kl_ref = float(np.mean(np.expm1(x) - x)) if x.size else 0.0
+        # the learner's own log-probs at the sampler's parameters: its mismatch with the
+        # sampler, and with learner.old_logprobs=recompute the PPO ratio's old log-probs
+        own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp)
+        mismatch = mismatch_stats(own_lp, recorded, emit, cfg.grpo.eps_low, cfg.grpo.eps_high)
+        self.last_token_abs_delta = np.abs(np.asarray(own_lp, np.float32)[emit]
+                                           - recorded.astype(np.float32)[emit])
 
         arrays = {"tokens": np.asarray(batch.tokens_BxS, np.int32),
                   "pad": np.asarray(batch.pad_B, np.int32),
                   "exit_loop": np.asarray(batch.exit_loop_BxS, np.int32),
                   "kv_depth": batch.kv_depth_BxS(), "adv": adv_B.astype(np.float32),
-                  "old_lp": np.asarray(batch.logprob_processed_BxS if spec.truncated
-                                       else batch.logprob_BxS, np.float32),
+                  "old_lp": self._old_logprobs(batch, own_lp, own_lpp),
                   "sampler_lp": recorded.astype(np.float32), "ref_lp": ref_lp.astype(np.float32)}
         if spec.loop_credit != "none":
             loop_in = tuple(arrays[k] for k in ("tokens", "pad", "exit_loop", "kv_depth"))
@@ -327,6 +378,7 @@ class GRPOLearner:
                "ratio_max": max(v for v, _ in stats_acc["ratio_max"]),
                "approx_kl_old": wmean("approx_kl"),
                "degenerate_groups": int(adv.num_degenerate),
+               **mismatch,
                "tokens": int(emit.sum()), "rollout_s": rollout_s, "learner_s": learner_s,
                "rollout_sha256": rollout_sha256(batch)}
         if "gate_loss" in stats_acc:

@@ -188,9 +188,14 @@ def _restore(learner, resume_from: list[tuple[int, Path]], out: Path, say):
 
 
 def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, start: int,
-               n_steps: int, resumed: bool, main: bool, quiet: bool) -> dict[str, Any] | None:
+               n_steps: int, resumed: bool, main: bool, quiet: bool,
+               eval_fn=None) -> dict[str, Any] | None:
     """GRPO steps `start..n_steps-1`: metrics rows, TensorBoard, progress bar, checkpoints.
-    Returns the preemption record when SIGTERM stopped the loop early, else None."""
+    With `eval.eval_every_steps` = k > 0, a step whose count of done steps is a multiple of k
+    also carries `eval_accuracy` (held-out, greedy: `eval_fn(params)`). After step 0,
+    `mismatch_step0.npy` holds that step's per-token |learner - sampler| log-prob differences
+    (fp32 nats, the emitting tokens in row order). Returns the preemption record when SIGTERM
+    stopped the loop early, else None."""
     metrics_path = out / "metrics.jsonl" if main else Path(os.devnull)
     if resumed and main:  # drop rows of steps after the checkpoint (rerun)
         _truncate_jsonl(metrics_path, start, inclusive=False)
@@ -214,6 +219,11 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                         (out / "failure.json").write_text(json.dumps(
                             {"step": step, "error": str(e)}, indent=2) + "\n")
                     raise
+                every = cfg.eval.eval_every_steps
+                if eval_fn is not None and every and (step + 1) % every == 0:
+                    m["eval_accuracy"] = eval_fn(jax.tree.map(to_host, learner.params))
+                if step == 0 and main and learner.last_token_abs_delta is not None:
+                    np.save(out / "mismatch_step0.npy", learner.last_token_abs_delta)
                 f.write(json.dumps(m) + "\n")
                 f.flush()
                 if writer is not None:
@@ -280,8 +290,9 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                 f"(run.grpo_steps={cfg.run.grpo_steps}, run.stop_after={cfg.run.stop_after}); "
                 f"pass stop_after=none or a larger grpo_steps to continue")
     tok_json = tokenizer.to_json()
-    preempted = _grpo_loop(cfg, out, learner, mcfg, tok_json, start, n_steps,
-                           resume_at is not None, main, quiet)
+    preempted = _grpo_loop(
+        cfg, out, learner, mcfg, tok_json, start, n_steps, resume_at is not None, main, quiet,
+        eval_fn=lambda p: evaluate(mcfg, p, warm_task, tokenizer, cfg, eval_set)["accuracy"])
     if preempted is not None:
         say(f"SIGTERM: stopped after GRPO step {preempted['preempted_at_step']}, checkpoint "
             f"{preempted['checkpoint']}; continue with resume={out}")
