@@ -1,73 +1,191 @@
-"""Replay-vs-sampler bit check on an accelerator (GPU/TPU): one prepared script.
+"""The prepared accelerator check (issue 16): everything a GPU (or TPU) session should measure,
+in one script that finishes in under 8 minutes on one H200 and writes one JSON report plus
+`report.md` under the directory it is given.
 
-Runs rollouts with the tiny model and a wider one (random weights, gate biased so that most
-tokens exit early) for fp32/bf16 x dense/deferred/copy, and compares `replay` log-probs (the
-invariant teacher-forced pass) with the sampler's on raw bits, for the rollout batch as sampled
-and for a permuted subset of rows; `stock` gives the negative control. Prints and writes JSON.
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true python reproducibility/gpu_check.py OUT_DIR
+    python reproducibility/gpu_check.py --reduced OUT_DIR    # the plumbing, on a CPU (minutes)
 
-Usage: XLA_FLAGS=--xla_gpu_deterministic_ops=true python reproducibility/gpu_check.py [OUT.json]
+Steps (each a section of report.json; a failing step is recorded, the rest still run):
+  1. scan      kernel row invariance at Ouro-1.4B widths: rows of `kernels.matmul` at M rows
+               against the same rows inside a 512-row call, for every weight shape, fp32/bf16
+  2. verify    `looprl verify --quick` with the invariant replay, then `--replay-impl auto`
+               (forced re-run where the invariant replay is not exact)
+  3. needle    tests/sampling/test_needle.py (a prompt alone and in batches: same bits)
+  4. kernels   the speed ratios of benchmarks/kernels.py (its final JSON line)
+  5. train     a smoke `looprl train` (experiments/tiny_arith_smoke.py): per step `replay_impl`
+               and `replay_exact_fraction`
+The report's `env` records the jax build, backend, device kind and XLA flags (every flag that
+pins what the GPU compiler could otherwise choose per program). Commit the output under
+`reproducibility/gpu/` with the jax build it ran on. Nothing here is run in CI.
 """
+from __future__ import annotations
+
+import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-import looprl  # noqa: F401  (sets looprl's XLA flags)
+import looprl  # noqa: F401  (sets looprl's XLA flags before jax starts)
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looprl.determinism import environment
-from looprl.learner.logprobs import batch_logprobs
-from looprl.model import init_params, preset
-from looprl.sampling.sampler import SamplingConfig, generate
+from looprl.model import kernels as kn
+from looprl.verify.report import environment
+
+ROOT = Path(__file__).resolve().parents[1]
+OURO_1P4B = {"q_proj": (2048, 2048), "o_proj": (2048, 2048), "gate_proj": (2048, 5632),
+             "down_proj": (5632, 2048), "lm_head": (2048, 49152), "exit_gate": (2048, 1)}
+REDUCED = {"q_proj": (256, 256), "gate_proj": (256, 704), "down_proj": (704, 256),
+           "lm_head": (256, 4096), "exit_gate": (256, 1)}
+SCAN_ROWS = (1, 2, 3, 5, 7, 8, 9, 16, 17, 64, 300)
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32) if a.dtype == np.float32 else a
-
-
-def main(out_path=None):
-    t0 = time.time()
-    cells = []
-    models = {"tiny": preset("tiny"),
-              "wide": preset("tiny", hidden_size=1024, num_heads=8, num_kv_heads=8,
-                             head_dim=128, intermediate_size=2816, num_layers=4, vocab_size=4096)}
+def scan(shapes: dict, rows=SCAN_ROWS) -> dict:
+    """Per (weight, dtype): the row counts M whose rows differ in bits from the same rows of a
+    512-row call (each M-row block placed at offset 0 and at offset 100 of the big call)."""
+    out = {}
     rng = np.random.default_rng(0)
-    for mname, cfg in models.items():
-        params = init_params(cfg, 0)
-        params["early_exit_gate"]["bias"] = jnp.array([-0.3])
-        prompts = [list(rng.integers(3, cfg.vocab_size, size=n)) for n in (5, 3, 9, 7, 12, 4, 8, 6)]
-        for dt in ("float32", "bfloat16"):
-            for pol in ("dense", "deferred", "copy"):
-                scfg = SamplingConfig(max_new_tokens=48, temperature=1.0, kv_policy=pol,
-                                      exit_threshold=0.6, compute_dtype=dt,
-                                      deferred_max_pending=4, stop_ids=(2,))
-                rb = generate(cfg, params, prompts, scfg, group_size=4, seed=1)
-                em = rb.exit_loop_BxS > 0
-                rec = rb.logprob_BxS
-                row = {"model": mname, "dtype": dt, "kv_policy": pol, "tokens": int(em.sum()),
-                       "early_exit_fraction": float((rb.exit_loop_BxS[em] < cfg.T).mean())}
-                lp, _ = batch_logprobs(cfg, params, rb, "replay")
-                row["replay_exact"] = float((bits(lp) == bits(rec))[em].mean())
-                row["replay_max_abs"] = float(np.abs(lp - rec)[em].max())
-                perm = rng.permutation(rb.schedule.batch_size)[:11]
-                lp2, _ = batch_logprobs(cfg, params, rb, "replay", rows=perm)
-                row["replay_exact_perm"] = float((bits(lp2) == bits(rec[perm]))[em[perm]].mean())
-                ls, _ = batch_logprobs(cfg, params, rb, "stock")
-                row["stock_exact"] = float((bits(ls) == bits(rec))[em].mean())
-                row["stock_max_abs"] = float(np.abs(ls - rec)[em].max())
-                cells.append(row)
-                print(json.dumps(row), flush=True)
-    report = {"env": environment(), "cells": cells, "wall_s": time.time() - t0}
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=1)
-    print(json.dumps({"benchmark": "gpu_check", "all_replay_exact": all(
-        c["replay_exact"] == 1.0 and c["replay_exact_perm"] == 1.0 for c in cells),
-        "wall_s": round(time.time() - t0, 1)}))
+    for name, (i, o) in shapes.items():
+        for dtype in ("float32", "bfloat16"):
+            w = jnp.asarray(rng.standard_normal((i, o)) / np.sqrt(i), dtype)
+            x = jnp.asarray(rng.standard_normal((512, i)), dtype)
+            f = jax.jit(kn.matmul)
+            big = np.asarray(f(x, w).astype(jnp.float32)).view(np.uint32)
+            bad = []
+            for m in rows:
+                for off in (0, 100):
+                    part = np.asarray(f(x[off:off + m], w).astype(jnp.float32)).view(np.uint32)
+                    if not np.array_equal(part, big[off:off + m]):
+                        bad.append(m)
+                        break
+            out[f"{name}_{dtype}"] = {"rows_tested": list(rows), "rows_differing": bad}
+    return out
+
+
+def _run(cmd: list[str], timeout: int, env=None) -> tuple[int, str]:
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    return p.returncode, (p.stdout + p.stderr)[-4000:]
+
+
+def verify(out: Path, reduced: bool) -> dict:
+    res = {}
+    for impl in ("invariant", "auto"):
+        d = out / f"verify_{impl}"
+        if reduced:  # the matrix at toy sizes, in process
+            from looprl.model import init_params, preset
+            from looprl.verify.matrix import VerifyOptions, run_matrix
+            from looprl.verify.report import summarize
+            cfg = preset("tiny", num_layers=1)
+            opts = VerifyOptions(n_prompts=2, group_size=2, max_new_tokens=4,
+                                 small_batches=(1,), min_tokens=8,
+                                 min_early_exit_fraction=0.0, replay_impl=impl)
+            prompts = [[1, 5, 6, 2, 1], [1, 9, 2, 1]]
+            cells = run_matrix(cfg, {"random": init_params(cfg, 0)}, prompts, opts,
+                               log=lambda m: None)
+            res[impl] = summarize(cells)
+            continue
+        rc, tail = _run([sys.executable, "-m", "looprl.cli", "verify", "--quick",
+                         "--replay-impl", impl, "--out", str(d)], timeout=420)
+        rep = json.loads((d / "report.json").read_text()) if (d / "report.json").exists() \
+            else {}
+        res[impl] = {"exit_status": rc, **rep.get("summary", {}), "tail": tail[-800:]}
+    return res
+
+
+def needle(reduced: bool) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/sampling/test_needle.py"]
+    if reduced:
+        cmd += ["-k", "dense and float32"]
+    rc, tail = _run(cmd, timeout=420)
+    return {"exit_status": rc, "passed": rc == 0, "tail": tail[-800:]}
+
+
+def kernels_bench(reduced: bool) -> dict:
+    rc, tail = _run([sys.executable, "benchmarks/kernels.py"], timeout=420,
+                    env={"LOOPRL_BENCH_REDUCED": "1"} if reduced else None)
+    last = [ln for ln in tail.splitlines() if ln.startswith("{")]
+    return {"exit_status": rc, "figures": json.loads(last[-1]) if last else None,
+            "tail": "" if last else tail[-800:]}
+
+
+def train(out: Path, reduced: bool) -> dict:
+    d = out / "smoke_train"
+    steps = 2 if reduced else 6
+    rc, tail = _run([sys.executable, "-m", "looprl.cli", "train",
+                     "experiments/tiny_arith_smoke.py", f"out_dir={d}", f"grpo_steps={steps}",
+                     "progress_bar=false", "tensorboard=false", "learner.replay_impl=auto",
+                     "learner.require_exact=false"] + (["warm_start.max_steps=20"] if reduced
+                                                       else []), timeout=420)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] \
+        if (d / "metrics.jsonl").exists() else []
+    return {"exit_status": rc, "steps": [{k: r.get(k) for k in (
+        "step", "replay_impl", "replay_exact_fraction", "stock_max_abs_diff")} for r in rows],
+        "tail": "" if rows else tail[-800:]}
+
+
+def report_md(report: dict) -> str:
+    env = report["env"]
+    lines = [f"# Accelerator check ({env.get('device_kind')}, jax {env.get('jax')})", "",
+             f"Backend `{env.get('backend')}`, XLA_FLAGS `{env.get('xla_flags')}`, "
+             f"{report['wall_s']:.0f} s{' (reduced mode)' if report['reduced'] else ''}.", "",
+             "## Row-invariance scan (kernels.matmul vs rows of a 512-row call)", "",
+             "| weight | rows differing |", "|---|---|"]
+    for k, v in (report.get("scan") or {}).items():
+        lines.append(f"| {k} | {v['rows_differing'] or 'none'} |")
+    lines += ["", "## looprl verify --quick", ""]
+    for impl, s in (report.get("verify") or {}).items():
+        lines.append(f"- `--replay-impl {impl}`: passed={s.get('passed')}, replay exact "
+                     f"{s.get('replay_exact_cells')}/{s.get('replay_cells')} cells "
+                     f"({s.get('replay_forced_cells')} forced)")
+    n = report.get("needle") or {}
+    lines += ["", f"## Needle test: {'pass' if n.get('passed') else 'FAIL'}", "",
+              "## benchmarks/kernels.py", "",
+              f"`{json.dumps((report.get('kernels') or {}).get('figures'))}`",
+              "", "## Smoke train (replay_impl, replay_exact_fraction per step)", ""]
+    for s in (report.get("train") or {}).get("steps", []):
+        lines.append(f"- step {s['step']}: {s['replay_impl']}, {s['replay_exact_fraction']}")
+    for step, err in report.get("errors", {}).items():
+        lines.append(f"\n**{step} failed**: `{err}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory for report.json and report.md")
+    p.add_argument("--reduced", action="store_true",
+                   help="toy sizes, to check the plumbing on a CPU in a few minutes")
+    args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    report = {"env": environment(), "reduced": args.reduced, "errors": {}}
+    steps = {"scan": lambda: scan(REDUCED if args.reduced else OURO_1P4B,
+                                  (1, 3, 8, 17) if args.reduced else SCAN_ROWS),
+             "verify": lambda: verify(out, args.reduced), "needle": lambda: needle(args.reduced),
+             "kernels": lambda: kernels_bench(args.reduced),
+             "train": lambda: train(out, args.reduced)}
+    for name, fn in steps.items():
+        t = time.time()
+        try:
+            report[name] = fn()
+        except Exception as e:  # one broken step must not lose the others' figures
+            report["errors"][name] = f"{type(e).__name__}: {e}"
+        print(f"gpu_check: {name} done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    report["wall_s"] = time.time() - t0
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(report_md(report))
+    ok = not report["errors"] and all(not v["rows_differing"] for v in report["scan"].values())
+    print(json.dumps({"benchmark": "gpu_check", "reduced": args.reduced, "ok": ok,
+                      "wall_s": round(report["wall_s"], 1)}))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    sys.exit(main())
