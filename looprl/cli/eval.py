@@ -241,7 +241,7 @@ def run(args) -> int:
                 "task_config": task.config()}
     results = {"checkpoint": str(args.checkpoint), "task": args.task, "settings": settings,
                "thresholds": summaries, "env": environment()}
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
     if len(summaries) > 1:
         plot_accuracy_vs_depth(summaries, cfg.total_ut_steps, out / "accuracy_vs_depth.png")
     _print_table(summaries, f"{args.task}: {len(problems)} held-out problems, "

@@ -7,6 +7,7 @@ checkpoint's prompt style (ChatML by default; `--prompt-style raw` sends the tex
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,6 +30,16 @@ def check_args(args) -> None:
         if not parent.is_dir():
             raise SamplingError(f"--save-rollout {args.save_rollout}: directory {str(parent)!r} "
                                 f"does not exist")
+
+
+def check_finite_logprobs(lps, toks, checkpoint) -> None:
+    """Raise SamplingError naming the first completion token whose recorded log-prob is NaN or
+    infinite (damaged or diverged weights: the output would be meaningless)."""
+    for i, (lp, t) in enumerate(zip(lps, toks)):
+        if not math.isfinite(lp):
+            raise SamplingError(f"{checkpoint}: completion token {i} (id {t}) has log-prob {lp}: "
+                                f"the model computes non-finite numbers (damaged or diverged "
+                                f"weights)")
 
 
 def run(args) -> int:
@@ -69,6 +80,7 @@ def run(args) -> int:
     toks = batch.tokens_BxS[0, P:P + n].tolist()
     exits = batch.exit_loop_BxS[0, P - 1:P - 1 + n].tolist()
     lps = batch.logprob_BxS[0, P - 1:P - 1 + n].tolist()
+    check_finite_logprobs(lps, toks, args.checkpoint)
     if args.save_rollout:
         batch.save(Path(args.save_rollout).expanduser())
     depth = f"fixed_depth={args.fixed_depth}" if args.fixed_depth is not None else f"q={q}"
@@ -76,7 +88,7 @@ def run(args) -> int:
         print(json.dumps({"completion": tok.decode_completion(toks), "tokens": toks,
                           "exit_loops": exits, "logprobs": lps,
                           "mean_exit_loop": sum(exits) / max(len(exits), 1),
-                          "rollout_file": args.save_rollout or None}))
+                          "rollout_file": args.save_rollout or None}, allow_nan=False))
         return 0
     print(tok.decode_completion(toks))
     print(f"# {n} tokens, mean exit loop {sum(exits) / max(n, 1):.2f} of {cfg.total_ut_steps} "
