@@ -73,6 +73,45 @@ def _load_weights(args, opts: VerifyOptions, log):
     return cfg, weight_sets, prompts, setup
 
 
+def is_cell_detail(msg: str) -> bool:
+    """A line about one cell or one rollout step (indented by 4), shown only with `-v`; notes
+    are always shown."""
+    return msg.startswith("    ") and not msg.lstrip().startswith("note:")
+
+
+def verdict_rows(cells: list[dict]) -> list[tuple[str, ...]]:
+    """One row per (weights, dtype, KV policy): replay cells exact / all, stock negative
+    controls mismatching / all, the largest stock |delta logprob|, and PASS/FAIL (every replay
+    and stock cell `passed`: exact, resp. mismatching within 1e-4 in fp32, sizes met)."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["weights"], c["dtype"], c["kv_policy"]), []).append(c)
+    rows = []
+    for (weights, dtype, policy), cs in groups.items():
+        replay = [c for c in cs if c["method"] == "replay"]
+        stock = [c for c in cs if c["method"] == "stock"]
+        exact = sum(c["exact_fraction"] == 1.0 for c in replay)
+        mism = sum(c["exact_fraction"] < 1.0 for c in stock)
+        worst = max((c["max_abs_diff"] for c in stock), default=0.0)
+        ok = all(c.get("passed", True) is not False for c in replay + stock)
+        rows.append((weights, dtype, policy, f"{exact}/{len(replay)}", f"{mism}/{len(stock)}",
+                     f"{worst:.1e}", "PASS" if ok else "FAIL"))
+    return rows
+
+
+def print_verdict_table(cells: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="looprl verify: verdict per weights, dtype and KV policy")
+    for col in ("weights", "dtype", "kv policy", "replay exact", "controls mismatching",
+                "stock max |d logprob|", "verdict"):
+        table.add_column(col)
+    for row in verdict_rows(cells):
+        table.add_row(*row)
+    Console(file=sys.stderr, width=110).print(table)
+
+
 def check_out_dir(out: Path) -> None:
     """Raises ConfigError when `out` is a file. A report already in `out` is replaced at the
     end (DESIGN.md §6: `looprl verify --quick --out DIR` needs no other flag), with a note on
@@ -105,6 +144,8 @@ def run(args) -> int:
     notes: list[str] = []
 
     def log(msg):
+        if is_cell_detail(msg) and not getattr(args, "verbose", False):
+            return
         print(msg, file=sys.stderr, flush=True)
 
     if args.rollout:
@@ -135,6 +176,7 @@ def run(args) -> int:
               "negative_control": [c for c in cells if c["method"] == "stock"],
               "notes": notes, "wall_s": round(time.time() - t_start, 1)}
     write_report(out, report)
+    print_verdict_table(cells)
     if not summary["requirements_met"]:
         log("looprl verify: FAIL: requirements not met: "
             + "; ".join(summary["requirements_unmet"])

@@ -22,7 +22,7 @@ from looprl.config.files import (
                                  to_dict,
                                  to_json,
 )
-from looprl.config.overrides import apply_overrides, parse_value, resolve_key
+from looprl.config.overrides import apply_overrides, config_key_lines, parse_value, resolve_key
 from looprl.config.sections import (
                                  EvalConfig,
                                  ExperimentConfig,
@@ -39,6 +39,6 @@ from looprl.config.sections import (
 
 __all__ = ["EvalConfig", "ExperimentConfig", "GRPOConfig", "LearnerConfig", "MeshConfig",
            "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig", "TaskConfig",
-           "WarmStartConfig", "apply_overrides", "from_json", "load_experiment",
+           "WarmStartConfig", "apply_overrides", "config_key_lines", "from_json", "load_experiment",
            "load_experiment_module", "load_json", "parse_value", "resolve_key", "save_json",
            "to_dict", "to_json"]
