@@ -49,3 +49,4 @@ def test_title_accuracy_marks_and_timing_scale(tmp_path):
     written = plot_runs([d], tmp_path / "plots")
     assert {p.name for p in written} >= {"reward.png", "accuracy.png", "timing.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
