@@ -66,7 +66,6 @@ def _add_train(sub):
                    help="config overrides, e.g. out_dir=runs/x seed=1 stop_after=4")
     d = p.add_argument_group("multi-host (jax.distributed; see README 'Multi-device and "
                              "multi-host')")
-    return p
     d.add_argument("--coordinator", metavar="HOST:PORT", default=None,
                    help="process 0's address (default: $LOOPRL_COORDINATOR)")
     d.add_argument("--num-processes", type=int, default=None, metavar="N",
@@ -76,6 +75,7 @@ def _add_train(sub):
     d.add_argument("--distributed", action="store_true",
                    help="join a multi-process run, auto-detecting coordinator, count and id "
                         "(TPU pod slices, SLURM srun, Open MPI)")
+    return p
 
 
 def _add_plot(sub):

@@ -251,3 +251,13 @@ def test_train_without_arguments_prints_usage_naming_config(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: looprl train") and "CONFIG is required" in err
     assert "KEY=VALUE" not in err.splitlines()[-1]
+
+
+def test_train_parser_keeps_its_multi_host_flags():
+    """The CONFIG/--list-keys change must not drop the flags after it (a misplaced return did)."""
+    from looprl.cli.main import build_parser
+    args = build_parser().parse_args(["train", "--coordinator", "h:1", "--num-processes", "2",
+                                      "--process-id", "1", "--distributed", str(SMOKE), "seed=1"])
+    assert (args.coordinator, args.num_processes, args.process_id, args.distributed) == (
+        "h:1", 2, 1, True)
+    assert args.config == str(SMOKE) and args.overrides == ["seed=1"]
