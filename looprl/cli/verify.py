@@ -3,6 +3,7 @@ rollout, and write the report (`looprl.verify.report`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 
 from looprl import determinism
 from looprl.config import load_experiment
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, SamplingError
 from looprl.io.checkpoint import load_model_checkpoint
 from looprl.io.params_npz import load_rollout_params, save_params_npz
 from looprl.model.config import OuroConfig, from_model_section, preset
@@ -99,6 +100,17 @@ def verdict_rows(cells: list[dict]) -> list[tuple[str, ...]]:
     return rows
 
 
+def check_finite_cells(cells: list[dict]) -> None:
+    """Raise SamplingError naming the first cell and figure that is NaN or infinite (a model
+    computing non-finite log-probs; the report would otherwise hold NaN, which is not JSON)."""
+    for c in cells:
+        for k, v in c.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise SamplingError(f"cell {c.get('weights')}/{c.get('dtype')}/"
+                                    f"{c.get('kv_policy')}/{c.get('batching')}/{c.get('params')}"
+                                    f"/{c.get('method')}: {k} is {v} (non-finite log-probs)")
+
+
 def print_verdict_table(cells: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -169,6 +181,7 @@ def run(args) -> int:
             save_params_npz(rdir / f"{name}_params.npz", p, cfg)
         cells = run_matrix(cfg, weight_sets, prompts, opts, log=log, rollout_dir=rdir,
                            notes=notes)
+    check_finite_cells(cells)
     summary = summarize(cells)
     report = {"format_version": 1, "command": "looprl verify " + " ".join(sys.argv[2:])
               if sys.argv[1:2] == ["verify"] else "looprl verify", "env": environment(),

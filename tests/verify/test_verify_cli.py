@@ -184,3 +184,14 @@ def test_verify_console_shows_cells_only_with_v_and_ends_with_a_verdict_table():
     assert verdict_rows(cells) == [
         ("random", "float32", "dense", "2/2", "1/1", "3.0e-06", "PASS"),
         ("trained", "bfloat16", "copy", "0/1", "0/1", "0.0e+00", "FAIL")]
+
+
+def test_a_non_finite_cell_figure_is_an_error_naming_the_cell():
+    from looprl.cli.verify import check_finite_cells
+    from looprl.errors import SamplingError
+    good = {"weights": "trained", "dtype": "float32", "kv_policy": "copy", "batching": "same",
+            "params": "sampler", "method": "replay", "max_abs_diff": 0.0, "k3_kl": 0.0}
+    check_finite_cells([good])
+    with pytest.raises(SamplingError, match=r"cell trained/float32/copy/same/sampler/replay: "
+                                            r"max_abs_diff is nan"):
+        check_finite_cells([good, {**good, "max_abs_diff": float("nan")}])
