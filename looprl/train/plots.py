@@ -94,9 +94,9 @@ def _accuracy_panel(ax, runs, summaries, colors):
                     linestyle="--", marker="o", markersize=8,
                     label=f"{run} held-out: {s['eval_accuracy_before']:.3f} before -> "
                           f"{s['eval_accuracy_after']:.3f} after GRPO")
-            for x, y, t in ((0, s["eval_accuracy_before"], "before"),
-                            (last, s["eval_accuracy_after"], "after")):
-                ax.annotate(f"{t} {y:.3f}", (x, y), textcoords="offset points", xytext=(4, 6),
+            for x, y, t, dx in ((0, s["eval_accuracy_before"], "before", 6),
+                                (last, s["eval_accuracy_after"], "after", -70)):
+                ax.annotate(f"{t} {y:.3f}", (x, y), textcoords="offset points", xytext=(dx, -4),
                             fontsize=8, color=color)
     ax.set_ylabel("accuracy")
 
