@@ -1,10 +1,18 @@
 """`looprl eval`: pass@1 of a checkpoint on a task's held-out set, at one or more exit thresholds.
 
-    looprl eval --checkpoint CKPT --task gsm8k --out DIR [--limit N] [--exit-threshold Q[,Q...]]
-                [--kv-policy dense|deferred|copy] [--compute-dtype float32|bfloat16]
-                [--max-new-tokens N] [--batch-size N] [--data-dir DIR] [--source jsonl|hub]
-                [--prompt-style chatml|thinking] [--prompt-len-multiple N] [--temperature T]
-                [--seed S]
+    looprl eval --checkpoint CKPT [--task arithmetic|gsm8k] --out DIR [--limit N]
+                [--exit-threshold Q[,Q...]] [--kv-policy dense|deferred|copy]
+                [--compute-dtype float32|bfloat16] [--max-new-tokens N] [--batch-size N]
+                [--data-dir DIR] [--source jsonl|hub] [--prompt-style chatml|thinking|compact]
+                [--prompt-len-multiple N] [--temperature T] [--seed S]
+
+Defaults come from the checkpoint. A run's checkpoints (`warm_start/`, `checkpoint/`,
+`checkpoints/step_N/`) record the evaluated task with its config, the prompt style, the stop ids
+and the held-out evaluation's settings (`looprl.train.setup.checkpoint_task_meta`); every flag not
+given takes the recorded value (the task's config only when `--task` is the recorded task), so
+`looprl eval --checkpoint RUN/checkpoint --out DIR` reproduces the run's `eval_accuracy_after`.
+Without a record (a converted model, an HF directory, an older run) the defaults are GSM8K's
+(`--task` is then required): q 1.0, dense, float32, 512 new tokens, batches of 32, ChatML.
 
 `--checkpoint` takes a looprl checkpoint (`looprl convert --hf ...`, a run's `checkpoint/` or
 `warm_start/`) or an HF directory; its `tokenizer.json` encodes the prompts (a checkpoint without
@@ -50,10 +58,11 @@ import numpy as np
 from looprl.cli.main import EVAL_TASKS
 from looprl.determinism import environment
 from looprl.errors import CheckpointError, ConfigError
+from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
 from looprl.io.convert import load_any_checkpoint
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
 from looprl.sampling.sampler import SamplingConfig
-from looprl.tasks import get_task
+from looprl.tasks import get_task, task_names
 from looprl.tasks.grading import extract_answer
 from looprl.tokenizer import tokenizer_from_json
 
@@ -81,14 +90,67 @@ def parse_thresholds(text: str) -> list[float]:
     return out
 
 
-def build_eval_task(name: str, data_dir: str, source: str, prompt_style: str):
+DEFAULTS = {"max_new_tokens": 512, "batch_size": 32, "kv_policy": "dense",
+            "compute_dtype": "float32", "prompt_len_multiple": 64, "seed": 0}
+GSM8K_DATA_DIR = "../shared/data/gsm8k"
+
+
+def recorded_meta(checkpoint: str) -> dict[str, Any]:
+    """`looprl_meta.json` of a looprl checkpoint (read without loading the weights), {} for an
+    HF directory."""
+    path = Path(checkpoint).expanduser()
+    if not (path / META_FILE).exists():
+        return {}
+    return read_checkpoint_meta(path)
+
+
+def resolve_settings(args, meta: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation's task name, task kwargs and settings: each flag given wins, else the
+    value the checkpoint records (`meta["task"]`, `meta["eval"]`; the task's config and the
+    evaluation settings only when the task is the recorded one), else `DEFAULTS`. Raises
+    ConfigError for no task at all, an unknown task, or GSM8K-only flags with another task."""
+    rec_task = meta.get("task") or {}
+    name = args.task or rec_task.get("name")
+    if name is None:
+        raise ConfigError(f"--task: {args.checkpoint} records no task (not a run's checkpoint, "
+                          f"or one written before 2026-12-01); pass --task, one of "
+                          f"{list(EVAL_TASKS)}")
+    if name not in EVAL_TASKS or name not in task_names():
+        raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {name!r}")
+    same = rec_task.get("name") == name
+    task_kwargs = dict(rec_task.get("config") or {}) if same else {}
+    if meta.get("stage") and not same:
+        print(f"looprl eval: warning: {args.checkpoint} records no {name!r} task config; using "
+              f"the task's defaults", file=sys.stderr, flush=True)
+    if name == "gsm8k":
+        task_kwargs["data_dir"] = args.data_dir or task_kwargs.get("data_dir") or GSM8K_DATA_DIR
+        task_kwargs["source"] = args.source or task_kwargs.get("source") or "jsonl"
+    elif args.data_dir is not None or args.source is not None:
+        raise ConfigError(f"--data-dir/--source: only the gsm8k task reads data files, found "
+                          f"--task {name}")
+    if args.prompt_style:
+        task_kwargs["prompt_style"] = args.prompt_style
+    rec_eval = dict(meta.get("eval") or {}) if same else {}
+    settings = {k: getattr(args, k) if getattr(args, k) is not None else rec_eval.get(k, v)
+                for k, v in DEFAULTS.items()}
+    settings["exit_threshold"] = (args.exit_threshold if args.exit_threshold is not None
+                                  else f"{rec_eval.get('exit_threshold', 1.0)!r}")
+    settings["limit"] = args.limit if args.limit is not None else rec_eval.get("problems")
+    for k in ("fixed_depth", "deferred_max_pending"):
+        settings[k] = rec_eval.get(k)
+    settings["kernels"] = rec_eval.get("kernels", "invariant")
+    settings["stop_ids"] = meta.get("stop_ids")
+    return {"task": name, "task_kwargs": task_kwargs, **settings}
+
+
+def build_eval_task(name: str, **task_kwargs):
     """The task whose held-out set is evaluated. Raises ConfigError for an unknown task."""
     if name not in EVAL_TASKS:
         raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {name!r}")
-    return get_task(name, data_dir=data_dir, source=source, prompt_style=prompt_style)
+    return get_task(name, **task_kwargs)
 
 
-def _check_args(args) -> list[float]:
+def _check_args(args) -> None:
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size),
                         ("--max-new-tokens", args.max_new_tokens),
                         ("--prompt-len-multiple", args.prompt_len_multiple)):
@@ -96,8 +158,10 @@ def _check_args(args) -> list[float]:
             raise ConfigError(f"{flag}: expected a positive int, found {value}")
     if args.temperature < 0:
         raise ConfigError(f"--temperature: expected >= 0 (0 = greedy), found {args.temperature}")
-    if args.task not in EVAL_TASKS:
+    if args.task is not None and args.task not in EVAL_TASKS:
         raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {args.task!r}")
+    if args.exit_threshold is not None:
+        parse_thresholds(args.exit_threshold)
     if not Path(args.checkpoint).expanduser().exists():
         raise CheckpointError(f"{args.checkpoint}: no such checkpoint directory")
     out = Path(args.out).expanduser()
@@ -109,7 +173,6 @@ def _check_args(args) -> list[float]:
             break
     if (out / "results.json").exists():
         raise ConfigError(f"--out: {str(out)!r} already holds results.json; choose a new directory")
-    return parse_thresholds(args.exit_threshold)
 
 
 def _load(checkpoint: str):
@@ -190,10 +253,12 @@ def run(args) -> int:
     from tqdm import tqdm
 
 
-    thresholds = _check_args(args)
-    task = build_eval_task(args.task, args.data_dir, args.source, args.prompt_style)
+    _check_args(args)
+    st = resolve_settings(args, recorded_meta(args.checkpoint))
+    thresholds = parse_thresholds(st["exit_threshold"])
+    task = build_eval_task(st["task"], **st["task_kwargs"])
     held_out = task.eval_problems()
-    problems = held_out[:args.limit] if args.limit else held_out
+    problems = held_out[:st["limit"]] if st["limit"] else held_out
     params, cfg, tok = _load(args.checkpoint)
     out = Path(args.out).expanduser()
     try:
@@ -204,15 +269,19 @@ def run(args) -> int:
     per_q: dict[float, list[dict[str, Any]]] = {}
     summaries = []
     for q in thresholds:
-        scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              exit_threshold=q, kv_policy=args.kv_policy,
-                              compute_dtype=args.compute_dtype, stop_ids=(tok.end_of_turn_id,),
-                              prompt_len_multiple=args.prompt_len_multiple)
+        scfg = SamplingConfig(max_new_tokens=st["max_new_tokens"], temperature=args.temperature,
+                              exit_threshold=q, fixed_depth=st["fixed_depth"],
+                              kv_policy=st["kv_policy"],
+                              deferred_max_pending=st["deferred_max_pending"],
+                              compute_dtype=st["compute_dtype"],
+                              stop_ids=tuple(st["stop_ids"] or (tok.end_of_turn_id,)),
+                              prompt_len_multiple=st["prompt_len_multiple"],
+                              kernels=st["kernels"])
         bar = tqdm(total=len(problems), desc=f"eval q={q:g}", unit="problem", file=sys.stderr)
         t0 = time.time()
         try:
             rows = evaluate_problems(cfg, params, task, tok, problems, scfg,
-                                     batch_size=args.batch_size, seed=args.seed,
+                                     batch_size=st["batch_size"], seed=st["seed"],
                                      progress=bar.update)
         finally:
             bar.close()
@@ -231,20 +300,20 @@ def run(args) -> int:
                                                      if r["exit_loops"] else 0.0)}
             f.write(json.dumps({"id": p.id, "question": p.prompt, "gold": p.answer,
                                 "by_threshold": by_q}) + "\n")
-    settings = {"limit": args.limit, "problems": len(problems), "kv_policy": args.kv_policy,
-                "compute_dtype": args.compute_dtype, "max_new_tokens": args.max_new_tokens,
-                "batch_size": args.batch_size, "temperature": args.temperature,
-                "prompt_len_multiple": args.prompt_len_multiple,
-                "seed": args.seed, "total_ut_steps": cfg.total_ut_steps,
+    settings = {"limit": st["limit"], "problems": len(problems), "kv_policy": st["kv_policy"],
+                "compute_dtype": st["compute_dtype"], "max_new_tokens": st["max_new_tokens"],
+                "batch_size": st["batch_size"], "temperature": args.temperature,
+                "prompt_len_multiple": st["prompt_len_multiple"],
+                "seed": st["seed"], "total_ut_steps": cfg.total_ut_steps,
                 "data_dir": (None if getattr(task, "resolved_dir", None) is None
                              else str(task.resolved_dir)),
                 "task_config": task.config()}
-    results = {"checkpoint": str(args.checkpoint), "task": args.task, "settings": settings,
+    results = {"checkpoint": str(args.checkpoint), "task": st["task"], "settings": settings,
                "thresholds": summaries, "env": environment()}
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
     if len(summaries) > 1:
         plot_accuracy_vs_depth(summaries, cfg.total_ut_steps, out / "accuracy_vs_depth.png")
-    _print_table(summaries, f"{args.task}: {len(problems)} held-out problems, "
+    _print_table(summaries, f"{st['task']}: {len(problems)} held-out problems, "
                             f"{args.checkpoint}")
     print(f"wrote {out / 'results.json'} and {out / 'problems.jsonl'}")
     return 0

@@ -2,11 +2,16 @@
 
 `--checkpoint` takes any looprl checkpoint (a converted HF model, a run's `warm_start/` or
 `checkpoint/`) or an HF directory (config.json + safetensors). The prompt is framed with the
-checkpoint's prompt style (ChatML by default; `--prompt-style raw` sends the text as is).
+prompt style the checkpoint records (a run's checkpoints record its task's, e.g. `compact` for
+the arithmetic task; ChatML for a converted model or an HF directory; `--prompt-style raw` sends
+the text as is), and a completion stops at the checkpoint's recorded stop ids (default: the
+tokenizer's end of turn). A run's checkpoint from before these were recorded falls back to
+ChatML with a one-line warning.
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,6 +36,29 @@ def check_args(args) -> None:
                                 f"does not exist")
 
 
+def recorded_prompt_style(meta: dict, checkpoint) -> str:
+    """The prompt style a checkpoint records; ChatML when none is (a converted model, an HF
+    directory), with a one-line warning on stderr for a run's checkpoint written before the
+    style was recorded (its task may have used another framing, and the completion be empty)."""
+    if meta.get("prompt_style"):
+        return meta["prompt_style"]
+    if meta.get("stage"):
+        print(f"looprl generate: warning: {checkpoint} records no prompt style (written before "
+              f"2026-12-01); framing the prompt as ChatML, pass --prompt-style (compact for "
+              f"the arithmetic task)", file=sys.stderr, flush=True)
+    return "chatml"
+
+
+def check_finite_logprobs(lps, toks, checkpoint) -> None:
+    """Raise SamplingError naming the first completion token whose recorded log-prob is NaN or
+    infinite (damaged or diverged weights: the output would be meaningless)."""
+    for i, (lp, t) in enumerate(zip(lps, toks)):
+        if not math.isfinite(lp):
+            raise SamplingError(f"{checkpoint}: completion token {i} (id {t}) has log-prob {lp}: "
+                                f"the model computes non-finite numbers (damaged or diverged "
+                                f"weights)")
+
+
 def run(args) -> int:
     """Sample one completion and print it (text with one line per token, or `--json`); with
     `--save-rollout FILE` also write the RolloutBatch (in both modes). Raises SamplingError for
@@ -45,7 +73,7 @@ def run(args) -> int:
     if tok_json is None:
         raise CheckpointError(f"{args.checkpoint}: no tokenizer.json (convert with --tokenizer)")
     tok = tokenizer_from_json(tok_json)
-    style = args.prompt_style or (meta or {}).get("prompt_style", "chatml")
+    style = args.prompt_style or recorded_prompt_style(meta, args.checkpoint)
     text = args.prompt if style == "raw" else chat_prompt(args.prompt, style)
     if not args.prompt:
         raise SamplingError("--prompt is empty")
@@ -53,7 +81,8 @@ def run(args) -> int:
     scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, exit_threshold=q,
                           fixed_depth=args.fixed_depth, kv_policy=args.kv_policy,
-                          compute_dtype=args.dtype, stop_ids=(tok.end_of_turn_id,),
+                          compute_dtype=args.dtype,
+                          stop_ids=tuple(meta.get("stop_ids") or (tok.end_of_turn_id,)),
                           kernels=args.kernels)
     bar = tqdm(total=args.max_new_tokens, desc="decode", unit="tok", disable=not sys.stderr.isatty()
                or args.max_new_tokens < 64, leave=False)
@@ -69,6 +98,7 @@ def run(args) -> int:
     toks = batch.tokens_BxS[0, P:P + n].tolist()
     exits = batch.exit_loop_BxS[0, P - 1:P - 1 + n].tolist()
     lps = batch.logprob_BxS[0, P - 1:P - 1 + n].tolist()
+    check_finite_logprobs(lps, toks, args.checkpoint)
     if args.save_rollout:
         batch.save(Path(args.save_rollout).expanduser())
     depth = f"fixed_depth={args.fixed_depth}" if args.fixed_depth is not None else f"q={q}"
@@ -76,7 +106,7 @@ def run(args) -> int:
         print(json.dumps({"completion": tok.decode_completion(toks), "tokens": toks,
                           "exit_loops": exits, "logprobs": lps,
                           "mean_exit_loop": sum(exits) / max(len(exits), 1),
-                          "rollout_file": args.save_rollout or None}))
+                          "rollout_file": args.save_rollout or None}, allow_nan=False))
         return 0
     print(tok.decode_completion(toks))
     print(f"# {n} tokens, mean exit loop {sum(exits) / max(n, 1):.2f} of {cfg.total_ut_steps} "

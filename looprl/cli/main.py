@@ -16,7 +16,7 @@ from looprl import determinism
 from looprl.errors import LooprlError
 
 COMMAND_START = time.time()  # `wall_s` of `looprl train` counts from here (imports included)
-EVAL_TASKS = ("gsm8k",)  # the tasks `looprl eval` evaluates
+EVAL_TASKS = ("arithmetic", "gsm8k")  # the tasks `looprl eval` evaluates (every looprl.tasks one)
 
 
 def _add_convert(sub):
@@ -51,12 +51,17 @@ def _add_verify(sub):
                    help="auto: where the invariant replay is not exact, replay by re-running the "
                         "sampler in forced mode (recorded per cell as replay_impl)")
     p.add_argument("--out", metavar="DIR", required=True, help="directory for report.json/.md")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print every cell's line (default: one line per weights, dtype and KV "
+                        "policy, and the verdict table)")
 
 
 def _add_train(sub):
     p = sub.add_parser("train", help="warm start, GRPO and evaluation of an experiment config")
-    p.add_argument("config", metavar="CONFIG", help="experiments/*.py file defining CONFIG, "
-                                                    "or a run directory's config.json")
+    p.add_argument("config", metavar="CONFIG", nargs="?", default=None,
+                   help="experiments/*.py file defining CONFIG, or a run directory's config.json")
+    p.add_argument("--list-keys", action="store_true",
+                   help="print every config key of CONFIG with its value and type, then exit")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. out_dir=runs/x seed=1 stop_after=4")
     d = p.add_argument_group("multi-host (jax.distributed; see README 'Multi-device and "
@@ -70,6 +75,7 @@ def _add_train(sub):
     d.add_argument("--distributed", action="store_true",
                    help="join a multi-process run, auto-detecting coordinator, count and id "
                         "(TPU pod slices, SLURM srun, Open MPI)")
+    return p
 
 
 def _add_plot(sub):
@@ -113,28 +119,38 @@ def _add_eval(sub):
                                     "thresholds")
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
                    help="looprl checkpoint (or HF directory) with a tokenizer.json")
-    p.add_argument("--task", required=True, help=f"one of {', '.join(EVAL_TASKS)}")
+    p.add_argument("--task", default=None,
+                   help=f"one of {', '.join(EVAL_TASKS)} (default: the task a run's checkpoint "
+                        f"records, with its config)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="directory for results.json, problems.jsonl (and the plot)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="evaluate the first N held-out problems (default: all)")
-    p.add_argument("--exit-threshold", default="1.0", metavar="Q[,Q...]",
-                   help="q of the Q-exit rule, several separated by commas (default 1.0)")
-    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
-    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=32, help="problems per sampler call")
-    p.add_argument("--data-dir", default="../shared/data/gsm8k",
+    p.add_argument("--exit-threshold", default=None, metavar="Q[,Q...]",
+                   help="q of the Q-exit rule, several separated by commas (default: the run's, "
+                        "else 1.0)")
+    # defaults None: a run's checkpoint records its evaluation settings (cli/eval.py)
+    p.add_argument("--kv-policy", default=None, choices=["dense", "deferred", "copy"])
+    p.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's, else 512")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="problems per sampler call (default: the run's, else 32)")
+    p.add_argument("--data-dir", default=None,
                    help="GSM8K: directory of train.jsonl/test.jsonl (relative: to the working "
-                        "directory, else to the repository root)")
-    p.add_argument("--source", default="jsonl", choices=["jsonl", "hub"],
-                   help="GSM8K: read the JSONL files, or openai/gsm8k through `datasets`")
-    p.add_argument("--prompt-style", default="chatml", choices=["chatml", "thinking"],
-                   help="thinking: the prompt ends with <think>\\n (Ouro Thinking models)")
-    p.add_argument("--prompt-len-multiple", type=int, default=64, metavar="N",
-                   help="left-pad prompts to a multiple of N tokens (fewer compilations)")
+                        "directory, else to the repository root; default ../shared/data/gsm8k)")
+    p.add_argument("--source", default=None, choices=["jsonl", "hub"],
+                   help="GSM8K: read the JSONL files (default), or openai/gsm8k through "
+                        "`datasets`")
+    p.add_argument("--prompt-style", default=None, choices=["chatml", "thinking", "compact"],
+                   help="thinking: the prompt ends with <think>\\n (Ouro Thinking models); "
+                        "compact: the tiny arithmetic models' framing (default: the run's, "
+                        "else the task's)")
+    p.add_argument("--prompt-len-multiple", type=int, default=None, metavar="N",
+                   help="left-pad prompts to a multiple of N tokens (fewer compilations; "
+                        "default: the run's, else 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling noise (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling noise (with --temperature > 0; default: the run's, else 0)")
 
 
 def _command_module(command: str):
@@ -158,7 +174,7 @@ def _command_module(command: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="looprl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_train(sub)
+    parser.train_parser = _add_train(sub)
     _add_generate(sub)
     _add_convert(sub)
     _add_verify(sub)
@@ -168,13 +184,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train" and args.config is None:  # usage, exit status 2
+        parser.train_parser.error("CONFIG is required: an experiments/*.py file or a run "
+                                  "directory's config.json, e.g. looprl train "
+                                  "experiments/tiny_arith.py out_dir=runs/tiny_arith")
     args.t_start = COMMAND_START
     try:
         rc = _command_module(args.command).run(args)
     except LooprlError as e:
         print(f"looprl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
+        print(f"\nlooprl {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     return int(rc or 0)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 
-from looprl.config import apply_overrides, load_experiment_module, load_json, resolve_key
+from looprl.config import (apply_overrides, config_key_lines, load_experiment_module, load_json,
+                           resolve_key)
 from looprl.distributed.multihost import init_distributed, is_main_process
 from looprl.train.run import train
 from looprl.train.variants import HEADLINE_KEYS, train_variants
@@ -16,8 +18,8 @@ def run(args) -> int:
     runs every variant (`train_variants`). CONFIG may also be a run directory's `config.json`.
     With `resume=` and no `out_dir=`, out_dir is the resumed directory. With `--coordinator` /
     `--distributed` (or the LOOPRL_* environment) the process first joins the others
-    (`looprl.distributed.multihost`). Returns the exit status: 0, or 143 (128 + SIGTERM) when
-    SIGTERM stopped the run after a checkpoint."""
+    (`looprl.distributed.multihost`). Returns the exit status: 0, or 143 (128 + SIGTERM) / 130
+    (128 + SIGINT) when SIGTERM / Ctrl-C stopped the run (after a checkpoint during GRPO)."""
     init_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                      getattr(args, "process_id", None), getattr(args, "distributed", False))
     if str(args.config).endswith(".json"):  # a run directory's config.json
@@ -25,6 +27,9 @@ def run(args) -> int:
     else:
         base, variants, shared = load_experiment_module(args.config)
     cfg = apply_overrides(base, args.overrides)
+    if getattr(args, "list_keys", False):
+        print("\n".join(config_key_lines(cfg)))
+        return 0
     if cfg.run.resume is not None and not any(
             resolve_key(type(cfg), o.partition("=")[0].strip()) == ("run", "out_dir")
             for o in args.overrides):
@@ -34,11 +39,41 @@ def run(args) -> int:
         print(json.dumps({n: {k: v[k] for k in HEADLINE_KEYS}
                           for n, v in result["variants"].items()}))
         return 0
-    summary = train(cfg, t_start=getattr(args, "t_start", None))
+    try:
+        summary = train(cfg, t_start=getattr(args, "t_start", None))
+    except KeyboardInterrupt:  # Ctrl-C outside the GRPO loop (warm start, evaluations)
+        print(f"\nlooprl train: interrupted (Ctrl-C); the checkpoints written so far are "
+              f"complete; continue with: looprl train {args.config} resume={cfg.run.out_dir}",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     if "preempted_at_step" in summary:
         if is_main_process():
             print(json.dumps(summary))
-        return 128 + signal.SIGTERM
+        return summary.get("exit_status", 128 + signal.SIGTERM)
     if is_main_process():
+        print_summary_table(summary, cfg.run.out_dir)
         print(json.dumps({k: summary[k] for k in HEADLINE_KEYS}))
     return 0
+
+
+def print_summary_table(summary: dict, out_dir: str) -> None:
+    """The end of `looprl train`: accuracy before/after GRPO, replay exactness, wall time and
+    where the outputs are, as one short rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    exact = summary.get("replay_exact_steps")
+    table = Table(title=f"looprl train: {out_dir}", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("held-out accuracy", f"{summary['eval_accuracy_before']:.3f} before GRPO -> "
+                  f"{summary['eval_accuracy_after']:.3f} after "
+                  f"({summary['eval_problems']} problems)")
+    if exact is not None:
+        table.add_row("replay exact", f"{exact}/{summary['grpo_steps']} GRPO steps bit for bit")
+    else:
+        table.add_row("GRPO steps", str(summary["grpo_steps"]))
+    table.add_row("wall time", f"{summary['wall_s']:.0f} s")
+    table.add_row("outputs", f"{out_dir}/summary.json, metrics.jsonl, checkpoint/ "
+                  f"(plots: looprl plot {out_dir})")
+    Console(width=100).print(table)

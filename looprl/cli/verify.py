@@ -3,6 +3,7 @@ rollout, and write the report (`looprl.verify.report`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 
 from looprl import determinism
 from looprl.config import load_experiment
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, SamplingError
 from looprl.io.checkpoint import load_model_checkpoint
 from looprl.io.params_npz import load_rollout_params, save_params_npz
 from looprl.model.config import OuroConfig, from_model_section, preset
@@ -73,6 +74,56 @@ def _load_weights(args, opts: VerifyOptions, log):
     return cfg, weight_sets, prompts, setup
 
 
+def is_cell_detail(msg: str) -> bool:
+    """A line about one cell or one rollout step (indented by 4), shown only with `-v`; notes
+    are always shown."""
+    return msg.startswith("    ") and not msg.lstrip().startswith("note:")
+
+
+def verdict_rows(cells: list[dict]) -> list[tuple[str, ...]]:
+    """One row per (weights, dtype, KV policy): replay cells exact / all, stock negative
+    controls mismatching / all, the largest stock |delta logprob|, and PASS/FAIL (every replay
+    and stock cell `passed`: exact, resp. mismatching within 1e-4 in fp32, sizes met)."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["weights"], c["dtype"], c["kv_policy"]), []).append(c)
+    rows = []
+    for (weights, dtype, policy), cs in groups.items():
+        replay = [c for c in cs if c["method"] == "replay"]
+        stock = [c for c in cs if c["method"] == "stock"]
+        exact = sum(c["exact_fraction"] == 1.0 for c in replay)
+        mism = sum(c["exact_fraction"] < 1.0 for c in stock)
+        worst = max((c["max_abs_diff"] for c in stock), default=0.0)
+        ok = all(c.get("passed", True) is not False for c in replay + stock)
+        rows.append((weights, dtype, policy, f"{exact}/{len(replay)}", f"{mism}/{len(stock)}",
+                     f"{worst:.1e}", "PASS" if ok else "FAIL"))
+    return rows
+
+
+def check_finite_cells(cells: list[dict]) -> None:
+    """Raise SamplingError naming the first cell and figure that is NaN or infinite (a model
+    computing non-finite log-probs; the report would otherwise hold NaN, which is not JSON)."""
+    for c in cells:
+        for k, v in c.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise SamplingError(f"cell {c.get('weights')}/{c.get('dtype')}/"
+                                    f"{c.get('kv_policy')}/{c.get('batching')}/{c.get('params')}"
+                                    f"/{c.get('method')}: {k} is {v} (non-finite log-probs)")
+
+
+def print_verdict_table(cells: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="looprl verify: verdict per weights, dtype and KV policy")
+    for col in ("weights", "dtype", "kv policy", "replay exact", "controls mismatching",
+                "stock max |d logprob|", "verdict"):
+        table.add_column(col)
+    for row in verdict_rows(cells):
+        table.add_row(*row)
+    Console(file=sys.stderr, width=110).print(table)
+
+
 def check_out_dir(out: Path) -> None:
     """Raises ConfigError when `out` is a file. A report already in `out` is replaced at the
     end (DESIGN.md §6: `looprl verify --quick --out DIR` needs no other flag), with a note on
@@ -105,6 +156,8 @@ def run(args) -> int:
     notes: list[str] = []
 
     def log(msg):
+        if is_cell_detail(msg) and not getattr(args, "verbose", False):
+            return
         print(msg, file=sys.stderr, flush=True)
 
     if args.rollout:
@@ -128,6 +181,7 @@ def run(args) -> int:
             save_params_npz(rdir / f"{name}_params.npz", p, cfg)
         cells = run_matrix(cfg, weight_sets, prompts, opts, log=log, rollout_dir=rdir,
                            notes=notes)
+    check_finite_cells(cells)
     summary = summarize(cells)
     report = {"format_version": 1, "command": "looprl verify " + " ".join(sys.argv[2:])
               if sys.argv[1:2] == ["verify"] else "looprl verify", "env": environment(),
@@ -135,6 +189,7 @@ def run(args) -> int:
               "negative_control": [c for c in cells if c["method"] == "stock"],
               "notes": notes, "wall_s": round(time.time() - t_start, 1)}
     write_report(out, report)
+    print_verdict_table(cells)
     if not summary["requirements_met"]:
         log("looprl verify: FAIL: requirements not met: "
             + "; ".join(summary["requirements_unmet"])

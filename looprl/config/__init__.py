@@ -15,16 +15,17 @@ Raises `ConfigError` naming the key, the expected type or choices, and the value
 """
 from looprl.config.files import (from_json, load_experiment, load_experiment_module, load_json,
                                  save_json, to_dict, to_json)
-from looprl.config.overrides import apply_overrides, parse_value, resolve_key
-from looprl.config.sections import (ComputeDtype, EvalConfig, ExperimentConfig, GRPOConfig,
-                                    Kernels, KVPolicy, LearnerConfig, LogprobMethod, LoopCredit,
-                                    LossAgg, LrSchedule, MeshConfig, ModelConfig, OptimConfig,
-                                    PromptStyle, ReplayImpl, RolloutConfig, RunConfig, TaskConfig,
-                                    TaskSource, WarmStartConfig)
+from looprl.config.overrides import apply_overrides, config_key_lines, parse_value, resolve_key
+from looprl.config.sections import (ComputeDtype, EvalConfig, ExperimentConfig, GRPOConfig, Kernels,
+                                    KVPolicy, LearnerConfig, LogprobMethod, LoopCredit, LossAgg,
+                                    LrSchedule, MeshConfig, ModelConfig, OptimConfig, PromptStyle,
+                                    ReplayImpl, RolloutConfig, RunConfig, TaskConfig, TaskSource,
+                                    WarmStartConfig)
 
 __all__ = ["ComputeDtype", "Kernels", "KVPolicy", "LogprobMethod", "LoopCredit", "LossAgg",
-           "LrSchedule", "PromptStyle", "ReplayImpl", "TaskSource", "EvalConfig", "ExperimentConfig", "GRPOConfig", "LearnerConfig", "MeshConfig",
-           "ModelConfig", "OptimConfig", "RolloutConfig", "RunConfig", "TaskConfig",
-           "WarmStartConfig", "apply_overrides", "from_json", "load_experiment",
+           "LrSchedule", "PromptStyle", "ReplayImpl", "TaskSource", "EvalConfig",
+           "ExperimentConfig", "GRPOConfig", "LearnerConfig", "MeshConfig", "ModelConfig",
+           "OptimConfig", "RolloutConfig", "RunConfig", "TaskConfig", "WarmStartConfig",
+           "apply_overrides", "config_key_lines", "from_json", "load_experiment",
            "load_experiment_module", "load_json", "parse_value", "resolve_key", "save_json",
            "to_dict", "to_json"]

@@ -41,7 +41,20 @@ def resolve_key(cfg_cls, key: str) -> tuple[str, ...]:
                           f"{sorted('.'.join(p) for p in matches)}; use the dotted path")
     near = difflib.get_close_matches(key, dotted + sorted({p[-1] for p in leaves}), n=3)
     hint = f"; did you mean {near}?" if near else ""
-    raise ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(dotted)})")
+    raise ConfigError(f"unknown config key {key!r}{hint} (every key: looprl train CONFIG "
+                      f"--list-keys)")
+
+
+def config_key_lines(cfg) -> list[str]:
+    """One line per leaf key of an experiment config: `section.key = value  (type)`, for
+    `looprl train CONFIG --list-keys`."""
+    lines = []
+    for path, tp in _leaf_paths(type(cfg)).items():
+        value = cfg
+        for p in path:
+            value = getattr(value, p)
+        lines.append(f"{'.'.join(path)} = {value!r}  ({type_name(tp)})")
+    return lines
 
 
 _TRUE = {"true", "1", "yes", "on"}

@@ -14,13 +14,19 @@ Layout of `CKPT/`:
                       resolved experiment config as `experiment_config.json`)
   looprl_meta.json    {"format": "looprl-checkpoint", "version": 1, "has_tokenizer",
                       "has_train_state", "train_state_leaves", "extra_files", "source_dtype",
-                      ...extra_meta, "files": {relative path: size in bytes}}
+                      ...extra_meta, "params_sha256", "files": {relative path: size in bytes},
+                      "file_sha256": {relative path: SHA-256 hex}}
 
 `looprl_meta.json` is written last inside a temporary sibling directory which is then renamed
 to `CKPT`, so a directory is either a complete checkpoint or absent; a directory without the
 meta file, with a part it names missing, or with a file whose size differs from the manifest
 (`files`: every file's size, fsync'ed before the meta is written) is refused with a
 CheckpointError.
+
+Every load checks the recorded digests (`check_file_digests`, then `params_sha256` of the
+restored tree), so bytes damaged in place (same size, which the manifest cannot see) are a
+CheckpointError naming the file and both digests, never a model that silently computes NaN. A
+checkpoint written before digests were recorded loads with a one-line warning on stderr.
 
 Restores never cast: parameters must be stored as fp32, and `load_train_state(path, template)`
 checks every array's name, shape and dtype against the template, raising a CheckpointError that
@@ -32,6 +38,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from looprl.distributed.mesh import param_shardings
+from looprl.distributed.mesh import param_shardings, to_host
 from looprl.distributed.multihost import sync
 from looprl.errors import CheckpointError, ConfigError
 from looprl.model.config import OuroConfig
@@ -128,6 +135,10 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
             raise CheckpointError(f"{path}: extra file name {name!r} is reserved or not a plain "
                                   f"file name")
     check_param_tree(params, cfg, source=f"{path}: params")
+    extra_meta = dict(extra_meta or {})
+    if "params_sha256" not in extra_meta:  # every checkpoint records it (checked on load)
+        extra_meta["params_sha256"] = params_sha256(
+            jax.tree.map(lambda a: to_host(a).astype(np.float32), params))
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,8 +183,8 @@ def _finish_checkpoint(path: Path, tmp: Path, cfg: OuroConfig, tokenizer_json, e
         (tmp / name).write_text(text)
     meta = {"format": FORMAT, "version": VERSION, "has_tokenizer": tokenizer_json is not None,
             "has_train_state": has_train_state, "train_state_leaves": records,
-            "extra_files": sorted(extra_files), **(extra_meta or {}),
-            "files": _synced_manifest(tmp)}
+            "extra_files": sorted(extra_files), **(extra_meta or {})}
+    meta["files"], meta["file_sha256"] = _synced_manifest(tmp)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     _fsync(tmp / META_FILE)
     _fsync(tmp)
@@ -196,17 +207,61 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _synced_manifest(root: Path) -> dict[str, int]:
-    """{relative path: size in bytes} of every file under `root`, each fsync'ed (so that a
-    crash after the rename cannot leave a complete-looking checkpoint with truncated files)."""
-    files = {}
+def _synced_manifest(root: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """({relative path: size in bytes}, {relative path: SHA-256 hex}) of every file under
+    `root`, each fsync'ed (so that a crash after the rename cannot leave a complete-looking
+    checkpoint with truncated files)."""
+    files, digests = {}, {}
     for dirpath, _, names in os.walk(root):
         for name in names:
             p = Path(dirpath) / name
             _fsync(p)
-            files[p.relative_to(root).as_posix()] = p.stat().st_size
+            rel = p.relative_to(root).as_posix()
+            files[rel] = p.stat().st_size
+            digests[rel] = _file_sha256(p)
         _fsync(Path(dirpath))
-    return dict(sorted(files.items()))
+    return dict(sorted(files.items())), dict(sorted(digests.items()))
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool = False
+                       ) -> None:
+    """Compare each file's SHA-256 with the one `meta["file_sha256"]` recorded at save (absent
+    in checkpoints written before 2026-12-01: nothing to compare): the files under
+    `train_state/` with `train_state`, else every other file. Raises CheckpointError naming
+    the first damaged file and both digests."""
+    path = _abs(path)
+    for rel, recorded in (meta.get("file_sha256") or {}).items():
+        if rel.startswith(TRAIN_STATE_DIR + "/") != train_state:
+            continue
+        found = _file_sha256(path / rel)
+        if found != recorded:
+            raise CheckpointError(f"{path / rel}: damaged checkpoint file: SHA-256 {found} "
+                                  f"differs from {recorded} recorded in {META_FILE} when it was "
+                                  f"saved")
+
+
+def _check_params_digest(path: Path, params, meta: dict[str, Any]) -> None:
+    """`params_sha256` of the restored tree against the recorded one; a checkpoint that
+    records no digest at all loads with a one-line warning on stderr."""
+    recorded = meta.get("params_sha256")
+    if recorded is None:
+        if not meta.get("file_sha256"):
+            print(f"looprl: warning: {path}: written before checkpoints recorded digests; its "
+                  f"bytes cannot be checked for damage", file=sys.stderr, flush=True)
+        return
+    found = params_sha256(params)
+    if found != recorded:
+        raise CheckpointError(f"{path / PARAMS_DIR}: damaged parameters: params_sha256 {found} "
+                              f"differs from {recorded} recorded in {META_FILE} when it was "
+                              f"saved")
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """`looprl_meta.json` of a checkpoint, after checking the directory is a complete one.
 
@@ -257,11 +312,13 @@ def load_model_checkpoint(path: str | Path, mesh=None
     global jax arrays with `looprl.distributed.mesh.param_shardings` (each process reads only
     its shards). Either way from a checkpoint written on any device count.
     tokenizer_json: the stored `tokenizer.json` text, or None. meta: `looprl_meta.json`.
-    `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, or
-    a param mismatch (naming the array).
+    `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, a
+    param mismatch (naming the array), or a file or parameter digest that differs from the one
+    recorded at save (naming the file and both digests).
     """
     path = _abs(path)
     meta = read_checkpoint_meta(path)
+    check_file_digests(path, meta)
     try:
         cfg = OuroConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()),
                                    source=str(path / CONFIG_FILE))
@@ -282,6 +339,8 @@ def load_model_checkpoint(path: str | Path, mesh=None
             raise CheckpointError(f"{path / PARAMS_DIR}: parameter {jax.tree_util.keystr(key_path)}"
                                   f" stored as {leaf.dtype.name}, expected float32 (fp32 master "
                                   f"weights)")
+    if mesh is None:  # sharded: the file digests above covered every byte
+        _check_params_digest(path, params, meta)
     tokenizer_json = (path / TOKENIZER_FILE).read_text() if meta.get("has_tokenizer") else None
     return params, cfg, tokenizer_json, meta
 
@@ -311,6 +370,7 @@ def load_train_state(path: str | Path, template: Any = None) -> Any:
     if not isinstance(records, list):
         raise CheckpointError(f"{path / META_FILE}: train_state_leaves missing (a checkpoint "
                               f"written before the flat train-state format)")
+    check_file_digests(path, meta, train_state=True)
     keys = [f"leaf_{i:05d}" for i in range(len(records))]
     try:
         flat = _checkpointer().restore(

@@ -50,16 +50,17 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
 
 
 def evaluate(model_cfg: OuroConfig, params, task, tokenizer, cfg: ExperimentConfig, problems,
-             exit_threshold: float | None = None) -> dict[str, Any]:
+             exit_threshold: float | None = None, progress=None) -> dict[str, Any]:
     """Greedy held-out accuracy at the run's q (or `exit_threshold`), in batches of
     `eval.eval_batch_size` (`evaluate_problems`). Returns {accuracy (mean reward),
     mean_exit_loop, problems}, and by_terms (accuracy per metadata `num_terms`) for tasks whose
-    problems have terms (arithmetic, not GSM8K)."""
+    problems have terms (arithmetic, not GSM8K). `progress(n)`: as in `evaluate_problems`."""
     scfg = sampling_config(cfg, greedy=True)
     if exit_threshold is not None:
         scfg = dataclasses.replace(scfg, exit_threshold=exit_threshold)
     rows = evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg,
-                             batch_size=cfg.eval.eval_batch_size, seed=cfg.run.seed)
+                             batch_size=cfg.eval.eval_batch_size, seed=cfg.run.seed,
+                             progress=progress)
     correct_a = np.asarray([float(r["reward"]) for r in rows])
     exits = [e for r in rows for e in r["exit_loops"]]
     result = {"accuracy": float(correct_a.mean()), "mean_exit_loop": float(np.mean(exits)),

@@ -102,18 +102,20 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
 
 
 def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
-                             tokenizer_json: str | None, cfg: ExperimentConfig) -> tuple[Path, str]:
+                             tokenizer_json: str | None, cfg: ExperimentConfig,
+                             extra_meta: dict[str, Any] | None = None) -> tuple[Path, str]:
     """Write `step_dir(run_dir, step)` from `learner` (after `step` GRPO steps), append to the
     index, then keep only the newest `cfg.run.keep_checkpoints` complete checkpoints (and remove
     leftovers of interrupted writes). An existing (e.g. incomplete) directory of that step is
-    replaced. Returns (dir, params_sha256)."""
+    replaced. `extra_meta`: more meta entries (the run's task, prompt style, stop ids and
+    evaluation settings). Returns (dir, params_sha256)."""
     run_dir = Path(run_dir)
     params = jax.tree.map(to_host, learner.params)
     sha = params_sha256(params)
     state = learner.train_state(step)
     path = save_model_checkpoint(
         step_dir(run_dir, step), params, model_cfg, tokenizer_json,
-        extra_meta={"stage": "grpo", "step": step, "params_sha256": sha,
+        extra_meta={**(extra_meta or {}), "stage": "grpo", "step": step, "params_sha256": sha,
                     "train_state_sha256": train_state_sha256(state)},
         train_state=state, overwrite=True,
         extra_files={CONFIG_IN_CHECKPOINT: to_json(cfg) + "\n"})

@@ -18,22 +18,28 @@ The run directory (`run.out_dir`) receives:
   summary.json           eval_accuracy_before/after, eval_problems, grpo_steps,
                          resumed_from_step, params_sha256, wall_s, ...
   failure.json           only when a step failed (non-finite loss/gradient): the diagnostic
-  preempted.json         only when SIGTERM stopped the run: the step and checkpoint to resume
+  preempted.json         only when SIGTERM or Ctrl-C stopped the run: the step, the signal and
+                         the checkpoint to resume
 
 A fresh run into a non-empty out_dir is a ConfigError. `resume=RUN_DIR` (out_dir = RUN_DIR, set
 from it when not given on the command line) continues from the newest complete training
 checkpoint, skipping the warm start and the evaluation before GRPO, and gives the same
 parameters, batches and samples as an uninterrupted run. `stop_after=k` stops once k GRPO steps
 (counted from the start of the run) are done, with a checkpoint at step k. SIGTERM during GRPO
-finishes the current step, saves a checkpoint and returns `{"preempted_at_step": k, ...}`
-(exit status 143 from the CLI).
+and a first SIGINT (Ctrl-C) finish the current step, save a checkpoint and return
+`{"preempted_at_step": k, "signal", "exit_status", ...}` (exit status 143 or 130 from the CLI); a
+second SIGINT aborts at once (130). A run interrupted before its first training checkpoint (in
+the warm start or the evaluation before GRPO) resumes by running its start again: its partial
+outputs are removed and the warm start runs from its first step (same config, same bits).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,7 +48,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from looprl.config import ExperimentConfig, save_json
+from looprl.config import ExperimentConfig, load_json, save_json
 from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process, sync
 from looprl.errors import CheckpointError, ConfigError, TrainingError
@@ -51,10 +57,11 @@ from looprl.model.config import from_model_section
 from looprl.model.looped import init_params
 from looprl.rl.evaluation import evaluate
 from looprl.rl.learner import GRPOLearner
-from looprl.train.resume import (REFERENCE_FILE, load_reference, load_resume_point,
-                                 restore_training_checkpoint, resume_candidates,
-                                 save_training_checkpoint)
-from looprl.train.setup import build_tasks, run_tokenizer
+from looprl.train.resume import (REFERENCE_FILE, check_resume_config, checkpoint_candidates,
+                                 load_reference, load_resume_point, restore_training_checkpoint,
+                                 resume_candidates, save_training_checkpoint)
+from looprl.train.console import evaluate_and_say, progress_bar, warm_start_line
+from looprl.train.setup import build_tasks, checkpoint_task_meta, run_tokenizer
 from looprl.train.warm_start import warm_start
 
 EVAL_BEFORE_FILE = "eval_before.json"
@@ -71,11 +78,6 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> Path:
         if not (run_dir / "config.json").is_file():
             raise ConfigError(f"config key 'run.resume': {cfg.run.resume!r} is not a run "
                               f"directory (no config.json)")
-        if not ((run_dir / "warm_start").is_dir() or (run_dir / REFERENCE_FILE).is_file()):
-            raise ConfigError(f"config key 'run.resume': {cfg.run.resume!r} was interrupted "
-                              f"before its warm start finished (no warm_start/ or "
-                              f"{REFERENCE_FILE}), so there is nothing to resume; remove it or "
-                              f"start again with another out_dir")
         return run_dir.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
@@ -97,7 +99,7 @@ class _Start:
 
 
 def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bool,
-                 say) -> _Start:
+                 say, ckpt_meta: dict[str, Any], bars: bool) -> _Start:
     """A new run: load or initialise the model, warm-start it, record the reference policy
     (`warm_start/` or `reference.json`) and evaluate it before GRPO."""
     ckpt_tokenizer = None
@@ -121,9 +123,15 @@ def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bo
         def eval_fn(p):
             return evaluate(mcfg, p, warm_task, tokenizer, cfg, plateau_set)["accuracy"]
 
+        bar = progress_bar(bars, ws.max_steps + ws.gate_steps, "warm start", "step")
+
         def log(d):
             if "accuracy" in d:
-                say(f"warm start {d}")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{d['loss']:.3f}", acc=f"{d['accuracy']:.3f}")
+                    bar.write(warm_start_line(d), file=sys.stderr)
+                else:
+                    say(warm_start_line(d))
 
         params, report = warm_start(
             mcfg, params, warm_task, tokenizer, steps=ws.max_steps, batch_size=ws.batch_size,
@@ -131,26 +139,31 @@ def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bo
             gate_learning_rate=ws.gate_learning_rate, entropy_beta=ws.entropy_beta,
             eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
             plateau_last_fraction=ws.plateau_last_fraction,
-            plateau_min_gain=ws.plateau_min_gain, plateau_min_evals=ws.plateau_min_evals)
+            plateau_min_gain=ws.plateau_min_gain, plateau_min_evals=ws.plateau_min_evals,
+            progress=None if bar is None else bar.update)
+        if bar is not None:
+            bar.close()
+        say(f"warm start: {report.get('stage1_steps')} stage-I steps (loss "
+            f"{report.get('stage1_final_loss', float('nan')):.3f}), {report.get('stage2_steps')} "
+            f"gate steps{', plateaued' if report.get('plateaued') else ''}")
     if main:
         (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
     params = jax.tree.map(np.asarray, params)
     if ws.enabled or not cfg.model.checkpoint:
         save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
                               extra_meta={"stage": "warm_start",
-                                          "params_sha256": params_sha256(params)})
+                                          "params_sha256": params_sha256(params), **ckpt_meta})
     elif main:  # the reference policy is the given checkpoint: point at it, do not copy GBs
         (out / REFERENCE_FILE).write_text(json.dumps(
             {"checkpoint": str(Path(cfg.model.checkpoint).resolve()),
              "params_sha256": params_sha256(params)}, indent=2) + "\n")
 
-    before = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set)
-    say(f"eval before GRPO: {before}")
+    before = evaluate_and_say("eval before GRPO", bars, say, mcfg, params, warm_task, tokenizer, cfg,
+                       eval_set)
     before_q1 = None
     if cfg.rollout.exit_threshold < 1.0:
-        before_q1 = evaluate(mcfg, params, warm_task, tokenizer, cfg, eval_set,
-                             exit_threshold=1.0)
-        say(f"eval before GRPO at q=1.0: {before_q1}")
+        before_q1 = evaluate_and_say("eval before GRPO at q=1.0", bars, say, mcfg, params, warm_task,
+                              tokenizer, cfg, eval_set, exit_threshold=1.0)
     if main:
         (out / EVAL_BEFORE_FILE).write_text(json.dumps(
             {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
@@ -189,7 +202,7 @@ def _restore(learner, resume_from: list[tuple[int, Path]], out: Path, say):
 
 def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, start: int,
                n_steps: int, resumed: bool, main: bool, quiet: bool,
-               eval_fn=None) -> dict[str, Any] | None:
+               ckpt_meta: dict[str, Any], eval_fn=None) -> dict[str, Any] | None:
     """GRPO steps `start..n_steps-1`: metrics rows, TensorBoard, progress bar, checkpoints.
     With `eval.eval_every_steps` = k > 0, a step whose count of done steps is a multiple of k
     also carries `eval_accuracy` (held-out, greedy: `eval_fn(params)`). After step 0,
@@ -238,9 +251,12 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                 done = step + 1
                 if (done % cfg.run.checkpoint_every_steps == 0 or done == n_steps
                         or sigterm.received):
-                    path, _ = save_training_checkpoint(out, done, learner, mcfg, tok_json, cfg)
+                    path, _ = save_training_checkpoint(out, done, learner, mcfg, tok_json, cfg,
+                                                       extra_meta=ckpt_meta)
                 if sigterm.received and done < n_steps:
                     preempted = {"preempted_at_step": done, "checkpoint": str(path),
+                                 "signal": signal.Signals(sigterm.received).name,
+                                 "exit_status": 128 + sigterm.received,
                                  "resume": f"looprl train CONFIG resume={out}"}
                     if main:
                         (out / "preempted.json").write_text(json.dumps(preempted, indent=2)
@@ -263,16 +279,20 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
     main = is_main_process()  # only process 0 writes logs, metrics and reports (issue 7)
     say = (lambda *a: None) if quiet or not main else (lambda *a: print(*a, flush=True))
     resume_from: list[tuple[int, Path]] = []  # complete training checkpoints, newest first
-    if cfg.run.resume is not None:
+    if cfg.run.resume is not None and not checkpoint_candidates(out):
+        _restart_interrupted_start(out, cfg, main, say)
+    elif cfg.run.resume is not None:
         resume_from = resume_candidates(out, say)
         cfg = load_resume_point(resume_from[0][1], cfg, say)
     sync("looprl-out-dir")  # every process checked out_dir before process 0 writes into it
-    if cfg.run.resume is None and main:
-        save_json(cfg, out / "config.json")
+    if not resume_from and main:
+        save_json(_without_run_control(cfg), out / "config.json")
     warm_task, rl_task = build_tasks(cfg)
     eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
+    ckpt_meta = checkpoint_task_meta(cfg, warm_task, len(eval_set))
     begin = (_resumed_start(out, warm_task) if resume_from
-             else _fresh_start(cfg, out, warm_task, eval_set, main, say))
+             else _fresh_start(cfg, out, warm_task, eval_set, main, say, ckpt_meta,
+                               bars=cfg.run.progress_bar and not quiet and main))
     mcfg, tokenizer, before = begin.model_cfg, begin.tokenizer, begin.before
 
     learner = GRPOLearner(cfg, mcfg, begin.params, rl_task, tokenizer)
@@ -284,7 +304,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                           f"GRPO step {start}, past the requested end {n_steps}")
     if resume_at is not None:
         if main:
-            save_json(cfg, out / "config.json")  # only once the resumption is known to be valid
+            # only once the resumption is known to be valid
+            save_json(_without_run_control(cfg), out / "config.json")
         if start == n_steps:
             say(f"nothing to run: the run is at GRPO step {start}, the requested end "
                 f"(run.grpo_steps={cfg.run.grpo_steps}, run.stop_after={cfg.run.stop_after}); "
@@ -292,22 +313,25 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
     tok_json = tokenizer.to_json()
     preempted = _grpo_loop(
         cfg, out, learner, mcfg, tok_json, start, n_steps, resume_at is not None, main, quiet,
+        ckpt_meta,
         eval_fn=lambda p: evaluate(mcfg, p, warm_task, tokenizer, cfg, eval_set)["accuracy"])
     if preempted is not None:
-        say(f"SIGTERM: stopped after GRPO step {preempted['preempted_at_step']}, checkpoint "
-            f"{preempted['checkpoint']}; continue with resume={out}")
+        say(f"{preempted['signal']}: stopped after GRPO step {preempted['preempted_at_step']}, "
+            f"checkpoint {preempted['checkpoint']}; continue with: looprl train CONFIG "
+            f"resume={out}")
         return preempted
     if main:
         (out / "preempted.json").unlink(missing_ok=True)
     if n_steps == start == 0 and cfg.run.stop_after == 0:  # warm start only, resumable
-        save_training_checkpoint(out, 0, learner, mcfg, tok_json, cfg)
+        save_training_checkpoint(out, 0, learner, mcfg, tok_json, cfg, extra_meta=ckpt_meta)
     params = jax.tree.map(to_host, learner.params)
     # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
-    after = before if n_steps == 0 else evaluate(mcfg, params, warm_task, tokenizer, cfg,
-                                                 eval_set)
-    say(f"eval after GRPO: {after}")
+    after = before if n_steps == 0 else evaluate_and_say(
+        "eval after GRPO", cfg.run.progress_bar and not quiet and main, say, mcfg, params,
+        warm_task, tokenizer, cfg, eval_set)
     save_model_checkpoint(out / "checkpoint", params, mcfg, tok_json,
-                          extra_meta={"stage": "grpo", "grpo_steps": n_steps}, overwrite=True)
+                          extra_meta={"stage": "grpo", "grpo_steps": n_steps, **ckpt_meta},
+                          overwrite=True)
     report = begin.warm_start_report
     summary = {"eval_accuracy_before": before["accuracy"],
                "eval_accuracy_after": after["accuracy"],
@@ -315,6 +339,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                "resumed_from_step": None if resume_at is None else start,
                "complete": n_steps == cfg.run.grpo_steps, "stop_after": cfg.run.stop_after,
                "params_sha256": params_sha256(params),
+               "replay_exact_steps": _replay_exact_steps(out / "metrics.jsonl", n_steps)
+               if main else None,
                "wall_s": time.time() - t_start,
                "eval_before": before, "eval_after": after, "eval_before_q1": begin.before_q1,
                "exit_threshold": cfg.rollout.exit_threshold,
@@ -324,6 +350,50 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _without_run_control(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` as the run directory's `config.json` keeps it: without `run.resume` and
+    `run.stop_after`, which steer one invocation, so the file can serve as CONFIG again (a
+    fresh run with another out_dir, or `resume=`)."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=None,
+                                                            stop_after=None))
+
+
+# what a run writes before its first training checkpoint (removed when it is started again)
+_START_OUTPUTS = ("warm_start", REFERENCE_FILE, "warm_start_curve.json", EVAL_BEFORE_FILE,
+                  "metrics.jsonl", "tb", "checkpoints", "preempted.json", "failure.json")
+
+
+def _restart_interrupted_start(out: Path, cfg: ExperimentConfig, main: bool, say) -> None:
+    """`resume=` of a run stopped before its first training checkpoint: check the config
+    against the run's `config.json` (as a resume would), then remove the partial outputs so the
+    start (warm start, evaluation before GRPO) runs again from its beginning. Raises
+    ConfigError when the config differs in more than run-control keys."""
+    if (out / "summary.json").exists():
+        raise ConfigError(f"config key 'run.resume': {str(out)!r} finished (summary.json) "
+                          f"without a GRPO training checkpoint (run.grpo_steps=0), so there is "
+                          f"nothing to resume")
+    check_resume_config(load_json(out / "config.json"), cfg, str(out / "config.json"))
+    say(f"resume: {out} stopped before its first training checkpoint; running its start (warm "
+        f"start, evaluation before GRPO) again from the beginning")
+    if not main:
+        return
+    for name in _START_OUTPUTS:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def _replay_exact_steps(metrics_path: Path, n_steps: int) -> int:
+    """How many of the GRPO steps 0..n_steps-1 in metrics.jsonl replayed the sampler's
+    log-probs bit for bit (`replay_exact_fraction` 1.0)."""
+    if not metrics_path.exists():
+        return 0
+    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+    return sum(1 for r in rows if r["step"] < n_steps and r.get("replay_exact_fraction") == 1.0)
 
 
 def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:
@@ -344,23 +414,31 @@ def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:
 
 
 class _SigtermFlag:
-    """Context manager: while active (main thread only), SIGTERM sets `received` instead of
-    killing the process, so the GRPO loop can finish its step and checkpoint; the previous
-    handler is restored on exit."""
+    """Context manager: while active (main thread only), SIGTERM and a first SIGINT (Ctrl-C)
+    set `received` (the signal number) instead of killing the process, so the GRPO loop can
+    finish its step and checkpoint; a second SIGINT aborts at once (exit status 130, one line
+    on stderr, no traceback; the checkpoints already written are complete, as every write is
+    atomic). The previous handlers are restored on exit."""
 
     def __enter__(self):
         self.received = None
-        self._prev = None
+        self._prev = {}
         if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGTERM, self._handle)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._prev[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        self.received = signum
+        if signum == signal.SIGINT and self.received is not None:
+            print("looprl train: second Ctrl-C: aborting now, without a checkpoint of the "
+                  "current step", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGINT)
+        if self.received is None and signum == signal.SIGINT:
+            print("\nlooprl train: Ctrl-C: finishing this GRPO step, then a checkpoint (Ctrl-C "
+                  "again aborts at once)", file=sys.stderr, flush=True)
+        self.received = self.received or signum
 
     def __exit__(self, *exc):
-        if self._prev is not None:
-            signal.signal(signal.SIGTERM, self._prev)
+        for sig, prev in self._prev.items():
+            signal.signal(sig, prev)
         return False
-
-

@@ -4,8 +4,11 @@ The model config an experiment describes is `looprl.model.config.from_model_sect
 """
 from __future__ import annotations
 
+from typing import Any
+
 from looprl.config import ExperimentConfig
 from looprl.errors import CheckpointError, ConfigError
+from looprl.rl.rollout import sampling_config
 from looprl.tasks import get_task
 from looprl.tokenizer import tokenizer_from_json
 
@@ -63,3 +66,20 @@ def run_tokenizer(task, checkpoint_tokenizer_json: str | None, checkpoint: str |
         raise CheckpointError(f"{checkpoint}: task {task.name!r} uses the model's tokenizer, but "
                               f"the checkpoint has no tokenizer.json (convert with --tokenizer)")
     return tokenizer_from_json(checkpoint_tokenizer_json)
+
+
+def checkpoint_task_meta(cfg: ExperimentConfig, task, eval_problems: int) -> dict[str, Any]:
+    """What a run's checkpoints record so that `looprl generate` and `looprl eval` default to
+    the run's framing and evaluation: `task` ({"name", "config"}: `get_task(name, **config)`
+    rebuilds the evaluated task), `prompt_style`, `stop_ids`, and `eval` (the held-out
+    evaluation's problem count, batch size, seed and greedy `SamplingConfig` fields)."""
+    scfg = sampling_config(cfg, greedy=True)
+    return {"task": {"name": task.name, "config": task.config()},
+            "prompt_style": task.prompt_style, "stop_ids": list(scfg.stop_ids),
+            "eval": {"problems": eval_problems, "batch_size": cfg.eval.eval_batch_size,
+                     "seed": cfg.run.seed, "max_new_tokens": scfg.max_new_tokens,
+                     "exit_threshold": scfg.exit_threshold, "fixed_depth": scfg.fixed_depth,
+                     "kv_policy": scfg.kv_policy,
+                     "deferred_max_pending": scfg.deferred_max_pending,
+                     "compute_dtype": scfg.compute_dtype,
+                     "prompt_len_multiple": scfg.prompt_len_multiple, "kernels": scfg.kernels}}

@@ -142,8 +142,8 @@ def warm_start(model_cfg: OuroConfig, params: dict, task, tokenizer, *, steps: i
                gate_learning_rate: float = 1e-3, entropy_beta: float = 0.0, eval_fn=None,
                eval_every: int = 0, log: Callable[[dict], Any] | None = None,
                plateau_last_fraction: float = 0.2, plateau_min_gain: float = 0.02,
-               plateau_min_evals: int = 5, warmup_steps: int = 0, first_problem: int = 0
-               ) -> tuple[dict, dict]:
+               plateau_min_evals: int = 5, warmup_steps: int = 0, first_problem: int = 0,
+               progress: Callable[[int], Any] | None = None) -> tuple[dict, dict]:
     """Stage I (LM + gate, Ouro loss) for up to `steps` AdamW steps, then stage II (gate only)
     for `gate_steps`. Train problems are taken in order from `task.train_problem(first_problem)`
     on, `batch_size` per step (stage II continues the stream). `seed` seeds nothing random yet
@@ -153,6 +153,7 @@ def warm_start(model_cfg: OuroConfig, params: dict, task, tokenizer, *, steps: i
       eval_fn: optional `eval_fn(params) -> accuracy` (a fraction), called every `eval_every`
         stage-I steps and at the end of stage I; stage I stops early once `plateaued`.
       log: optional callable receiving one dict per logged event.
+      progress: optional `progress(n)`, called after every stage-I and stage-II step with 1.
 
     Returns:
       (new fp32 params, report) with `stage1_steps`, `stage1_final_loss`, `stage2_steps`,
@@ -181,6 +182,8 @@ def warm_start(model_cfg: OuroConfig, params: dict, task, tokenizer, *, steps: i
             params, opt_state, jnp.asarray(tokens), jnp.asarray(mask), cfg=model_cfg, opt=opt,
             entropy_beta=float(entropy_beta))
         window.append(float(loss_a))
+        if progress is not None:
+            progress(1)
         do_eval = eval_fn is not None and eval_every > 0 and (step % eval_every == 0
                                                               or step == steps)
         if do_eval or step == steps or step % 50 == 0:
@@ -212,6 +215,8 @@ def warm_start(model_cfg: OuroConfig, params: dict, task, tokenizer, *, steps: i
         tokens, mask = supervised_batch(task, tokenizer, problems)
         gate, gstate, gl = _stage2_step(gate, gstate, frozen, jnp.asarray(tokens),
                                         jnp.asarray(mask), cfg=model_cfg, opt=gopt)
+        if progress is not None:
+            progress(1)
         if gstep % 25 == 0 or gstep == gate_steps:
             gloss = float(gl)
             if not math.isfinite(gloss):

@@ -91,7 +91,7 @@ def test_parse_thresholds():
     (["--exit-threshold", "0"], "exit-threshold"),
     (["--limit", "0"], "--limit"),
     (["--batch-size", "0"], "--batch-size"),
-    (["--task", "arithmetic"], "--task"),
+    (["--task", "nosuch"], "--task"),
 ])
 def test_eval_bad_arguments_are_clear_errors(tiny, tmp_path, capsys, extra, match):
     ckpt, _ = tiny

@@ -93,3 +93,34 @@ def test_generate_fixed_depth_alone_exits_at_that_depth(ckpt, capsys):
     assert _gen(ckpt, "--fixed-depth", "2", "--json") == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["exit_loops"]) == {2}
+
+
+def test_generate_on_bytes_damaged_in_place_fails_naming_the_file(ckpt, tmp_path, capsys):
+    """Issue 15: flipped bytes (same size) made generate print 64 tokens of id 0 with NaN
+    log-probs and exit 0."""
+    import shutil
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    f = max((p for p in (damaged / "params").rglob("*") if p.is_file()),
+            key=lambda p: p.stat().st_size)
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(64)
+    f.write_bytes(bytes(raw))
+    assert main(["generate", "--checkpoint", str(damaged), "--prompt", "1", "--json"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert f"{f}: damaged checkpoint file: SHA-256" in cap.err and len(cap.err.splitlines()) == 1
+
+
+def test_generate_with_non_finite_weights_is_an_error_naming_the_token(tmp_path, capsys):
+    import numpy as np
+    cfg = preset("tiny")
+    params = init_params(cfg, 0)
+    params["lm_head"] = np.full_like(np.asarray(params["lm_head"]), np.nan)
+    path = tmp_path / "nan"
+    save_model_checkpoint(path, params, cfg, build_char_tokenizer().to_json())  # digests match
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "1", "--prompt-style",
+                 "compact", "--max-new-tokens", "3", "--json"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert "completion token 0 (id " in cap.err and "log-prob nan" in cap.err

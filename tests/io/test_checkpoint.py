@@ -1,5 +1,7 @@
 """The looprl checkpoint directory (DESIGN.md §2): exact round trip, atomic writes, refusals."""
+import hashlib
 import json
+import re
 
 import jax
 import ml_dtypes
@@ -31,6 +33,9 @@ def rewrite_manifest(ckpt):
     meta = json.loads(meta_path.read_text())
     meta["files"] = {p.relative_to(ckpt).as_posix(): p.stat().st_size
                      for p in sorted(ckpt.rglob("*")) if p.is_file() and p != meta_path}
+    meta["file_sha256"] = {p.relative_to(ckpt).as_posix(): hashlib.sha256(p.read_bytes())
+                           .hexdigest() for p in sorted(ckpt.rglob("*"))
+                           if p.is_file() and p != meta_path}
     meta_path.write_text(json.dumps(meta))
 
 
@@ -192,3 +197,61 @@ def test_truncated_file_makes_a_checkpoint_incomplete(tmp_path):
     with pytest.raises(CheckpointError, match=rf"incomplete looprl checkpoint: {biggest} has 10 "
                                               rf"bytes"):
         load_model_checkpoint(tmp_path / "ck")
+
+
+def flip_bytes_in_place(ckpt, under="params"):
+    """XOR 64 bytes in the middle of the largest file under `ckpt/under` (same size, so the
+    size manifest passes); returns that file."""
+    f = max((p for p in (ckpt / under).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(f.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + 64] = bytes(b ^ 0x5A for b in raw[mid:mid + 64])
+    f.write_bytes(bytes(raw))
+    return f
+
+
+def test_bytes_damaged_in_place_are_refused_naming_the_file_and_both_digests(tmp_path):
+    params = random_params()
+    save_model_checkpoint(tmp_path / "ck", params, CFG, TOK, train_state={"s": np.arange(3)})
+    meta = json.loads((tmp_path / "ck" / "looprl_meta.json").read_text())
+    from looprl.io.checkpoint import params_sha256
+    assert meta["params_sha256"] == params_sha256(params)  # every checkpoint records it
+    f = flip_bytes_in_place(tmp_path / "ck")
+    rel = f.relative_to(tmp_path / "ck").as_posix()
+    recorded = meta["file_sha256"][rel]
+    found = hashlib.sha256(f.read_bytes()).hexdigest()
+    with pytest.raises(CheckpointError, match=re.escape(f"{f}: damaged checkpoint file: SHA-256 "
+                                                        f"{found} differs from {recorded}")):
+        load_model_checkpoint(tmp_path / "ck")
+    save_model_checkpoint(tmp_path / "ts", params, CFG, TOK, train_state={"s": np.arange(3)})
+    g = flip_bytes_in_place(tmp_path / "ts", "train_state")
+    with pytest.raises(CheckpointError, match=re.escape(f"{g}: damaged checkpoint file")):
+        load_train_state(tmp_path / "ts")
+
+
+def test_params_digest_checked_after_restore(tmp_path):
+    """With the file digests out of the way (rewritten), the tree's params_sha256 still
+    catches a changed value, naming params/ and both digests."""
+    save_model_checkpoint(tmp_path / "ck", random_params(), CFG, TOK)
+    meta_path = tmp_path / "ck" / "looprl_meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "params_sha256": "0" * 64}))
+    with pytest.raises(CheckpointError, match=r"ck/params: damaged parameters: params_sha256 "
+                                              r"[0-9a-f]{64} differs from 0{64}"):
+        load_model_checkpoint(tmp_path / "ck")
+
+
+def test_checkpoint_without_digests_loads_with_a_one_line_warning(tmp_path, capsys):
+    params = random_params()
+    save_model_checkpoint(tmp_path / "ck", params, CFG, TOK)
+    meta_path = tmp_path / "ck" / "looprl_meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["params_sha256"], meta["file_sha256"]   # as written before 2026-12-01
+    meta_path.write_text(json.dumps(meta))
+    got, _, _, _ = load_model_checkpoint(tmp_path / "ck")
+    assert np.array_equal(u32(got["norm"]), u32(params["norm"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "written before checkpoints recorded digests" in err[0]
+    save_model_checkpoint(tmp_path / "new", params, CFG, TOK)
+    load_model_checkpoint(tmp_path / "new")
+    assert capsys.readouterr().err == ""

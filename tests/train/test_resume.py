@@ -262,11 +262,11 @@ def test_resume_needs_the_same_out_dir_and_a_checkpoint(tmp_path):
         train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path / 'other'}"]))
     with pytest.raises(ConfigError, match="is not a run directory"):
         train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="interrupted before its warm start finished"):
+    (tmp_path / "config.json").write_text("{}")   # restarting the start: config checked first
+    with pytest.raises(ConfigError, match="differ from the run being resumed"):
         train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
-    (tmp_path / "warm_start").mkdir()
-    with pytest.raises(CheckpointError, match="interrupted before its first one"):
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="finished .* without a GRPO training checkpoint"):
         train(apply_overrides(cfg, [f"resume={tmp_path}", f"out_dir={tmp_path}"]))
     (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
     with pytest.raises(CheckpointError, match="no usable training checkpoint: step_00000002: "
@@ -286,7 +286,7 @@ def test_damaged_bytes_of_the_right_size_are_refused_and_learner_left_untouched(
     read_checkpoint_meta(step_dir(tmp_path, 2))
     _, _, other = _learner()
     before = jax.tree.map(np.asarray, other.params)
-    with pytest.raises(CheckpointError, match="damaged parameters|cannot restore"):
+    with pytest.raises(CheckpointError, match="damaged checkpoint file|damaged parameters|cannot restore"):
         restore_training_checkpoint(step_dir(tmp_path, 2), other)
     assert_trees_bit_equal(jax.tree.map(np.asarray, other.params), before)
 
@@ -297,3 +297,76 @@ def test_metrics_row_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     p.write_text('{"step": 0, "x": 1}\n{"step": 1, "x": 2}\n{"step": 2, "x"')
     _truncate_jsonl(p, 2, inclusive=False)
     assert read_jsonl(p) == [{"step": 0, "x": 1}, {"step": 1, "x": 2}]
+
+
+# --- Ctrl-C (issue 15) ---------------------------------------------------------------------
+
+def _wait_for(cond, proc, timeout=300):
+    import time
+    t0 = time.time()
+    while not cond():
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.time() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_during_grpo_finishes_the_step_checkpoints_and_resumes_exactly(runs, tmp_path):
+    """A first SIGINT during GRPO does what SIGTERM does: the step finishes, a checkpoint is
+    written, the resume line is printed, exit status 130, no traceback; the resumed run ends
+    with the uninterrupted run's bits."""
+    from looprl.cli import main
+    d = tmp_path / "D"
+    proc = looprl_train(f"out_dir={d}", "checkpoint_every_steps=100")
+    metrics = d / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    pre = json.loads((d / "preempted.json").read_text())
+    k = pre["preempted_at_step"]
+    assert pre["signal"] == "SIGINT" and 1 <= k < N_STEPS
+    assert [s for s, _ in complete_checkpoints(d)] == [k]          # written because of Ctrl-C
+    assert [r["step"] for r in read_jsonl(metrics)] == list(range(k))
+    assert f"continue with: looprl train CONFIG resume={d}" in out
+    assert main(["train", str(SMOKE), *SHRINK, f"resume={d}"]) == 0
+    sa = json.loads((runs["A"] / "summary.json").read_text())
+    assert json.loads((d / "summary.json").read_text())["params_sha256"] == sa["params_sha256"]
+
+
+def test_ctrl_c_during_the_warm_start_leaves_a_run_that_resume_restarts(runs, tmp_path):
+    """Ctrl-C before the first training checkpoint: one line, exit 130; `resume=` (which used
+    to refuse such a directory, as did a rerun) runs the start again and gives the same bits
+    as the uninterrupted run (its index.jsonl digest after 2 GRPO steps)."""
+    from looprl.cli import main
+    e = tmp_path / "E"
+    proc = looprl_train(f"out_dir={e}")
+    _wait_for(lambda: (e / "config.json").exists(), proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and f"resume={e}" in out
+    assert not complete_checkpoints(e)
+    assert main(["train", str(SMOKE), *SHRINK, f"resume={e}", "stop_after=2"]) == 0
+    ia = {r["step"]: r["params_sha256"] for r in read_jsonl(runs["A"] / "checkpoints"
+                                                             / "index.jsonl")}
+    assert json.loads((e / "summary.json").read_text())["params_sha256"] == ia[2]
+    # the run's config.json keeps no run-control key, so it serves as CONFIG again
+    saved = json.loads((e / "config.json").read_text())["run"]
+    assert saved["resume"] is None and saved["stop_after"] is None
+
+
+def test_a_second_ctrl_c_aborts_at_once_without_a_traceback():
+    code = ("import os, signal, time\n"
+            "from looprl.train.run import _SigtermFlag\n"
+            "with _SigtermFlag() as f:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    assert f.received == signal.SIGINT\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(30)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 130
+    assert "Traceback" not in p.stderr
+    assert "finishing this GRPO step" in p.stderr and "second Ctrl-C: aborting now" in p.stderr

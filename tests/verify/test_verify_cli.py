@@ -164,3 +164,34 @@ def test_verify_config_builds_the_model_train_builds(tmp_path):
             verify_cfg.head_dim, verify_cfg.num_layers) == (64, 2, 2, 32, 1)
     assert verify_cfg.vocab_size == 58
     assert verify_cfg.replace(vocab_size=train_cfg.vocab_size) == train_cfg
+
+
+def test_verify_console_shows_cells_only_with_v_and_ends_with_a_verdict_table():
+    from looprl.cli.verify import is_cell_detail, verdict_rows
+    assert is_cell_detail("    sampler same      dev=1 replay exact=1.0000 max=0.00e+00")
+    assert not is_cell_detail("  trained float32 dense: rollout 1.2s")
+    assert not is_cell_detail("    note: the rollout was sampled on 4 devices")
+
+    def cell(w, d, p, method, exact, diff, passed):
+        return {"weights": w, "dtype": d, "kv_policy": p, "method": method,
+                "exact_fraction": exact, "max_abs_diff": diff, "passed": passed}
+    cells = [cell("random", "float32", "dense", "replay", 1.0, 0.0, True),
+             cell("random", "float32", "dense", "replay", 1.0, 0.0, True),
+             cell("random", "float32", "dense", "stock", 0.4, 3e-6, True),
+             cell("random", "float32", "dense", "dense", 1.0, 0.0, None),
+             cell("trained", "bfloat16", "copy", "replay", 0.9, 1e-3, False),
+             cell("trained", "bfloat16", "copy", "stock", 1.0, 0.0, False)]
+    assert verdict_rows(cells) == [
+        ("random", "float32", "dense", "2/2", "1/1", "3.0e-06", "PASS"),
+        ("trained", "bfloat16", "copy", "0/1", "0/1", "0.0e+00", "FAIL")]
+
+
+def test_a_non_finite_cell_figure_is_an_error_naming_the_cell():
+    from looprl.cli.verify import check_finite_cells
+    from looprl.errors import SamplingError
+    good = {"weights": "trained", "dtype": "float32", "kv_policy": "copy", "batching": "same",
+            "params": "sampler", "method": "replay", "max_abs_diff": 0.0, "k3_kl": 0.0}
+    check_finite_cells([good])
+    with pytest.raises(SamplingError, match=r"cell trained/float32/copy/same/sampler/replay: "
+                                            r"max_abs_diff is nan"):
+        check_finite_cells([good, {**good, "max_abs_diff": float("nan")}])

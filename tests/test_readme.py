@@ -1,0 +1,13 @@
+"""README drift (issue 15): what it documents exists."""
+from pathlib import Path
+
+from looprl.cli.main import build_parser
+
+
+def test_readme_documents_only_flags_that_exist():
+    """README drift (issue 15): `verify --overwrite` was documented after it was removed."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    verify = build_parser()._subparsers._group_actions[0].choices["verify"]
+    flags = {s for a in verify._actions for s in a.option_strings}
+    assert "--overwrite" not in readme and "--overwrite" not in flags
+    assert "-v" in flags and "--list-keys" in readme
