@@ -9,15 +9,22 @@ timed up to M = 1000 (at 4096 one call is ~10 s on one core); its 4096-row memor
 measured. Peak memory = temp + output bytes of `compile().memory_analysis()`. XLA runs with
 looprl's flags and one intra-op thread (`--xla_cpu_multi_thread_eigen=false`, recorded).
 
-Run: `python benchmarks/kernels.py` (no arguments; about 5-8 minutes on 2 shared CPU cores). The
+Run: `python benchmarks/kernels.py` (no arguments; about 2-5 minutes on 2 shared CPU cores). The
 last line is a JSON object with `matmul_vs_stock_large_1p4b` (worst ratio at M >= 256),
 `matmul_vs_stock_small_1p4b` (worst at M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst
-memory ratio at M = 4096), plus every figure.
+memory ratio at M = 4096) over the big weights (q/k/v/o, gate/up, down, lm_head), the same three
+as `gate_*` for the exit gate `[2048, 1]` alone (whose stock call is a ~1 ms matrix-vector
+product with a near-zero peak, `gate_stock_ms_M1000`, so its ratios say little about a step's
+cost), plus every figure.
 """
 from __future__ import annotations
 
 import os
+import sys
 
+# `python benchmarks/kernels.py` puts benchmarks/ first on sys.path, so an installed looprl (an
+# editable install of another checkout) would win over this tree's: put this tree first.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_cpu_multi_thread_eigen=false").strip()
 
@@ -51,7 +58,7 @@ def _peak_bytes(fn, *args) -> int:
 def main() -> dict:
     t_start = time.perf_counter()
     rng = np.random.default_rng(0)
-    figures, mem = {}, {}
+    figures, mem, gate_ms = {}, {}, {}
     for name, (i, o) in WEIGHTS.items():
         for dtype in ("float32", "bfloat16"):
             out_dtype = jnp.float32 if name == "lm_head" else None
@@ -62,7 +69,10 @@ def main() -> dict:
                 tag = f"{name}_{dtype}_M{m}"
                 if m == 4096:
                     spec = (jax.ShapeDtypeStruct((m, i), dtype), jax.ShapeDtypeStruct((i, o), dtype))
-                    mem[tag] = _peak_bytes(inv, *spec) / _peak_bytes(stock, *spec)
+                    inv_b, stock_b = _peak_bytes(inv, *spec), _peak_bytes(stock, *spec)
+                    mem[tag] = inv_b / stock_b
+                    print(f"{tag:28s} peak MB invariant {inv_b / 2**20:9.2f} stock "
+                          f"{stock_b / 2**20:9.2f}", flush=True)
                 if m > TIMED_MAX_ROWS.get(name, 1 << 30):
                     continue
                 x = jnp.asarray(rng.standard_normal((m, i)), dtype)
@@ -75,21 +85,29 @@ def main() -> dict:
                         jax.block_until_ready(f(x, w))
                         times[key].append(time.perf_counter() - t0)
                 ratio = statistics.median(times["inv"]) / statistics.median(times["stock"])
+                if name == "exit_gate" and m == 1000:
+                    gate_ms[dtype] = round(statistics.median(times["stock"]) * 1e3, 3)
                 figures[tag] = round(ratio, 3)
                 print(f"{tag:28s} invariant/stock {ratio:5.2f}  (stock "
                       f"{statistics.median(times['stock']) * 1e3:8.2f} ms)", flush=True)
-    large = {k: v for k, v in figures.items() if int(k.rsplit("M", 1)[1]) >= 256}
-    small = {k: v for k, v in figures.items() if int(k.rsplit("M", 1)[1]) <= 16}
+    def worst(d, rows, gate):
+        d = {k: v for k, v in d.items() if rows(int(k.rsplit("M", 1)[1]))
+             and k.startswith("exit_gate") == gate}
+        return max(d.values()), max(d, key=d.get)
+
+    large, small = (lambda m: m >= 256), (lambda m: m <= 16)
+    out = {}
+    for key, d, rows in (("vs_stock_large", figures, large), ("vs_stock_small", figures, small),
+                         ("peak_mem_vs_stock", mem, large)):
+        for prefix, gate in (("matmul", False), ("gate", True)):
+            v, k = worst(d, rows, gate)
+            out[f"{prefix}_{key}_1p4b"], out[f"{prefix}_{key}_worst"] = round(v, 3), k
     env = environment()
     return {
-        "matmul_vs_stock_large_1p4b": max(large.values()),
-        "matmul_vs_stock_large_worst": max(large, key=large.get),
-        "matmul_vs_stock_small_1p4b": max(small.values()),
-        "matmul_vs_stock_small_worst": max(small, key=small.get),
-        "matmul_peak_mem_vs_stock_1p4b": round(max(mem.values()), 3),
-        "matmul_peak_mem_worst": max(mem, key=mem.get),
+        **out,
+        "gate_stock_ms_M1000": gate_ms.get("float32"),
         "figures": figures, "peak_mem_vs_stock_M4096": {k: round(v, 3) for k, v in mem.items()},
-        "threads": 1, "xla_flags": env["xla_flags"], "cpu_model": env["cpu_model"],
+        "kernels_file": kn.__file__, "threads": 1, "xla_flags": env["xla_flags"], "cpu_model": env["cpu_model"],
         "jax": env["jax"], "git_commit": env["git_commit"],
         "seconds": round(time.perf_counter() - t_start, 1),
     }

@@ -29,29 +29,41 @@ rows that were never padded.
 The construction (CPU):
 
 * `matmul` (every projection, the MLP, the lm_head, the exit gate `[D, 1]` and `rowsum`): rows
-  are zero-padded to a multiple of a row tile T taken from the fixed ladder `ROW_TILES`
-  (8, 16, ..., 512; `_row_tile_for(M)`), output columns to a multiple of `N_MIN` = 16 (zero
-  columns; N = 1 would be a matrix-vector product), the contraction is cut into `K_BLOCK` = 128
-  long blocks (zero-padded) whose fp32 partial products are summed in block order, and the
-  tiles run through one `lax.map`: every dot the compiler sees is `[T, 128] x [128, O16]`,
-  whatever M. Argument: (1) Eigen's blocking and oneDNN's kernel choice are functions of the
-  dot's shape; (2) a contraction of 128 is below every K split (Eigen's L1 heuristic keeps k up
-  to >= 152 for any L1 >= 32 KB, TSL keeps kc = k, so one sgemm call accumulates each output
-  over the whole block), so the only K order is the block order, which is ours and fixed;
-  (3) every row block handed to `dnnl_sgemm` holds a multiple of 8 rows (T and TSL's
-  24-multiple `nc` are multiples of 8), so no row falls into a leftover-row or matrix-vector
-  path, and inside an 8-row register block every row runs the same instruction stream on its
-  own accumulators: neither a row's position in its tile nor the tile size can matter. Without
-  (2) the tile size did matter: with unsplit contractions of 384 or 1024 (or the 2048-long exit
-  gate) 8..32-row dots and 40..256-row dots disagreed, because the K split inside the library
-  depends on the row count; with 128-long blocks all ladder sizes agreed at every shape tested
-  (tests/model/test_kernels_ouro_shapes.py). (3) is stated for AVX-512 (oneDNN's sgemm N
-  unroll 8); on AVX2 machines (unroll 6) it has to be re-checked. A small tile gets all its
-  partials from one batched dot (nb matmuls of the same shape, weight read in place), a large
-  tile loops over the blocks with one partial alive; same dots and adds, same bits. The weight
-  is cast to fp32 once outside the loop (XLA does the same for a bf16 dot), each row tile
-  inside. `jax.custom_vjp` gives the backward as plain dots (no invariance needed there).
-* `attention`: query rows are padded to the same ladder (`_row_tile_for(C)`) and run in
+  are zero-padded to a multiple of a row tile T = `_row_tile_for(M)`, the fewest tiles of at
+  most ROW_TILE_MAX = 512 rows, each the equal share of M rounded up to a multiple of
+  ROW_QUANTUM = 8 (M = 300: one 304-row tile; 1000: two of 504; 4096: eight of 512; at most 7
+  padding rows per tile), output columns to a multiple of `N_MIN` = 16 (zero columns; N = 1
+  would be a matrix-vector product), the contraction is cut into `K_BLOCK` = 128 long blocks
+  (zero-padded) whose fp32 partial products are summed in block order: every dot the compiler
+  sees is `[T, 128] x [128, O16]`, whatever M. Argument: (1) Eigen's blocking and oneDNN's
+  kernel choice are functions of the dot's shape; (2) a contraction of 128 is below every K
+  split (Eigen's L1 heuristic keeps k up to >= 152 for any L1 >= 32 KB, TSL keeps kc = k, so
+  one sgemm call accumulates each output over the whole block), so the only K order is the
+  block order, which is ours and fixed; (3) every row block handed to `dnnl_sgemm` holds a
+  multiple of 8 rows (T and TSL's 24-multiple `nc` are multiples of 8, so is T mod nc), so no
+  row falls into a leftover-row or matrix-vector path, and inside an 8-row register block every
+  row runs the same instruction stream on its own accumulators: neither a row's position in
+  its tile nor the tile size can matter, which is why T need not come from a fixed ladder (the
+  previous form used 8, 16, ..., 512; a 300-row call then padded to 3 x 128 rows). The columns
+  are never split by us (one dot covers all O16 columns), so a column's place in the dot is a
+  function of O alone; that the library's column blocking (Eigen's `mc`, oneDNN's 48-column
+  register block and its leftovers) does not change with T is covered by the tests, not by an
+  argument (a column-blocked variant, which would also need it, was measured slower: see
+  Cost). Without (2) the tile size did matter: with unsplit contractions of 384 or 1024 (or
+  the 2048-long exit gate) 8..32-row dots and 40..256-row dots disagreed, because the K split
+  inside the library depends on the row count; with 128-long blocks all tiles agreed at every
+  shape tested (tests/model/test_kernels_ouro_shapes.py forces tiles of 8..512 rows, most not
+  powers of two). (3) is stated for AVX-512 (oneDNN's sgemm N unroll 8); on AVX2 machines
+  (unroll 6) it has to be re-checked. Two loop forms, same dots and adds in the same order, so
+  the same bits: a small tile (T <= BATCHED_MAX_ROWS = 16: decode, one tile) gets all its
+  partials from one batched dot (nb matmuls of the same shape, weight read in place) and sums
+  them from the first; a large tile runs one `fori_loop` step per (tile, K block), adding each
+  partial into an fp32 accumulator that starts at -0.0 (-0.0 + p == p bitwise for every p,
+  including +-0 and NaN, so the sum is `p0 + p1 + ...` as in the small form); for fp32 output
+  the accumulator is the output itself, updated in place through the loop carry. The weight is
+  cast to fp32 once outside the loop (XLA does the same for a bf16 dot), x per `[T, 128]`
+  block. `jax.custom_vjp` gives the backward as plain dots (no invariance needed there).
+* `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`) and run in
   `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
   matmuls of one shape: scores `[T, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
   and the value product `[T, 128] x [128, K]` per (b, h, key block), the key axis padded to a
@@ -64,9 +76,26 @@ The construction (CPU):
 * `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
   runs on fixed `[64k, 64j]` tiles (`_tiled_rows`) so it compiles the same way in every program.
 
-Cost: the weight is streamed (and repacked by oneDNN) once per row tile, which is why large M
-uses 128..512-row tiles, and each K block adds a `[T, O]` partial into the accumulator; decode (M <= 8) runs one 8-row dot, which costs about what the 1-row
-matrix-vector product costs (both read the weight once). `benchmarks/kernels.py` measures it.
+Cost (`benchmarks/kernels.py`, one core; figures in its JSON line): the weight is streamed
+(and packed by the library) once per row tile, which is why tiles are as large as 512 rows,
+and each K block adds a `[T, O]` partial into the accumulator. Measured on 2 shared cores
+(medians of 5-7, noisy): at `[T, 2048] x [2048, 2048]` fp32 the batched form of all 16
+partials took 84 ms at T = 304 and 137-141 ms at T = 512 against 40 and 44-63 ms for the loop
+(16 partials of `[T, O]` written and re-read; the old rule batched up to 16 MB of partials,
+i.e. every 128-row tile of a 2048-wide weight), and about the same as the loop at T = 8
+(2048-, 5632- and 49152-wide weights), hence the loop above 16 rows. Tiling the output
+columns too (256- or 512-column blocks, K loop innermost, so the accumulator stays in L2) was
+slower than the whole-row loop (300 x 2048 x 2048: 94-105 ms vs 41-51 ms; 1000 rows: 181-241
+vs 137-170 ms): more, smaller dots, each packing its own slices. Memory at M = 4096 (temp +
+output of `memory_analysis`): the loop keeps one partial and one x block besides the output
+(fp32 down_proj 37 MB vs 32 MB stock; the lax.map form held a copied x tile and a separate
+accumulator, 52 MB). Decode (M <= 8) runs one 8-row dot; the stock 1-row call is a
+matrix-vector product that reads the weight once, while every sgemm (ours at 8 rows, as the
+stock 8-row call) packs it first, so the fp32 lm_head at M = 1 stays ~2-3x of stock: its bits
+must be those of the 8-row path, so the matrix-vector kernel cannot be used, and the other
+forms of the same dot shape measured (loop instead of batched) were not cheaper. The exit gate
+`[D, 1]` (and `rowsum`) pays for 16 padded columns and 16 K blocks against a sub-millisecond
+matrix-vector product; the benchmark reports it apart (`gate_*`).
 
 On other backends (GPU, TPU) the kernels keep their previous form, rows padded to `ROW_TILE` =
 64 and one einsum at `Precision.HIGHEST` for fp32: their bits are not invariant there
@@ -89,11 +118,11 @@ import jax.numpy as jnp
 import numpy as np
 
 ROW_TILE = 64  # row padding off the CPU, and the softmax tiles
-ROW_TILES = (8, 16, 32, 64, 128, 256, 512)  # CPU: the row tiles of a dot (all multiples of 8)
-ROW_QUANTUM = ROW_TILES[0]  # CPU: rows are padded to a multiple of this at least
+ROW_QUANTUM = 8  # CPU: a row tile is a multiple of this (oneDNN's AVX-512 sgemm row unroll)
+ROW_TILE_MAX = 512  # CPU: the largest row tile of a dot
 N_MIN = 16  # CPU: output columns of a dot are padded to a multiple of this
 K_BLOCK = 128  # CPU: longest contraction of one dot (longer ones: blocks summed in order)
-PARTIALS_BYTES = 16 << 20  # CPU: a row tile's K-block partials up to this size in one dot
+BATCHED_MAX_ROWS = 16  # CPU: tiles up to this many rows get their K-block partials in one dot
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
 
 
@@ -124,22 +153,19 @@ def _fp32_precision(*xs):
 
 def row_tile() -> int:
     """The row padding quantum in force (recorded in schedules): on the CPU rows are padded to a
-    multiple of ROW_QUANTUM = 8 (the tile itself comes from the ladder ROW_TILES, all multiples
-    of 8, and gives the same bits whichever is picked); ROW_TILE elsewhere."""
+    multiple of ROW_QUANTUM = 8 (the tile itself, `_row_tile_for(M)`, is a multiple of 8 and
+    gives the same bits whichever is picked); ROW_TILE elsewhere."""
     return ROW_QUANTUM if on_cpu() else ROW_TILE
 
 
 def _row_tile_for(m: int) -> int:
-    """The CPU row tile for an m-row call: one tile (the smallest ladder entry >= m) up to 512
-    rows, then the largest of 512/256/128 that pads at most 1/8 of the rows (128 if none does).
-    Every entry gives the same bits (module doc), so this choice is only about cost."""
-    for t in ROW_TILES:
-        if m <= t:
-            return t
-    for t in ROW_TILES[::-1][:3]:
-        if -(-m // t) * t - m <= m // 8:
-            return t
-    return ROW_TILES[-3]
+    """The CPU row tile for an m-row call: the fewest tiles of at most ROW_TILE_MAX rows, each
+    the equal share of m rounded up to a multiple of ROW_QUANTUM (m = 300: one 304-row tile;
+    1000: two of 504; 4096: eight of 512), so at most 7 padding rows per tile. Any multiple of
+    8 gives the same bits (module doc, argument (3)), so this choice is only about cost."""
+    n = -(-max(m, 1) // ROW_TILE_MAX)
+    share = -(-max(m, 1) // n)
+    return -(-share // ROW_QUANTUM) * ROW_QUANTUM
 
 
 def _tiles_map(fn, x, axis: int):
@@ -172,36 +198,69 @@ def _blocked_weight(w_IxO):
 
 
 def _kblocked_dot(x_TxI, w_BxKxO):
-    """`x @ w` for an fp32 row tile and a `_blocked_weight`: every dot is `[T, kb] x [kb, O16]`
-    (kb <= K_BLOCK, so nothing below splits the contraction), partial products summed in block
-    order in fp32. The partials of a small tile come from one batched dot (the DotThunk runs it
-    as nb matmuls of that same shape, reading the weight in place); a large tile loops over the
-    blocks so only one partial is alive. Same dots, same adds, so the same bits either way."""
+    """`x @ w` for one small fp32 row tile (T <= BATCHED_MAX_ROWS, or a single block) and a
+    `_blocked_weight`: every dot is `[T, kb] x [kb, O16]` (kb <= K_BLOCK, so nothing below
+    splits the contraction), partial products summed in block order in fp32. The partials come
+    from one batched dot (the DotThunk runs it as nb matmuls of that same shape, reading the
+    weight in place); the sum starts from the first partial."""
     nb, kb, o = w_BxKxO.shape
     t = x_TxI.shape[0]
     x_TxI, _ = _pad_rows(x_TxI, 1, kb)
     if nb == 1:
         return jnp.dot(x_TxI, w_BxKxO[0], preferred_element_type=jnp.float32)
-    if t * o * nb * 4 <= PARTIALS_BYTES:
-        x_BxTxK = jnp.swapaxes(x_TxI.reshape(t, nb, kb), 0, 1)
-        parts = jnp.einsum("btk,bko->bto", x_BxTxK, w_BxKxO, preferred_element_type=jnp.float32)
-        acc = parts[0]
-        for j in range(1, nb):
-            acc = acc + parts[j]
-        return acc
+    x_BxTxK = jnp.swapaxes(x_TxI.reshape(t, nb, kb), 0, 1)
+    parts = jnp.einsum("btk,bko->bto", x_BxTxK, w_BxKxO, preferred_element_type=jnp.float32)
+    acc = parts[0]
+    for j in range(1, nb):
+        acc = acc + parts[j]
+    return acc
 
-    def body(j, acc):
-        xb = jax.lax.dynamic_slice_in_dim(x_TxI, j * kb, kb, axis=1)
-        wb = jax.lax.dynamic_index_in_dim(w_BxKxO, j, 0, keepdims=False)
-        return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
 
-    acc = jnp.dot(x_TxI[:, :kb], w_BxKxO[0], preferred_element_type=jnp.float32)
-    return jax.lax.fori_loop(1, nb, body, acc)
+def _looped_matmul(rows_MxI, w_BxKxO, out_dtype, t):
+    """Large tiles (T > BATCHED_MAX_ROWS, more than one K block): one `fori_loop` step per
+    (row tile, K block), tile-major, K blocks in order; each step is one `[T, kb] x [kb, O16]`
+    dot of a `[T, kb]` slice of x (cast to fp32 there) and the j-th weight block, added into the
+    tile's fp32 accumulator, which starts at -0.0 (-0.0 + p == p bitwise for every p, so the sum
+    has the bits of `p0 + p1 + ...`, the small-tile sum). fp32 output: the accumulator is the
+    output itself, updated in place (`dynamic_update_slice` in the loop carry), so the only
+    temporaries are one partial and one x block. Other output dtypes: an inner loop over the K
+    blocks on a `[T, O16]` fp32 accumulator, cast into the output per tile. Same dots, same adds
+    in the same order as `_kblocked_dot`, so the same bits."""
+    nb, kb, o16 = w_BxKxO.shape
+    x, m = _pad_rows(rows_MxI, 0, t)
+    x, _ = _pad_rows(x, 1, kb)
+    nt = x.shape[0] // t
+
+    def partial(r, j):
+        xb = jax.lax.dynamic_slice(x, (r, j * kb), (t, kb)).astype(jnp.float32)
+        wj = jax.lax.dynamic_index_in_dim(w_BxKxO, j, 0, keepdims=False)
+        return jnp.dot(xb, wj, preferred_element_type=jnp.float32)
+
+    if out_dtype == jnp.float32:
+        def step(s, out):
+            r = (s // nb) * t
+            acc = jax.lax.dynamic_slice(out, (r, 0), (t, o16))
+            return jax.lax.dynamic_update_slice(out, acc + partial(r, s % nb), (r, 0))
+
+        out = jnp.full((nt * t, o16), -0.0, jnp.float32)
+        return jax.lax.fori_loop(0, nt * nb, step, out)[:m]
+
+    def tile(i, out):
+        r = i * t
+        acc = jax.lax.fori_loop(0, nb, lambda j, acc: acc + partial(r, j),
+                                jnp.full((t, o16), -0.0, jnp.float32))
+        return jax.lax.dynamic_update_slice(out, acc.astype(out_dtype), (r, 0))
+
+    out = jnp.zeros((nt * t, o16), out_dtype)
+    return jax.lax.fori_loop(0, nt, tile, out)[:m]
 
 
 def _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype):
     o = w_IxO.shape[1]
     wb = _blocked_weight(w_IxO)
+    t = _row_tile_for(rows_MxI.shape[0])
+    if wb.shape[0] > 1 and t > BATCHED_MAX_ROWS:
+        return _looped_matmul(rows_MxI, wb, out_dtype, t)[:, :o]
 
     def tile(x_TxI):
         return _kblocked_dot(x_TxI.astype(jnp.float32), wb).astype(out_dtype)
@@ -232,8 +291,9 @@ _tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
 
-    On the CPU: rows zero-padded to a multiple of the ladder tile `_row_tile_for(M)`, every tile
-    one `[T, K] x [K, N16]` fp32 dot (N padded to a multiple of N_MIN), in one `lax.map`;
+    On the CPU: rows zero-padded to a multiple of the row tile `_row_tile_for(M)` (a multiple
+    of 8), every dot `[T, 128] x [128, N16]` in fp32 (K in 128-long blocks summed in order, N
+    padded to a multiple of N_MIN), small tiles batched, large ones in one `fori_loop`;
     backward by plain dots (`jax.custom_vjp`). Elsewhere: rows padded to ROW_TILE, one dot.
 
     Args:
@@ -284,7 +344,7 @@ def _attention_probs_values(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, mask_BxTxS, scale, 
 
 def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     """CPU form: key axis padded to N_MIN (masked), K/V cast to fp32 once (XLA would convert
-    bf16 operands at every dot), queries in ladder tiles (`_row_tile_for(C)`) in one `lax.map`."""
+    bf16 operands at every dot), queries in row tiles (`_row_tile_for(C)`) in one `lax.map`."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
     S = k_BxHxSxK.shape[2]
@@ -342,7 +402,7 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
     On the CPU the key axis is padded to a multiple of N_MIN (masked keys) and the queries run
-    in fixed ladder tiles, both dots over the whole key axis (module doc), backward by plain
+    in row tiles (multiples of 8), both dots over the whole key axis (module doc), backward by plain
     dots (`jax.custom_vjp`); elsewhere query rows are padded to ROW_TILE and fp32 dots run at
     `Precision.HIGHEST`.
 

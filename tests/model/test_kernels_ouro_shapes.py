@@ -15,7 +15,7 @@ from looprl.model import kernels as kn
 D, H, K, F, V = 2048, 16, 128, 5632, 49152
 WEIGHTS = {"q/k/v/o": (D, D), "gate/up": (D, F), "down": (F, D), "lm_head": (D, V),
            "exit_gate": (D, 1)}
-BIG = 600  # default reference call: 600 rows (ladder tile 512, two tiles)
+BIG = 600  # default reference call: 600 rows (two 304-row tiles)
 
 
 def _bits(x):
@@ -153,7 +153,7 @@ def _dots(text):
 @pytest.mark.parametrize("name", ["gate/up", "down", "exit_gate"])
 def test_every_dot_of_a_weight_has_one_shape(name):
     """Structural: in the optimized program of an M-row matmul (M in 1, 3, 7, 64, 300) every dot
-    is `[T, kb] x [kb, O16]` per batch element (T a ladder tile, kb <= K_BLOCK, O16 = O padded
+    is `[T, kb] x [kb, O16]` per batch element (T a multiple of 8 up to ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded
     to N_MIN), and one program holds one such shape whatever M."""
     i, o = WEIGHTS[name]
     w = jax.ShapeDtypeStruct((i, o), jnp.float32)
@@ -172,5 +172,35 @@ def test_every_dot_of_a_weight_has_one_shape(name):
             shapes.add((tuple(rows), kb, out[-1]))
         assert len(shapes) == 1, (m, shapes)
         (rows, kb, cols), = shapes
-        assert len(rows) == 1 and rows[0] in kn.ROW_TILES and kb <= kn.K_BLOCK and cols == o16, \
+        assert len(rows) == 1 and rows[0] % kn.ROW_QUANTUM == 0 and rows[0] <= kn.ROW_TILE_MAX and kb <= kn.K_BLOCK and cols == o16, \
             (m, shapes)
+
+
+def _check_tiles(name, dtype, tiles, rows=512, monkeypatch=None):
+    """Every row of a `rows`-row call with the row tile forced to each of `tiles` (multiples of
+    8, most not powers of two) must equal the same row with the default tile."""
+    x, w = _operands(name, dtype, rows)
+    ref = _bits(jax.jit(kn.matmul)(x, w))
+    bad = []
+    for t in tiles:
+        monkeypatch.setattr(kn, "_row_tile_for", lambda m, t=t: t)
+        if not np.array_equal(_bits(jax.jit(kn.matmul)(x, w)), ref):
+            bad.append(t)
+    monkeypatch.undo()
+    return bad
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
+    """Argument (3) of the module doc: any multiple of 8 rows gives a row the same bits, so the
+    tile is `round_up_8(ceil(M / tiles))`, not a power of two; forced tiles of 8..512 rows (the
+    512 rows then sit at other offsets in other tiles, the last tile part padding) all agree."""
+    assert _check_tiles("gate/up", dtype, (8, 24, 104, 304, 504), monkeypatch=monkeypatch) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["q/k/v/o", "down", "exit_gate"])
+def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatch):
+    tiles = (8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344, 400, 456, 504, 512)
+    assert _check_tiles(name, dtype, tiles, monkeypatch=monkeypatch) == []
