@@ -2,46 +2,127 @@
 
 Every matmul whose row count differs between the sampler (1 query per decode step, a chunk of
 pending positions, a prefill) and the learner (the whole teacher-forced sequence, another
-minibatch size, permuted rows) must give each row the same bits whatever the number of rows M.
+minibatch size, permuted rows) must give each row the same bits whatever the number of rows M
+and wherever the row sits.
 
-On XLA CPU (jax 0.10.2, Eigen dot emitter; looprl turns off the YNNPACK dot fusions with
-`--xla_cpu_experimental_ynn_fusion_type=`, `looprl.determinism`) a `[M, K] @ [K, N]` dot is
-row-invariant for every M, 1 included, as long as the contraction is at most `K_TILE` = 128 long
-and N is a multiple of `N_MIN` = 16 (scanned over 448 row counts M in 1..4096, fp32 and bf16:
-longer contractions are split by a blocking that depends on M, N < 8 takes a matrix-vector path,
-N = 8 changed kernels for M in 658..~1000, and with N = 8j + 1 a single row computed the last
-column differently). So on the CPU `matmul` runs unpadded rows, splits K into 128-long slices
-summed in order in fp32 and pads N to a multiple of 16 (`rowsum`'s ones vector included); the
-batched attention dots pad query rows to `QUERY_TILE` = 8 (1 query row is a matrix-vector
-product), pad the key axis to a multiple of 16 (masked keys) and split it into 128-long slices
-for the value product.
-Unpadded rows are what makes batch-1 decoding cheap: the previous 64-row padding made a decode
-step do 64 rows of matmul work. On other backends (GPU, TPU) the kernels keep the previous form,
-rows padded to `ROW_TILE` = 64 and unsplit contractions: their bits are not invariant there
-(reproducibility/gpu) and the trainer replays by re-running the sampler (`forced`).
+How XLA CPU computes a dot (jax/jaxlib 0.10.2, `--xla_cpu_experimental_ynn_fusion_type=` so no
+YNNPACK dot fusions, one intra-op thread via `--xla_cpu_multi_thread_eigen=false`; see
+`looprl.determinism`). A row-major `[M, I] x [I, O]` dot is one DotThunk, which hands Eigen the
+transposed problem: Eigen's LHS is the weight (`O` rows), its RHS columns are *our rows*. Eigen's
+tensor contraction (TSL's custom contraction kernel, built with oneDNN) blocks the problem into
+`kc x mc` weight blocks and `kc x nc` row blocks, calls `dnnl_sgemm` once per block pair and adds
+the K slices into the output in order (`C += slice`). Single-threaded, `kc` is a function of I
+alone (Eigen's L1 heuristic splits K only when I exceeds what fits beside one micro-panel, then
+TSL cuts I into equal slices rounded to 8), and the row blocks `nc` are multiples of 24 (TSL
+rounds them up to its N unroll). Inside a `dnnl_sgemm` call our rows are the N side of the
+AVX-512 sgemm micro-kernel (48 output columns x 8 rows per register block), where each row is
+one broadcast operand with its own accumulators walking k in order. bf16 dots are converted to
+fp32 by XLA before the DotThunk (products of bf16 values are exact in fp32), so they follow the
+fp32 path. What broke invariance (issue 14, measured at `[M, 2048] x [2048, 5632]`, rows vs
+the same rows of a 512-row call): M = 1 is rewritten to a matrix-vector product, M = 2..7 take
+another sgemm path (all their rows differed), and M = 49 differed only in row 48, the one row
+left over after a 48-row column block (a 1-row sgemm call). Every multiple of 8 rows agreed at
+every position. The old 128-long K slices (whole-M partial products, all
+alive at once: +1.4 GB per layer matmul at 4096 rows) were right in length but could not help
+rows that were never padded.
 
-Attention always runs over the whole fixed-length key axis (the KV cache length S) with a mask,
-so its reductions have the same length and layout in every pass. Softmax and log-softmax run on
-fixed `[64k, 64j]` tiles (`_tiled_rows`).
+The construction (CPU):
+
+* `matmul` (every projection, the MLP, the lm_head, the exit gate `[D, 1]` and `rowsum`): rows
+  are zero-padded to a multiple of a row tile T = `_row_tile_for(M)`, the fewest tiles of at
+  most ROW_TILE_MAX = 512 rows, each the equal share of M rounded up to a multiple of
+  ROW_QUANTUM = 8 (M = 300: one 304-row tile; 1000: two of 504; 4096: eight of 512; at most 7
+  padding rows per tile), output columns to a multiple of `N_MIN` = 16 (zero columns; N = 1
+  would be a matrix-vector product), the contraction is cut into `K_BLOCK` = 128 long blocks
+  (zero-padded) whose fp32 partial products are summed in block order: every dot the compiler
+  sees is `[T, 128] x [128, O16]`, whatever M. Argument: (1) Eigen's blocking and oneDNN's
+  kernel choice are functions of the dot's shape; (2) a contraction of 128 is below every K
+  split (Eigen's L1 heuristic keeps k up to >= 152 for any L1 >= 32 KB, TSL keeps kc = k, so
+  one sgemm call accumulates each output over the whole block), so the only K order is the
+  block order, which is ours and fixed; (3) every row block handed to `dnnl_sgemm` holds a
+  multiple of 8 rows (T and TSL's 24-multiple `nc` are multiples of 8, so is T mod nc), so no
+  row falls into a leftover-row or matrix-vector path, and inside an 8-row register block every
+  row runs the same instruction stream on its own accumulators: neither a row's position in
+  its tile nor the tile size can matter, which is why T need not come from a fixed ladder (the
+  previous form used 8, 16, ..., 512; a 300-row call then padded to 3 x 128 rows). The columns
+  are never split by us (one dot covers all O16 columns), so a column's place in the dot is a
+  function of O alone; that the library's column blocking (Eigen's `mc`, oneDNN's 48-column
+  register block and its leftovers) does not change with T is covered by the tests, not by an
+  argument (a column-blocked variant, which would also need it, was measured slower: see
+  Cost). Without (2) the tile size did matter: with unsplit contractions of 384 or 1024 (or
+  the 2048-long exit gate) 8..32-row dots and 40..256-row dots disagreed, because the K split
+  inside the library depends on the row count; with 128-long blocks all tiles agreed at every
+  shape tested (tests/model/test_kernels_ouro_shapes.py forces tiles of 8..512 rows, most not
+  powers of two). (3) is stated for AVX-512 (oneDNN's sgemm N unroll 8); on AVX2 machines
+  (unroll 6) it has to be re-checked. Two loop forms, same dots and adds in the same order, so
+  the same bits: a small tile (T <= BATCHED_MAX_ROWS = 16: decode, one tile) gets all its
+  partials from one batched dot (nb matmuls of the same shape, weight read in place) and sums
+  them from the first; a large tile runs one `fori_loop` step per (tile, K block), adding each
+  partial into an fp32 accumulator that starts at -0.0 (-0.0 + p == p bitwise for every p,
+  including +-0 and NaN, so the sum is `p0 + p1 + ...` as in the small form); for fp32 output
+  the accumulator is the output itself, updated in place through the loop carry. The weight is
+  cast to fp32 once outside the loop (XLA does the same for a bf16 dot), x per `[T, 128]`
+  block. `jax.custom_vjp` gives the backward as plain dots (no invariance needed there).
+* `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`) and run in
+  `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
+  matmuls of one shape: scores `[T, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
+  and the value product `[T, 128] x [128, K]` per (b, h, key block), the key axis padded to a
+  multiple of 128 (masked keys, probability exactly 0; 16 for caches of <= 128 keys) and its
+  blocks summed in order. The key blocks are cut at fixed key positions (multiples of 128 of
+  the fixed-length cache), not at the padding or the live prefix. The queries are the row side,
+  so the matmul argument applies.
+* `rowsum` (RMSNorm's mean of squares, softmax sums): `matmul` of x with a literal `[D, 16]`
+  ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce).
+* `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
+  runs on fixed `[64k, 64j]` tiles (`_tiled_rows`) so it compiles the same way in every program.
+
+Cost (`benchmarks/kernels.py`, one core; figures in its JSON line): the weight is streamed
+(and packed by the library) once per row tile, which is why tiles are as large as 512 rows,
+and each K block adds a `[T, O]` partial into the accumulator. Measured on 2 shared cores
+(medians of 5-7, noisy): at `[T, 2048] x [2048, 2048]` fp32 the batched form of all 16
+partials took 84 ms at T = 304 and 137-141 ms at T = 512 against 40 and 44-63 ms for the loop
+(16 partials of `[T, O]` written and re-read; the old rule batched up to 16 MB of partials,
+i.e. every 128-row tile of a 2048-wide weight), and about the same as the loop at T = 8
+(2048-, 5632- and 49152-wide weights), hence the loop above 16 rows. Tiling the output
+columns too (256- or 512-column blocks, K loop innermost, so the accumulator stays in L2) was
+slower than the whole-row loop (300 x 2048 x 2048: 94-105 ms vs 41-51 ms; 1000 rows: 181-241
+vs 137-170 ms): more, smaller dots, each packing its own slices. Memory at M = 4096 (temp +
+output of `memory_analysis`): the loop keeps one partial and one x block besides the output
+(fp32 down_proj 37 MB vs 32 MB stock; the lax.map form held a copied x tile and a separate
+accumulator, 52 MB). Decode (M <= 8) runs one 8-row dot; the stock 1-row call is a
+matrix-vector product that reads the weight once, while every sgemm (ours at 8 rows, as the
+stock 8-row call) packs it first, so the fp32 lm_head at M = 1 stays ~2-3x of stock: its bits
+must be those of the 8-row path, so the matrix-vector kernel cannot be used, and the other
+forms of the same dot shape measured (loop instead of batched) were not cheaper. The exit gate
+`[D, 1]` (and `rowsum`) pays for 16 padded columns and 16 K blocks against a sub-millisecond
+matrix-vector product; the benchmark reports it apart (`gate_*`).
+
+On other backends (GPU, TPU) the kernels keep their previous form, rows padded to `ROW_TILE` =
+64 and one einsum at `Precision.HIGHEST` for fp32: their bits are not invariant there
+(reproducibility/gpu) and the trainer replays by re-running the sampler (`forced`). A Pallas
+kernel with fixed blocks is later work.
 
 Elementwise code must also compile the same way in every program: XLA CPU's newer fusion
 emitters generated numerically different loops for the same elementwise ops depending on the
-surrounding program (the learner's `copy` program differed from its `dense` one at loop 1), so
-looprl turns them off (`looprl.determinism`, `--xla_cpu_use_fusion_emitters=false`).
+surrounding program, so looprl turns them off (`looprl.determinism`).
 
 `stock_*` functions are the same math written the common way (plain `x @ W`, attention over the
 live prefix): the negative control of the reproducibility matrix.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 ROW_TILE = 64  # row padding off the CPU, and the softmax tiles
-K_TILE = 128  # CPU: longest contraction of one dot
+ROW_QUANTUM = 8  # CPU: a row tile is a multiple of this (oneDNN's AVX-512 sgemm row unroll)
+ROW_TILE_MAX = 512  # CPU: the largest row tile of a dot
 N_MIN = 16  # CPU: output columns of a dot are padded to a multiple of this
-QUERY_TILE = 8  # CPU: attention query rows are padded to a multiple of this
+K_BLOCK = 128  # CPU: longest contraction of one dot (longer ones: blocks summed in order)
+BATCHED_MAX_ROWS = 16  # CPU: tiles up to this many rows get their K-block partials in one dot
 # The numerics of the invariant kernels: a rollout records it (`Schedule.kernel_version`), and
 # `looprl verify --rollout` refuses a rollout sampled under another version (its bits are
 # another function's). Bump it whenever a kernel's arithmetic changes.
@@ -75,40 +156,149 @@ def _fp32_precision(*xs):
 
 
 def row_tile() -> int:
-    """The matmul row padding in force: 1 on the CPU, ROW_TILE elsewhere (recorded in schedules)."""
-    return 1 if on_cpu() else ROW_TILE
+    """The row padding quantum in force (recorded in schedules): on the CPU rows are padded to a
+    multiple of ROW_QUANTUM = 8 (the tile itself, `_row_tile_for(M)`, is a multiple of 8 and
+    gives the same bits whichever is picked); ROW_TILE elsewhere."""
+    return ROW_QUANTUM if on_cpu() else ROW_TILE
 
 
-def _contract(spec: str, a, b, a_axis: int, b_axis: int, out_dtype):
-    """`einsum(spec, a, b)` with the contracted axis (a's `a_axis`, b's `b_axis`) split into
-    K_TILE-long slices whose fp32 products are summed in order, then cast to `out_dtype`."""
-    k = a.shape[a_axis]
-    if k <= K_TILE:
-        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
-    acc = None
-    for i in range(0, k, K_TILE):
-        n = min(K_TILE, k - i)
-        part = jnp.einsum(spec, jax.lax.slice_in_dim(a, i, i + n, axis=a_axis),
-                          jax.lax.slice_in_dim(b, i, i + n, axis=b_axis),
-                          preferred_element_type=jnp.float32)
-        acc = part if acc is None else acc + part
-    return acc.astype(out_dtype)
+def _row_tile_for(m: int) -> int:
+    """The CPU row tile for an m-row call: the fewest tiles of at most ROW_TILE_MAX rows, each
+    the equal share of m rounded up to a multiple of ROW_QUANTUM (m = 300: one 304-row tile;
+    1000: two of 504; 4096: eight of 512), so at most 7 padding rows per tile. Any multiple of
+    8 gives the same bits (module doc, argument (3)), so this choice is only about cost."""
+    n = -(-max(m, 1) // ROW_TILE_MAX)
+    share = -(-max(m, 1) // n)
+    return -(-share // ROW_QUANTUM) * ROW_QUANTUM
 
 
-def _dot(spec: str, a, b, a_axis: int, b_axis: int, out_dtype):
-    """The invariant kernels' dot: on the CPU `_contract` (K_TILE slices); elsewhere one einsum,
-    fp32 at `Precision.HIGHEST` (`_fp32_precision`)."""
-    if on_cpu():
-        return _contract(spec, a, b, a_axis, b_axis, out_dtype)
-    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype,
-                      precision=_fp32_precision(a, b))
+def _tiles_map(fn, x, axis: int):
+    """`fn` applied to fixed-size row tiles of `x` along `axis` (padded with zeros to a multiple
+    of `_row_tile_for(n)`), results concatenated and cut back to n along the same axis. One
+    tile runs without a loop; more run in one `lax.map`, so `fn` is traced once, at one shape."""
+    n = x.shape[axis]
+    t = _row_tile_for(n)
+    x, _ = _pad_rows(x, axis, t)
+    tiles = x.shape[axis] // t
+    if tiles == 1:
+        y = fn(x)
+    else:
+        xs = jnp.moveaxis(x.reshape(*x.shape[:axis], tiles, t, *x.shape[axis + 1:]), axis, 0)
+        ys = jax.lax.map(fn, xs)
+        y = jnp.moveaxis(ys, 0, axis)
+        y = y.reshape(*y.shape[:axis], tiles * t, *y.shape[axis + 2:])
+    return jax.lax.slice_in_dim(y, 0, n, axis=axis)
+
+
+def _blocked_weight(w_IxO):
+    """fp32 `[nb, K_BLOCK, O16]` view of a weight: O zero-padded to a multiple of N_MIN, I
+    zero-padded to a multiple of K_BLOCK when it is longer than K_BLOCK (else one block of I).
+    Zero rows add exact zeros to the fixed-order block sum."""
+    w, _ = _pad_rows(w_IxO.astype(jnp.float32), 1, N_MIN)
+    i = w.shape[0]
+    kb = min(i, K_BLOCK)
+    w, _ = _pad_rows(w, 0, kb)
+    return w.reshape(-1, kb, w.shape[1])
+
+
+def _kblocked_dot(x_TxI, w_BxKxO):
+    """`x @ w` for one small fp32 row tile (T <= BATCHED_MAX_ROWS, or a single block) and a
+    `_blocked_weight`: every dot is `[T, kb] x [kb, O16]` (kb <= K_BLOCK, so nothing below
+    splits the contraction), partial products summed in block order in fp32. The partials come
+    from one batched dot (the DotThunk runs it as nb matmuls of that same shape, reading the
+    weight in place); the sum starts from the first partial."""
+    nb, kb, o = w_BxKxO.shape
+    t = x_TxI.shape[0]
+    x_TxI, _ = _pad_rows(x_TxI, 1, kb)
+    if nb == 1:
+        return jnp.dot(x_TxI, w_BxKxO[0], preferred_element_type=jnp.float32)
+    x_BxTxK = jnp.swapaxes(x_TxI.reshape(t, nb, kb), 0, 1)
+    parts = jnp.einsum("btk,bko->bto", x_BxTxK, w_BxKxO, preferred_element_type=jnp.float32)
+    acc = parts[0]
+    for j in range(1, nb):
+        acc = acc + parts[j]
+    return acc
+
+
+def _looped_matmul(rows_MxI, w_BxKxO, out_dtype, t):
+    """Large tiles (T > BATCHED_MAX_ROWS, more than one K block): one `fori_loop` step per
+    (row tile, K block), tile-major, K blocks in order; each step is one `[T, kb] x [kb, O16]`
+    dot of a `[T, kb]` slice of x (cast to fp32 there) and the j-th weight block, added into the
+    tile's fp32 accumulator, which starts at -0.0 (-0.0 + p == p bitwise for every p, so the sum
+    has the bits of `p0 + p1 + ...`, the small-tile sum). fp32 output: the accumulator is the
+    output itself, updated in place (`dynamic_update_slice` in the loop carry), so the only
+    temporaries are one partial and one x block. Other output dtypes: an inner loop over the K
+    blocks on a `[T, O16]` fp32 accumulator, cast into the output per tile. Same dots, same adds
+    in the same order as `_kblocked_dot`, so the same bits."""
+    nb, kb, o16 = w_BxKxO.shape
+    x, m = _pad_rows(rows_MxI, 0, t)
+    x, _ = _pad_rows(x, 1, kb)
+    nt = x.shape[0] // t
+
+    def partial(r, j):
+        xb = jax.lax.dynamic_slice(x, (r, j * kb), (t, kb)).astype(jnp.float32)
+        wj = jax.lax.dynamic_index_in_dim(w_BxKxO, j, 0, keepdims=False)
+        return jnp.dot(xb, wj, preferred_element_type=jnp.float32)
+
+    if out_dtype == jnp.float32:
+        def step(s, out):
+            r = (s // nb) * t
+            acc = jax.lax.dynamic_slice(out, (r, 0), (t, o16))
+            return jax.lax.dynamic_update_slice(out, acc + partial(r, s % nb), (r, 0))
+
+        out = jnp.full((nt * t, o16), -0.0, jnp.float32)
+        return jax.lax.fori_loop(0, nt * nb, step, out)[:m]
+
+    def tile(i, out):
+        r = i * t
+        acc = jax.lax.fori_loop(0, nb, lambda j, acc: acc + partial(r, j),
+                                jnp.full((t, o16), -0.0, jnp.float32))
+        return jax.lax.dynamic_update_slice(out, acc.astype(out_dtype), (r, 0))
+
+    out = jnp.zeros((nt * t, o16), out_dtype)
+    return jax.lax.fori_loop(0, nt, tile, out)[:m]
+
+
+def _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype):
+    o = w_IxO.shape[1]
+    wb = _blocked_weight(w_IxO)
+    t = _row_tile_for(rows_MxI.shape[0])
+    if wb.shape[0] > 1 and t > BATCHED_MAX_ROWS:
+        return _looped_matmul(rows_MxI, wb, out_dtype, t)[:, :o]
+
+    def tile(x_TxI):
+        return _kblocked_dot(x_TxI.astype(jnp.float32), wb).astype(out_dtype)
+
+    return _tiles_map(tile, rows_MxI, 0)[:, :o]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _tiled_matmul(rows_MxI, w_IxO, out_dtype):
+    return _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype)
+
+
+def _tiled_matmul_fwd(rows_MxI, w_IxO, out_dtype):
+    return _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype), (rows_MxI, w_IxO)
+
+
+def _tiled_matmul_bwd(out_dtype, res, g_MxO):
+    """Plain dots: the backward needs no invariance (DESIGN.md §4)."""
+    rows, w = res
+    dx = jnp.dot(g_MxO, w.T.astype(g_MxO.dtype), preferred_element_type=jnp.float32)
+    dw = jnp.dot(rows.T.astype(g_MxO.dtype), g_MxO, preferred_element_type=jnp.float32)
+    return dx.astype(rows.dtype), dw.astype(w.dtype)
+
+
+_tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 
 
 def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
 
-    On the CPU: rows unpadded, K split into K_TILE slices (fp32 partial sums), N padded to a
-    multiple of N_MIN with zero columns. Elsewhere: rows padded to ROW_TILE, one dot.
+    On the CPU: rows zero-padded to a multiple of the row tile `_row_tile_for(M)` (a multiple
+    of 8), every dot `[T, 128] x [128, N16]` in fp32 (K in 128-long blocks summed in order, N
+    padded to a multiple of N_MIN), small tiles batched, large ones in one `fori_loop`;
+    backward by plain dots (`jax.custom_vjp`). Elsewhere: rows padded to ROW_TILE, one dot.
 
     Args:
       x_MxK: `[..., K]` any float dtype. w_KxN: `[K, N]` same dtype as x.
@@ -119,14 +309,95 @@ def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
     lead = x.shape[:-1]
     k, n = x.shape[-1], w_KxN.shape[-1]
     rows = x.reshape(-1, k)
-    out_dtype = out_dtype or x.dtype
-    m, w = rows.shape[0], w_KxN
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     if on_cpu():
-        w, _ = _pad_rows(w_KxN, 1, N_MIN)  # zero columns, cut off below
+        y = _tiled_matmul(rows, w_KxN, out_dtype)
     else:
+        m = rows.shape[0]
         rows, _ = _pad_rows(rows, 0)
-    y = _dot("mk,kn->mn", rows, w, 1, 0, out_dtype)[:m, :n]
+        y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype,
+                       precision=_fp32_precision(rows, w_KxN))[:m]
     return y.reshape(*lead, n)
+
+
+def _attention_probs_values(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, mask_BxTxS, scale, dtype, prec,
+                            softmax_fn, key_block=None):
+    """The attention math on one block of queries: fp32 scores, mask, fp32 softmax, probs cast
+    to the compute dtype, value product accumulated in fp32, cast to `dtype`."""
+    scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxTxK, k_BxHxSxK,
+                        preferred_element_type=jnp.float32, precision=prec)
+    scores = scores * jnp.float32(scale)
+    scores = jnp.where(mask_BxTxS[:, None], scores, MASK_VALUE)
+    probs = softmax_fn(scores).astype(dtype).astype(v_BxHxSxK.dtype)
+    S = v_BxHxSxK.shape[2]
+    if key_block is None or S <= key_block:
+        return jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK, precision=prec,
+                          preferred_element_type=jnp.float32).astype(dtype)
+    # value product in key_block-long blocks aligned to key positions (S is a multiple of it),
+    # one batched dot over (b, h, block), partials summed in block order
+    B, H, T, _ = probs.shape
+    nb = S // key_block
+    p = jnp.moveaxis(probs.reshape(B, H, T, nb, key_block), 3, 2)
+    v = v_BxHxSxK.reshape(B, H, nb, key_block, -1)
+    parts = jnp.einsum("bhjck,bhjkd->bhjcd", p, v, preferred_element_type=jnp.float32)
+    acc = parts[:, :, 0]
+    for j in range(1, nb):
+        acc = acc + parts[:, :, j]
+    return acc.astype(dtype)
+
+
+def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
+    """CPU form: key axis padded to N_MIN (masked), K/V cast to fp32 once (XLA would convert
+    bf16 operands at every dot), queries in row tiles (`_row_tile_for(C)`) in one `lax.map`."""
+    B, H, C, K = q_BxHxCxK.shape
+    dtype = q_BxHxCxK.dtype
+    S = k_BxHxSxK.shape[2]
+    s_tile = N_MIN if S <= K_BLOCK else K_BLOCK  # longer key axes: whole 128-key blocks
+    k32, _ = _pad_rows(k_BxHxSxK.astype(jnp.float32), 2, s_tile)
+    v32, _ = _pad_rows(v_BxHxSxK.astype(jnp.float32), 2, s_tile)
+    mask, _ = _pad_rows(mask_BxCxS, 2, s_tile)
+
+    def tile(qm):
+        q_BxHxTxK, mask_BxTxS = qm
+        return _attention_probs_values(q_BxHxTxK.astype(jnp.float32), k32, v32, mask_BxTxS,
+                                       scale, dtype, None, softmax, K_BLOCK)
+
+    t = _row_tile_for(C)
+    q_pad, _ = _pad_rows(q_BxHxCxK, 2, t)
+    m_pad, _ = _pad_rows(mask, 1, t)
+    tiles = q_pad.shape[2] // t
+    if tiles == 1:
+        out = tile((q_pad, m_pad))
+    else:
+        qs = jnp.moveaxis(q_pad.reshape(B, H, tiles, t, K), 2, 0)
+        ms = jnp.moveaxis(m_pad.reshape(B, tiles, t, -1), 1, 0)
+        out = jnp.moveaxis(jax.lax.map(tile, (qs, ms)), 0, 2).reshape(B, H, tiles * t, K)
+    return out[:, :, :C]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_cpu(q, k, v, mask, scale):
+    return _attention_cpu_impl(q, k, v, mask, scale)
+
+
+def _attention_plain(q, k, v, mask, scale):
+    return _attention_probs_values(q, k, v, mask, scale, q.dtype, None,
+                                   functools.partial(jax.nn.softmax, axis=-1))
+
+
+def _attention_cpu_fwd(q, k, v, mask, scale):
+    return _attention_cpu_impl(q, k, v, mask, scale), (q, k, v, mask)
+
+
+def _attention_cpu_bwd(scale, res, g):
+    """The same math without tiles or padding (plain dots, `jax.nn.softmax`): the backward
+    needs no invariance."""
+    q, k, v, mask = res
+    _, vjp = jax.vjp(lambda q, k, v: _attention_plain(q, k, v, mask, scale), q, k, v)
+    return (*vjp(g), None)
+
+
+_attention_cpu.defvjp(_attention_cpu_fwd, _attention_cpu_bwd)
 
 
 def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
@@ -134,9 +405,10 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
 
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
-    Query rows are padded to QUERY_TILE (CPU; ROW_TILE elsewhere); on the CPU the key axis is
-    padded to a multiple of N_MIN (masked) and contractions are split into K_TILE slices, so
-    every query row sees the same kernel (module doc).
+    On the CPU the key axis is padded to a multiple of N_MIN (masked keys) and the queries run
+    in row tiles (multiples of 8), both dots over the whole key axis (module doc), backward by plain
+    dots (`jax.custom_vjp`); elsewhere query rows are padded to ROW_TILE and fp32 dots run at
+    `Precision.HIGHEST`.
 
     Args:
       q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, Hkv, K]` with H % Hkv == 0 (GQA);
@@ -148,21 +420,17 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     if hkv != H:
         k_BxSxHxK = jnp.repeat(k_BxSxHxK, H // hkv, axis=2)
         v_BxSxHxK = jnp.repeat(v_BxSxHxK, H // hkv, axis=2)
-    cpu = on_cpu()
-    tile = QUERY_TILE if cpu else ROW_TILE
-    if cpu:  # masked key padding: the score dot's N and the value dot's K are multiples of 16
-        k_BxSxHxK, _ = _pad_rows(k_BxSxHxK, 1, N_MIN)
-        v_BxSxHxK, _ = _pad_rows(v_BxSxHxK, 1, N_MIN)
-        mask_BxCxS, _ = _pad_rows(mask_BxCxS, 2, N_MIN)
-    q_BxHxCxK, _ = _pad_rows(jnp.swapaxes(q_BxCxHxK, 1, 2), 2, tile)
+    q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)
     k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
     v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
-    scores = _dot("bhck,bhsk->bhcs", q_BxHxCxK, k_BxHxSxK, 3, 3, jnp.float32)
-    scores = scores * jnp.float32(scale)
-    mask, _ = _pad_rows(mask_BxCxS, 1, tile)
-    scores = jnp.where(mask[:, None], scores, MASK_VALUE)
-    probs = softmax(scores).astype(q_BxCxHxK.dtype)
-    out = _dot("bhcs,bhsk->bhck", probs, v_BxHxSxK, 3, 2, q_BxCxHxK.dtype)[:, :, :C]
+    if on_cpu():
+        out = _attention_cpu(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, float(scale))
+    else:
+        q_pad, _ = _pad_rows(q_BxHxCxK, 2, ROW_TILE)
+        m_pad, _ = _pad_rows(mask_BxCxS, 1, ROW_TILE)
+        out = _attention_probs_values(q_pad, k_BxHxSxK, v_BxHxSxK, m_pad, scale,
+                                      q_BxCxHxK.dtype, _fp32_precision(q_pad, k_BxHxSxK),
+                                      softmax)[:, :, :C]
     return jnp.swapaxes(out, 1, 2)
 
 

@@ -26,9 +26,10 @@ def _rows_invariant(fn, x):
 @pytest.mark.parametrize("k, n", [(64, 128), (128, 384), (384, 128), (64, 1), (64, 58),
                                   (300, 4), (64, 17), (129, 33)])
 def test_matmul_rows_do_not_depend_on_the_row_count(k, n, dtype, out_dtype):
-    """Unpadded rows on the CPU: K > 128 is split (384, 300, 129), N padded to a multiple of 16;
-    without that, 1 row (matrix-vector), 2..48 rows (K = 384) and the last column of a single
-    row when N = 8j + 1 (17, 33) differed from 256 rows."""
+    """CPU: rows padded to a row tile (multiple of 8), K > 128 in 128-long blocks (384, 300,
+    129), N padded to a multiple of 16; without them 1 row (matrix-vector), 2..7 rows, 8..32-row
+    vs 40..256-row tiles with an unsplit K = 384, and the last column of a single row when
+    N = 8j + 1 (17, 33) differed from 256 rows."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((256, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
@@ -40,8 +41,8 @@ def test_matmul_rows_do_not_depend_on_the_row_count(k, n, dtype, out_dtype):
 def test_attention_query_rows_do_not_depend_on_how_many_ran(dtype, seq_len):
     """A query's output must not depend on the chunk it ran in (1 decode query, a deferred
     window, a whole teacher-forced sequence) nor on the batch: 1 query row was a matrix-vector
-    product and a key axis longer than 128 was split by the row count before QUERY_TILE
-    padding and the K_TILE split of the value product."""
+    product and a key axis longer than 128 was split by the row count before the query rows
+    were padded and the value product was cut into 128-key blocks."""
     rng = np.random.default_rng(2)
     B, C, H, K = 3, 64, 4, 32
     q = jnp.asarray(rng.standard_normal((B, C, H, K)), dtype)

@@ -1,0 +1,206 @@
+"""Row invariance of looprl.model.kernels at the real Ouro widths (issue 14): every weight shape
+of ouro-1.4b / ouro-2.6b (hidden 2048, 16 heads x 128, MLP 5632, vocabulary 49152; both presets
+share these widths), fp32 and bf16, raw bits. Each row of an M-row call must equal the same row
+of a large call, also when it sits at another position. The thread count is pinned by the test
+suite (`--xla_cpu_multi_thread_eigen=false`, tests/conftest.py via looprl.determinism)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from looprl.model import kernels as kn
+
+D, H, K, F, V = 2048, 16, 128, 5632, 49152
+WEIGHTS = {"q/k/v/o": (D, D), "gate/up": (D, F), "down": (F, D), "lm_head": (D, V),
+           "exit_gate": (D, 1)}
+BIG = 600  # default reference call: 600 rows (two 304-row tiles)
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+_CACHE = {}
+
+
+def _operands(name, dtype, rows):
+    key = (name, dtype, rows)
+    if key not in _CACHE:
+        i, o = WEIGHTS[name]
+        rng = np.random.default_rng(hash(name) % 2**32)
+        x = jnp.asarray(rng.standard_normal((rows, i)), dtype)
+        w = jnp.asarray(rng.standard_normal((i, o)) / np.sqrt(i), dtype)
+        _CACHE.clear()
+        _CACHE[key] = (x, w)
+    return _CACHE[key]
+
+
+def _check_rows(name, dtype, row_counts, big=BIG, out_dtype=None, cols=None):
+    x, w = _operands(name, dtype, big)
+    if cols is not None:  # lm_head: a column subsample keeps the fast test fast
+        w = w[:, :cols]
+    f = jax.jit(lambda a, b: kn.matmul(a, b, out_dtype))
+    ref = _bits(f(x, w))
+    bad = []
+    for m in row_counts:
+        if not np.array_equal(_bits(f(x[:m], w)), ref[:m]):
+            bad.append(("first", m))
+        off = min(37, big - m)  # the same rows at another position (another tile offset)
+        if not np.array_equal(_bits(f(x[off:off + m], w)), ref[off:off + m]):
+            bad.append(("at", off, m))
+    return bad
+
+
+FAST_ROWS = (1, 2, 3, 5, 7, 8, 17, 64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["gate/up", "down", "exit_gate"])
+def test_matmul_rows_do_not_depend_on_the_row_count_at_ouro_widths(name, dtype):
+    """Regression (issue 14): rows of a 2..7-row `[M, 2048] x [2048, 5632]` call differed from
+    the same rows of a 512-row call (fp32 and bf16) with unpadded rows and 128-long K slices
+    summed by XLA; M = 49 differed in row 48 alone with plain dots."""
+    assert _check_rows(name, dtype, FAST_ROWS, big=300) == []
+
+
+@pytest.mark.parametrize("dtype, out_dtype", [("float32", None), ("bfloat16", "float32")])
+def test_lm_head_rows_do_not_depend_on_the_row_count(dtype, out_dtype):
+    """The lm_head with fp32 output (lm_logits), on a 4096-column slice of the vocabulary
+    (the full 49152 columns run in the slow test)."""
+    assert _check_rows("lm_head", dtype, (1, 3, 8, 17), big=80, out_dtype=out_dtype,
+                       cols=4096) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(WEIGHTS))
+def test_matmul_rows_all_counts_at_ouro_widths(name, dtype):
+    rows = tuple(range(1, 65)) + (100, 300, 1000, 4096)
+    out_dtype = "float32" if name == "lm_head" else None
+    big = 4096 + 64
+    if name == "lm_head":
+        rows, big = tuple(range(1, 17)) + (64, 300, 1000), 1100
+    assert _check_rows(name, dtype, rows, big=big, out_dtype=out_dtype) == []
+
+
+def _attention_case(dtype, C, S, pad, seed=0):
+    rng = np.random.default_rng(seed)
+    B = 1
+    q = jnp.asarray(rng.standard_normal((B, C, H, K)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, S, H, K)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, S, H, K)), dtype)
+    return q, k, v
+
+
+def _attention_invariant(dtype, S, pad, counts, C_big):
+    """Queries at layout positions pad..pad+C_big-1 (left padding `pad`) over a fixed S-key
+    cache; chunks of `c` queries starting at several offsets must reproduce the big call."""
+    q, k, v = _attention_case(dtype, C_big, S, pad)
+    s = jnp.arange(S)
+
+    def mask_for(start, c):
+        qpos = pad + start + jnp.arange(c)
+        return ((s[None, :] >= pad) & (s[None, :] <= qpos[:, None]))[None]
+
+    f = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5))
+    ref = _bits(f(q, k, v, mask_for(0, C_big)))
+    bad = []
+    for c in counts:
+        for start in {0, C_big - c, (C_big - c) // 2}:
+            out = _bits(f(q[:, start:start + c], k, v, mask_for(start, c)))
+            if not np.array_equal(out, ref[:, start:start + c]):
+                bad.append((c, start))
+    return bad
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("pad", [0, 120])  # 120: the live keys straddle the first key block
+def test_attention_query_rows_do_not_depend_on_the_chunk_at_ouro_widths(dtype, pad):
+    assert _attention_invariant(dtype, S=512, pad=pad, counts=(1, 3, 8, 17), C_big=64) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("S, pad", [(4096, 0), (4096, 1000), (1024, 3), (1024, 128)])
+def test_attention_query_rows_all_counts(dtype, S, pad):
+    assert _attention_invariant(dtype, S=S, pad=pad, counts=tuple(range(1, 65)),
+                                C_big=512) == []
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w\-]+)\((.*?)\)(.*)$")
+
+
+def _dots(text):
+    """(lhs dims, rhs dims, out dims, attributes) of every dot in an optimized HLO text; fails on
+    convolutions or custom calls (a dot in another disguise)."""
+    dims, found = {}, []
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, operands, attrs = m.groups()
+        dims[name] = [int(d) for d in shape.split(",") if d]
+        assert op not in ("convolution", "custom-call"), line
+        if op == "dot":
+            lhs, rhs = [o.strip().split(" ")[-1] for o in operands.split(",")[:2]]
+            found.append((lhs, rhs, dims[name], attrs))
+    return [(dims[lhs], dims[rhs], out, attrs) for lhs, rhs, out, attrs in found]
+
+
+@pytest.mark.parametrize("name", ["gate/up", "down", "exit_gate"])
+def test_every_dot_of_a_weight_has_one_shape(name):
+    """Structural: in the optimized program of an M-row matmul (M in 1, 3, 7, 64, 300) every dot
+    is `[T, kb] x [kb, O16]` per batch element (T a multiple of 8 up to ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded
+    to N_MIN), and one program holds one such shape whatever M."""
+    i, o = WEIGHTS[name]
+    w = jax.ShapeDtypeStruct((i, o), jnp.float32)
+    o16 = -(-o // kn.N_MIN) * kn.N_MIN
+    for m in (1, 3, 7, 64, 300):
+        x = jax.ShapeDtypeStruct((m, i), jnp.float32)
+        dots = _dots(jax.jit(kn.matmul).lower(x, w).compile().as_text())
+        assert dots, m
+        shapes = set()
+        for lhs, rhs, out, attrs in dots:
+            lc = int(re.search(r"lhs_contracting_dims=\{(\d+)\}", attrs).group(1))
+            batch = len(re.search(r"lhs_batch_dims=\{([\d,]*)\}", attrs).group(1).split(",")) \
+                if "lhs_batch_dims" in attrs else 0
+            kb = lhs[lc]
+            rows = [d for j, d in enumerate(lhs) if j != lc and j >= batch]
+            shapes.add((tuple(rows), kb, out[-1]))
+        assert len(shapes) == 1, (m, shapes)
+        (rows, kb, cols), = shapes
+        assert len(rows) == 1 and rows[0] % kn.ROW_QUANTUM == 0 and rows[0] <= kn.ROW_TILE_MAX and kb <= kn.K_BLOCK and cols == o16, \
+            (m, shapes)
+
+
+def _check_tiles(name, dtype, tiles, rows=512, monkeypatch=None):
+    """Every row of a `rows`-row call with the row tile forced to each of `tiles` (multiples of
+    8, most not powers of two) must equal the same row with the default tile."""
+    x, w = _operands(name, dtype, rows)
+    ref = _bits(jax.jit(kn.matmul)(x, w))
+    bad = []
+    for t in tiles:
+        monkeypatch.setattr(kn, "_row_tile_for", lambda m, t=t: t)
+        if not np.array_equal(_bits(jax.jit(kn.matmul)(x, w)), ref):
+            bad.append(t)
+    monkeypatch.undo()
+    return bad
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
+    """Argument (3) of the module doc: any multiple of 8 rows gives a row the same bits, so the
+    tile is `round_up_8(ceil(M / tiles))`, not a power of two; forced tiles of 8..512 rows (the
+    512 rows then sit at other offsets in other tiles, the last tile part padding) all agree."""
+    assert _check_tiles("gate/up", dtype, (8, 24, 104, 304, 504), monkeypatch=monkeypatch) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["q/k/v/o", "down", "exit_gate"])
+def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatch):
+    tiles = (8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344, 400, 456, 504, 512)
+    assert _check_tiles(name, dtype, tiles, monkeypatch=monkeypatch) == []
