@@ -67,10 +67,15 @@ The construction (CPU):
   `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
   matmuls of one shape: scores `[T, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
   and the value product `[T, 128] x [128, K]` per (b, h, key block), the key axis padded to a
-  multiple of 128 (masked keys, probability exactly 0; 16 for caches of <= 128 keys) and its
-  blocks summed in order. The key blocks are cut at fixed key positions (multiples of 128 of
-  the fixed-length cache), not at the padding or the live prefix. The queries are the row side,
-  so the matmul argument applies.
+  multiple of 128 (masked keys, probability exactly 0) and its blocks summed in order. Before
+  the dots each row's key axis is rotated (an exact gather) so that its first live key sits in
+  slot 0: the blocks are then cut at the row's own token positions 0, 128, 256, ..., whatever
+  its left padding or the batch's cache length. Argument: a row's live keys meet the same
+  block boundaries in every batch; the slots after them are masked, so their blocks add exact
+  zeros (`p * 0 = 0`, `x + 0 = x`) and the softmax sum (a `rowsum`, the same 128-long blocks)
+  likewise; the max is order-free. Without the rotation a prompt whose keys straddled slot 128
+  in a larger prompt bucket summed them in two blocks (the needle test,
+  tests/sampling/test_needle.py). The queries are the row side, so the matmul argument applies.
 * `rowsum` (RMSNorm's mean of squares, softmax sums): `matmul` of x with a literal `[D, 16]`
   ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce).
 * `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
@@ -346,16 +351,30 @@ def _attention_probs_values(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, mask_BxTxS, scale, 
     return acc.astype(dtype)
 
 
+def _keys_from_first_live(x, offset_B, axis: int):
+    """`x` with each row's key axis rotated left by its offset: key slot s holds the key at
+    `(s + offset_b) mod S`. Exact (a gather); the rotated-out leading slots are masked ones."""
+    S = x.shape[axis]
+    idx = (jnp.arange(S)[None, :] + offset_B[:, None]) % S  # [B, S]
+    shape = [1] * x.ndim
+    shape[0], shape[axis] = idx.shape
+    return jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
+
+
 def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
-    """CPU form: key axis padded to N_MIN (masked), K/V cast to fp32 once (XLA would convert
-    bf16 operands at every dot), queries in row tiles (`_row_tile_for(C)`) in one `lax.map`."""
+    """CPU form: key axis padded to a multiple of K_BLOCK (masked) and rotated per row so that
+    the row's first live key sits in slot 0 (key blocks aligned to the row's token positions,
+    not to its left padding), K/V cast to fp32 once (XLA would convert bf16 operands at every
+    dot), queries in row tiles (`_row_tile_for(C)`) in one `lax.map`."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    S = k_BxHxSxK.shape[2]
-    s_tile = N_MIN if S <= K_BLOCK else K_BLOCK  # longer key axes: whole 128-key blocks
-    k32, _ = _pad_rows(k_BxHxSxK.astype(jnp.float32), 2, s_tile)
-    v32, _ = _pad_rows(v_BxHxSxK.astype(jnp.float32), 2, s_tile)
-    mask, _ = _pad_rows(mask_BxCxS, 2, s_tile)
+    k32, _ = _pad_rows(k_BxHxSxK.astype(jnp.float32), 2, K_BLOCK)
+    v32, _ = _pad_rows(v_BxHxSxK.astype(jnp.float32), 2, K_BLOCK)
+    mask, _ = _pad_rows(mask_BxCxS, 2, K_BLOCK)
+    offset_B = jnp.argmax(jnp.any(mask, axis=1), axis=-1)  # first key any query may see
+    k32 = _keys_from_first_live(k32, offset_B, 2)
+    v32 = _keys_from_first_live(v32, offset_B, 2)
+    mask = _keys_from_first_live(mask, offset_B, 2)
 
     def tile(qm):
         q_BxHxTxK, mask_BxTxS = qm
@@ -405,9 +424,10 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
 
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
-    On the CPU the key axis is padded to a multiple of N_MIN (masked keys) and the queries run
-    in row tiles (multiples of 8), both dots over the whole key axis (module doc), backward by plain
-    dots (`jax.custom_vjp`); elsewhere query rows are padded to ROW_TILE and fp32 dots run at
+    On the CPU the key axis is padded to a multiple of 128 (masked keys) and rotated per row to
+    start at its first live key, the queries run in row tiles (multiples of 8), both dots over
+    the whole key axis in 128-key blocks (module doc), backward by plain dots
+    (`jax.custom_vjp`); elsewhere query rows are padded to ROW_TILE and fp32 dots run at
     `Precision.HIGHEST`.
 
     Args:
