@@ -26,8 +26,8 @@ CONFIG = MAIN.replace(
     name="mismatch_study",
     learner=MAIN.learner.replace(minibatches=4, ppo_epochs=2, measure_stock=False),
     rollout=MAIN.rollout.replace(prompts_per_step=16, group_size=8),
-    eval=MAIN.eval.replace(eval_problems=300, eval_batch_size=300),
-    run=MAIN.run.replace(out_dir="runs/mismatch/short", grpo_steps=40, progress_bar=False,
+    eval=MAIN.eval.replace(eval_problems=200, eval_batch_size=200, eval_every_steps=10),
+    run=MAIN.run.replace(out_dir="runs/mismatch/short", grpo_steps=30, progress_bar=False,
                          checkpoint_every_steps=1000, tensorboard=False),
 )
 SHARED_WARM_START = True
