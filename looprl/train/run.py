@@ -16,7 +16,8 @@ The run directory (`run.out_dir`) receives:
                          params_sha256 of each (`looprl.train.resume`)
   checkpoint/            final looprl checkpoint (params + model_config.json + tokenizer.json)
   summary.json           eval_accuracy_before/after, eval_problems, grpo_steps,
-                         resumed_from_step, params_sha256, wall_s, ...
+                         resumed_from_step, params_sha256, wall_s,
+                         replay_exact_fraction_min, inexact_replay_steps, ...
   failure.json           only when a step failed (non-finite loss/gradient): the diagnostic
   preempted.json         only when SIGTERM stopped the run: the step and checkpoint to resume
 
@@ -34,6 +35,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -219,6 +221,8 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                     raise
                 f.write(json.dumps(m) + "\n")
                 f.flush()
+                if main and m["replay_exact_fraction"] < 1.0:
+                    _warn_inexact(m, bar)
                 if writer is not None:
                     for k, v in m.items():
                         if k != "step" and isinstance(v, (int, float)) and np.isfinite(v):
@@ -298,6 +302,14 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
     after = before if n_steps == 0 else evaluate(mcfg, params, warm_task, tokenizer, cfg,
                                                  eval_set)
     say(f"eval after GRPO: {after}")
+    replay = _replay_record(out / "metrics.jsonl") if main else {}
+    if replay.get("inexact_replay_steps"):
+        print(f"looprl train: warning: {replay['inexact_replay_steps']} of "
+              f"{replay['replay_steps']} GRPO steps replayed inexactly (replay_exact_fraction "
+              f"min {replay['replay_exact_fraction_min']:.4f}); see `looprl verify`",
+              file=sys.stderr, flush=True)
+    elif replay.get("replay_steps"):
+        say(f"replay exact at all {replay['replay_steps']} GRPO steps")
     save_model_checkpoint(out / "checkpoint", params, mcfg, tok_json,
                           extra_meta={"stage": "grpo", "grpo_steps": n_steps}, overwrite=True)
     report = begin.warm_start_report
@@ -312,10 +324,40 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                "exit_threshold": cfg.rollout.exit_threshold,
                "warm_start_steps": report.get("stage1_steps"),
                "warm_start_plateaued": report.get("plateaued"),
-               "seed": cfg.run.seed}
+               "seed": cfg.run.seed,
+               "replay_exact_fraction_min": replay.get("replay_exact_fraction_min"),
+               "inexact_replay_steps": replay.get("inexact_replay_steps")}
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _warn_inexact(m: dict[str, Any], bar) -> None:
+    """The console line for a GRPO step whose replay was not bit-exact (stderr, also when
+    quiet: it is a failure of the bit claim, not progress)."""
+    line = (f"looprl train: warning: GRPO step {m['step']}: replay_exact_fraction "
+            f"{m['replay_exact_fraction']:.4f} < 1 (ratio {m['ratio_min']:.4f}.."
+            f"{m['ratio_max']:.4f}, replay_impl {m['replay_impl']}): the learner does not "
+            f"reproduce the sampler's log-probs; check this backend with `looprl verify`")
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _replay_record(metrics_path: Path) -> dict[str, Any]:
+    """{"replay_steps", "replay_exact_fraction_min" (None without steps),
+    "inexact_replay_steps"} over every row of metrics.jsonl (a resumed run's too)."""
+    fracs = []
+    if metrics_path.exists():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                fracs.append(float(json.loads(line)["replay_exact_fraction"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+    return {"replay_steps": len(fracs),
+            "replay_exact_fraction_min": min(fracs) if fracs else None,
+            "inexact_replay_steps": sum(f < 1.0 for f in fracs)}
 
 
 def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:
