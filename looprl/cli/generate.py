@@ -12,6 +12,7 @@ from pathlib import Path
 
 from looprl.errors import CheckpointError, SamplingError
 from looprl.io.convert import load_any_checkpoint
+from looprl.model.looped import device_params
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tokenizer import chat_prompt, tokenizer_from_json
 
@@ -42,6 +43,7 @@ def run(args) -> int:
     check_args(args)
     q = 1.0 if args.exit_threshold is None else args.exit_threshold
     params, cfg, tok_json, meta = load_any_checkpoint(args.checkpoint)
+    params = device_params(params)
     if tok_json is None:
         raise CheckpointError(f"{args.checkpoint}: no tokenizer.json (convert with --tokenizer)")
     tok = tokenizer_from_json(tok_json)
