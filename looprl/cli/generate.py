@@ -32,6 +32,16 @@ def check_args(args) -> None:
                                 f"does not exist")
 
 
+def generation_timings(timings: dict, n_tokens: int) -> dict:
+    """{prefill_s, decode_s (wall seconds, compilation included), decode_tokens_per_s}: the
+    tokens after the first (prefill emits the first) over the decode seconds; 0.0 when no
+    decode step ran."""
+    decode_s = float(timings.get("decode_s", 0.0))
+    rate = (n_tokens - 1) / decode_s if decode_s > 0 and n_tokens > 1 else 0.0
+    return {"prefill_s": float(timings["prefill_s"]), "decode_s": decode_s,
+            "decode_tokens_per_s": rate}
+
+
 def run(args) -> int:
     """Sample one completion and print it (text with one line per token, or `--json`); with
     `--save-rollout FILE` also write the RolloutBatch (in both modes). Raises SamplingError for
@@ -63,8 +73,9 @@ def run(args) -> int:
     def progress(done, total):
         bar.update(done - bar.n)
 
+    timings: dict = {}
     batch = generate(cfg, params, [ids], scfg, seed=args.seed, decode_steps_per_call=32,
-                     progress=progress)
+                     progress=progress, timings=timings)
     bar.close()
     P = batch.schedule.prompt_len
     n = int(batch.completion_len_B[0])
@@ -73,12 +84,16 @@ def run(args) -> int:
     lps = batch.logprob_BxS[0, P - 1:P - 1 + n].tolist()
     if args.save_rollout:
         batch.save(Path(args.save_rollout).expanduser())
+    timing = generation_timings(timings, n)
+    print(f"# prefill {timing['prefill_s']:.3f} s ({len(ids)} prompt tokens), decode "
+          f"{timing['decode_s']:.3f} s, {timing['decode_tokens_per_s']:.2f} tokens/s",
+          file=sys.stderr, flush=True)
     depth = f"fixed_depth={args.fixed_depth}" if args.fixed_depth is not None else f"q={q}"
     if args.json:
         print(json.dumps({"completion": tok.decode_completion(toks), "tokens": toks,
                           "exit_loops": exits, "logprobs": lps,
                           "mean_exit_loop": sum(exits) / max(len(exits), 1),
-                          "rollout_file": args.save_rollout or None}))
+                          "rollout_file": args.save_rollout or None, "timings": timing}))
         return 0
     print(tok.decode_completion(toks))
     print(f"# {n} tokens, mean exit loop {sum(exits) / max(n, 1):.2f} of {cfg.total_ut_steps} "

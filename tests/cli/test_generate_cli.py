@@ -93,3 +93,25 @@ def test_generate_fixed_depth_alone_exits_at_that_depth(ckpt, capsys):
     assert _gen(ckpt, "--fixed-depth", "2", "--json") == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["exit_loops"]) == {2}
+
+
+def test_generate_prints_its_timings_on_stderr_and_in_json(ckpt, capsys):
+    """Issue 19: prefill seconds and decode tokens/s, on stderr and under --json "timings"."""
+    import re
+    assert _gen(ckpt, "--json") == 0
+    cap = capsys.readouterr()
+    t = json.loads(cap.out.strip().splitlines()[-1])["timings"]
+    n = len(json.loads(cap.out.strip().splitlines()[-1])["tokens"])
+    assert t["prefill_s"] > 0 and t["decode_s"] >= 0
+    if n > 1:
+        assert t["decode_tokens_per_s"] == (n - 1) / t["decode_s"]
+    m = re.search(r"# prefill ([0-9.]+) s \((\d+) prompt tokens\), decode ([0-9.]+) s, "
+                  r"([0-9.]+) tokens/s", cap.err)
+    assert m and float(m.group(4)) == round(t["decode_tokens_per_s"], 2)
+
+
+def test_generation_timings_without_decode_steps_is_zero_rate():
+    from looprl.cli.generate import generation_timings
+    assert generation_timings({"prefill_s": 0.5}, 1) == {"prefill_s": 0.5, "decode_s": 0.0,
+                                                         "decode_tokens_per_s": 0.0}
+    assert generation_timings({"prefill_s": 0.5, "decode_s": 2.0}, 5)["decode_tokens_per_s"] == 2.0
