@@ -17,7 +17,8 @@ The run directory (`run.out_dir`) receives:
   checkpoint/            final looprl checkpoint (params + model_config.json + tokenizer.json)
   summary.json           eval_accuracy_before/after, eval_problems, grpo_steps,
                          resumed_from_step, params_sha256, wall_s,
-                         replay_exact_fraction_min, inexact_replay_steps, ...
+                         replay_exact_fraction_min, inexact_replay_steps,
+                         model_config (the model's actual shape), num_params, ...
   failure.json           only when a step failed (non-finite loss/gradient): the diagnostic
   preempted.json         only when SIGTERM stopped the run: the step and checkpoint to resume
 
@@ -52,7 +53,7 @@ from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process, sync
 from looprl.errors import CheckpointError, ConfigError, TrainingError
 from looprl.io.checkpoint import load_model_checkpoint, params_sha256, save_model_checkpoint
-from looprl.model.config import from_model_section
+from looprl.model.config import from_model_section, shape_note
 from looprl.model.looped import init_params
 from looprl.rl.evaluation import evaluate
 from looprl.rl.learner import GRPOLearner
@@ -110,6 +111,9 @@ def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bo
         params, mcfg, ckpt_tokenizer, _ = load_model_checkpoint(
             Path(cfg.model.checkpoint).resolve())
         say(f"loaded {cfg.model.checkpoint}")
+        note = shape_note(cfg.model, mcfg)
+        if note and main:
+            print(f"looprl train: {note}", file=sys.stderr, flush=True)
     else:
         mcfg = from_model_section(cfg.model)
         params = init_params(mcfg, cfg.run.seed)
@@ -326,7 +330,8 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                "warm_start_plateaued": report.get("plateaued"),
                "seed": cfg.run.seed,
                "replay_exact_fraction_min": replay.get("replay_exact_fraction_min"),
-               "inexact_replay_steps": replay.get("inexact_replay_steps")}
+               "inexact_replay_steps": replay.get("inexact_replay_steps"),
+               "model_config": mcfg.to_dict(), "num_params": mcfg.num_params}
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
