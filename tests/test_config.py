@@ -193,3 +193,17 @@ def test_cross_section_checks_name_their_keys():
         C.apply_overrides(C.ExperimentConfig(), ["microbatch_size=5"])
     with pytest.raises(ConfigError, match=r"'rollout.fixed_exit_loop': expected an int in \[1, 2\]"):
         C.apply_overrides(C.ExperimentConfig(), ["total_ut_steps=2", "fixed_exit_loop=3"])
+
+
+def test_shape_note_names_both_shapes_when_a_checkpoint_differs_from_its_preset():
+    """Issue 19: the ouro-1.4b preset silently took a 6-layer checkpoint."""
+    from looprl.config import ModelConfig
+    from looprl.model.config import preset, shape_note
+    section = ModelConfig(preset="ouro-1.4b")
+    assert shape_note(section, preset("ouro-1.4b")) is None
+    assert shape_note(section, preset("ouro-1.4b", vocab_size=100)) is None  # vocab: checkpoint's
+    six = preset("ouro-1.4b", num_layers=6)
+    note = shape_note(section, six)
+    assert "num_layers 24->6" in note and "'ouro-1.4b'" in note
+    assert f"{six.num_params:,} params" in note and "\n" not in note
+    assert shape_note(ModelConfig(preset="ouro-1.4b", num_layers=6), six) is None

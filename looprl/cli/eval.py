@@ -60,6 +60,7 @@ from looprl.determinism import environment
 from looprl.errors import CheckpointError, ConfigError
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
 from looprl.io.convert import load_any_checkpoint
+from looprl.model.looped import device_params
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
 from looprl.sampling.sampler import SamplingConfig
 from looprl.tasks import get_task, task_names
@@ -188,7 +189,7 @@ def _load(checkpoint: str):
     if tok.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{checkpoint}: tokenizer.json has {tok.vocab_size} ids, the model's "
                               f"vocabulary only {cfg.vocab_size}")
-    return params, cfg, tok
+    return device_params(params), cfg, tok  # on the device once, for every batch
 
 
 def evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg, *, batch_size: int,

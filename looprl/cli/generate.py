@@ -17,6 +17,7 @@ from pathlib import Path
 
 from looprl.errors import CheckpointError, SamplingError
 from looprl.io.convert import load_any_checkpoint
+from looprl.model.looped import device_params
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tokenizer import chat_prompt, tokenizer_from_json
 
@@ -29,6 +30,8 @@ def check_args(args) -> None:
         raise SamplingError(f"--fixed-depth {args.fixed_depth} and --exit-threshold "
                             f"{args.exit_threshold} both given: a fixed depth replaces the "
                             f"Q-exit rule, pass only one")
+    if args.num_samples < 1:
+        raise SamplingError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.save_rollout:
         parent = Path(args.save_rollout).expanduser().parent
         if not parent.is_dir():
@@ -59,17 +62,28 @@ def check_finite_logprobs(lps, toks, checkpoint) -> None:
                                 f"weights)")
 
 
-def run(args) -> int:
-    """Sample one completion and print it (text with one line per token, or `--json`); with
-    `--save-rollout FILE` also write the RolloutBatch (in both modes). Raises SamplingError for
-    bad arguments (checked before sampling, see `check_args`) and CheckpointError for a missing
-    or tokenizer-less checkpoint."""
-    from tqdm import tqdm
+def generation_timings(timings: dict, n_tokens: int) -> dict:
+    """{prefill_s, decode_s (wall seconds, compilation included), decode_tokens_per_s}: the
+    tokens after the first (prefill emits the first) over the decode seconds; 0.0 when no
+    decode step ran."""
+    decode_s = float(timings.get("decode_s", 0.0))
+    rate = (n_tokens - 1) / decode_s if decode_s > 0 and n_tokens > 1 else 0.0
+    return {"prefill_s": float(timings["prefill_s"]), "decode_s": decode_s,
+            "decode_tokens_per_s": rate}
 
+
+def run(args) -> int:
+    """Sample `--num-samples` completions of the prompt in one batch and print them (text with
+    one line per token, or `--json`); with `--save-rollout FILE` also write the RolloutBatch (in
+    both modes). Prefill seconds and decode tokens/s go to stderr (and `--json`'s "timings").
+    Raises SamplingError for bad arguments (checked before sampling, see `check_args`) or a
+    non-finite log-prob, CheckpointError for a missing, damaged or tokenizer-less checkpoint."""
+    from tqdm import tqdm
 
     check_args(args)
     q = 1.0 if args.exit_threshold is None else args.exit_threshold
     params, cfg, tok_json, meta = load_any_checkpoint(args.checkpoint)
+    params = device_params(params)
     if tok_json is None:
         raise CheckpointError(f"{args.checkpoint}: no tokenizer.json (convert with --tokenizer)")
     tok = tokenizer_from_json(tok_json)
@@ -78,43 +92,52 @@ def run(args) -> int:
     if not args.prompt:
         raise SamplingError("--prompt is empty")
     ids = tok.encode(text)
+    stop_ids = () if args.ignore_eos else tuple(meta.get("stop_ids") or (tok.end_of_turn_id,))
     scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, exit_threshold=q,
                           fixed_depth=args.fixed_depth, kv_policy=args.kv_policy,
-                          compute_dtype=args.dtype,
-                          stop_ids=tuple(meta.get("stop_ids") or (tok.end_of_turn_id,)),
-                          kernels=args.kernels)
+                          compute_dtype=args.dtype, stop_ids=stop_ids, kernels=args.kernels)
     bar = tqdm(total=args.max_new_tokens, desc="decode", unit="tok", disable=not sys.stderr.isatty()
                or args.max_new_tokens < 64, leave=False)
 
     def progress(done, total):
         bar.update(done - bar.n)
 
-    batch = generate(cfg, params, [ids], scfg, seed=args.seed, decode_steps_per_call=32,
-                     progress=progress)
+    timings: dict = {}
+    batch = generate(cfg, params, [ids], scfg, group_size=args.num_samples, seed=args.seed,
+                     decode_steps_per_call=32, progress=progress, timings=timings)
     bar.close()
     P = batch.schedule.prompt_len
-    n = int(batch.completion_len_B[0])
-    toks = batch.tokens_BxS[0, P:P + n].tolist()
-    exits = batch.exit_loop_BxS[0, P - 1:P - 1 + n].tolist()
-    lps = batch.logprob_BxS[0, P - 1:P - 1 + n].tolist()
-    check_finite_logprobs(lps, toks, args.checkpoint)
+    samples = []
+    for b in range(args.num_samples):
+        n = int(batch.completion_len_B[b])
+        toks = batch.tokens_BxS[b, P:P + n].tolist()
+        exits = batch.exit_loop_BxS[b, P - 1:P - 1 + n].tolist()
+        lps = batch.logprob_BxS[b, P - 1:P - 1 + n].tolist()
+        check_finite_logprobs(lps, toks, args.checkpoint)
+        samples.append({"completion": tok.decode_completion(toks), "tokens": toks,
+                        "exit_loops": exits, "logprobs": lps,
+                        "mean_exit_loop": sum(exits) / max(len(exits), 1)})
     if args.save_rollout:
         batch.save(Path(args.save_rollout).expanduser())
+    timing = generation_timings(timings, max(len(s["tokens"]) for s in samples))
+    print(f"# prefill {timing['prefill_s']:.3f} s ({len(ids)} prompt tokens, "
+          f"{args.num_samples} rows), decode {timing['decode_s']:.3f} s, "
+          f"{timing['decode_tokens_per_s']:.2f} tokens/s per row", file=sys.stderr, flush=True)
     depth = f"fixed_depth={args.fixed_depth}" if args.fixed_depth is not None else f"q={q}"
-    if args.json:
-        print(json.dumps({"completion": tok.decode_completion(toks), "tokens": toks,
-                          "exit_loops": exits, "logprobs": lps,
-                          "mean_exit_loop": sum(exits) / max(len(exits), 1),
-                          "rollout_file": args.save_rollout or None}, allow_nan=False))
+    if args.json:  # the first sample's fields at the top level (one sample: as before)
+        print(json.dumps({**samples[0], "samples": samples,
+                          "rollout_file": args.save_rollout or None, "timings": timing},
+                         allow_nan=False))
         return 0
-    print(tok.decode_completion(toks))
-    print(f"# {n} tokens, mean exit loop {sum(exits) / max(n, 1):.2f} of {cfg.total_ut_steps} "
-          f"(kv_policy={args.kv_policy}, {depth})")
-    for t, k, lp in zip(toks, exits, lps):
-        print(f"{tok.decode([t])!r:>12}  exit_loop={k}  logprob={lp:.4f}")
+    for i, s in enumerate(samples):
+        if args.num_samples > 1:
+            print(f"# sample {i}")
+        print(s["completion"])
+        print(f"# {len(s['tokens'])} tokens, mean exit loop {s['mean_exit_loop']:.2f} of "
+              f"{cfg.total_ut_steps} (kv_policy={args.kv_policy}, {depth})")
+        for t, k, lp in zip(s["tokens"], s["exit_loops"], s["logprobs"]):
+            print(f"{tok.decode([t])!r:>12}  exit_loop={k}  logprob={lp:.4f}")
     if args.save_rollout:
         print(f"# rollout saved to {args.save_rollout}")
     return 0
-
-

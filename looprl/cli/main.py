@@ -105,6 +105,11 @@ def _add_generate(sub):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="sample N completions of the prompt in one batch (default 1)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="decode all --max-new-tokens (no stop ids), e.g. for a rollout that "
+                        "`looprl verify --rollout` accepts (>= 512 sampled tokens)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kernels", default="invariant", choices=["invariant", "stock"],
                    help="invariant (default): replayable by the learner's dense pass; stock: "

@@ -18,7 +18,7 @@ from looprl.errors import ConfigError, SamplingError
 from looprl.io.checkpoint import load_model_checkpoint
 from looprl.io.params_npz import load_rollout_params, save_params_npz
 from looprl.model.config import OuroConfig, from_model_section, preset
-from looprl.model.looped import init_params
+from looprl.model.looped import device_params, init_params
 from looprl.sampling.schedule import RolloutBatch
 from looprl.tasks.arithmetic import ArithmeticTask
 from looprl.tokenizer import tokenizer_from_json
@@ -43,7 +43,7 @@ def _load_weights(args, opts: VerifyOptions, log):
     tokenizer = task.tokenizer()
     if args.checkpoint:
         params, cfg, tok_json, meta = load_model_checkpoint(args.checkpoint)
-        params = jax.tree.map(np.asarray, params)
+        params = device_params(jax.tree.map(np.asarray, params))
         if tok_json:
             tokenizer = tokenizer_from_json(tok_json)
         setup.update(checkpoint=str(args.checkpoint), checkpoint_meta_keys=sorted(meta))
@@ -168,6 +168,7 @@ def run(args) -> int:
             params = jax.tree.map(np.asarray, params)
         else:
             params, cfg = load_rollout_params(Path(args.rollout))
+        params = device_params(params)  # on the device once, for every cell's calls
         cells = verify_rollout(cfg, params, rb, opts, weights="checkpoint", log=log, notes=notes)
         setup = {"rollout": str(args.rollout), "checkpoint": args.checkpoint,
                  "schedule": rb.schedule.to_dict(), "replay_impl": opts.replay_impl,

@@ -270,6 +270,11 @@ class LearnerConfig(_Section):
     train_gate: bool = False              # add the stage-II gate loss (gate frozen otherwise)
     gate_loss_coef: float = 1.0
     measure_stock: bool = True            # also run `stock` to log stock_max_abs_diff
+    # stop the run (TrainingError) at the first GRPO step whose replay_exact_fraction < 1.0;
+    # none = auto: true where exactness is claimed (XLA CPU, rollout.kernels=invariant and
+    # replay_impl resolving to invariant: `looprl.rl.learner.resolve_require_exact`), else false
+    # (an inexact step then only warns on the console and is counted in summary.json)
+    require_exact: Optional[bool] = None
 
     def _validate(self):
         self._require(self.logprob_method != "replay", "logprob_method",

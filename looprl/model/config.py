@@ -179,6 +179,21 @@ def preset(name: str, **overrides) -> OuroConfig:
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "total_ut_steps")
 
 
+def shape_note(section, cfg: OuroConfig) -> str | None:
+    """None when `cfg` (a loaded checkpoint's config) has the shape the `model` section names
+    (`SHAPE_KEYS` plus the head layout; the vocabulary is the checkpoint's), else the one-line
+    note that the checkpoint's shape is used: both shapes, `key preset->checkpoint`. The
+    checkpoint is the model (issue 19: the `ouro-1.4b` preset silently took a 6-layer one)."""
+    named = from_model_section(section)
+    keys = SHAPE_KEYS + ("num_kv_heads", "head_dim")
+    diff = [f"{k} {getattr(named, k)}->{getattr(cfg, k)}" for k in keys
+            if getattr(named, k) != getattr(cfg, k)]
+    if not diff:
+        return None
+    return (f"note: model.checkpoint's shape differs from model.preset {section.preset!r} "
+            f"({', '.join(diff)}): the checkpoint's shape is used ({cfg.num_params:,} params)")
+
+
 def from_model_section(section, vocab_size: int | None = None) -> OuroConfig:
     """The `OuroConfig` an experiment's `model` section (`looprl.config.ModelConfig`) describes:
     its preset with the section's shape overrides (`SHAPE_KEYS`; None keeps the preset's).

@@ -1,4 +1,5 @@
 """Batch-invariant kernels: the numerics that make sampler and learner agree bit for bit.
+One concept, kept in one file: every kernel shares the construction and its argument below.
 
 Every matmul whose row count differs between the sampler (1 query per decode step, a chunk of
 pending positions, a prefill) and the learner (the whole teacher-forced sequence, another

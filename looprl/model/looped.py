@@ -80,8 +80,33 @@ class LoopedLM(nnx.Module):
         return param_dict(self)
 
     def __call__(self, tokens_BxS: jax.Array) -> ModelOutput:
-        return all_loop_outputs(self.cfg, cast_weights(self.weights(), self.compute_dtype),
-                                tokens_BxS)
+        return _inspect_forward(self.cfg, self.compute_dtype.name, self.weights(),
+                                jnp.asarray(tokens_BxS, jnp.int32))
+
+
+def _inspect_forward_impl(cfg: OuroConfig, dtype: str, weights: dict, tokens_BxS):
+    return all_loop_outputs(cfg, cast_weights(weights, dtype), tokens_BxS)
+
+
+# `LoopedLM.__call__` as one compiled program per (config, dtype, token shape): a second call at
+# the same shape reuses it (issue 19: the `load_hf` model ran op by op, no faster the second time)
+_inspect_forward = jax.jit(_inspect_forward_impl, static_argnums=(0, 1))
+
+
+def device_params(params: dict) -> dict:
+    """Put a nested parameter dict on the default device, leaf by leaf and **in place**: each
+    numpy leaf is replaced by its `jax.Array` as soon as it is copied, so the host copy can be
+    freed before the next leaf moves (peak: the tree plus one leaf, not two trees). jax-array
+    leaves are kept. Returns `params` (the same dict). Callers that sample or evaluate many
+    times do this once, so no compiled call receives numpy parameters (a host-to-device copy
+    per call off the CPU, and a fingerprint pass per call: numpy trees are not cached)."""
+    for k, v in list(params.items()):
+        if isinstance(v, dict):
+            device_params(v)
+        elif not isinstance(v, jax.Array):
+            params[k] = jax.device_put(v)
+            del v
+    return params
 
 
 def param_dict(model: LoopedLM) -> dict:

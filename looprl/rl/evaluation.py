@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 from looprl.config import ExperimentConfig
@@ -26,6 +27,8 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
     loop of each completion token, DESIGN.md §3). `progress(n)` is called after each batch with
     its number of problems.
     """
+    if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+        params = jax.device_put(params)  # once for every batch (numpy trees: a copy per call)
     rows = []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]

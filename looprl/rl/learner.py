@@ -5,7 +5,9 @@ One GRPO step (`GRPOLearner.step`):
      prompt indices = the problems' global ids), recording the schedule;
   2. rewards from the task's verifier; `group_advantages` per group;
   3. measurements at the sampler's parameters (before any update): `replay_exact_fraction`
-     (replay vs recorded log-probs, raw bits, emitting positions; must be 1.0), and
+     (replay vs recorded log-probs, raw bits, emitting positions; must be 1.0; with
+     `learner.require_exact` (auto: on where exactness is claimed) a lower value raises
+     TrainingError before any update), and
      `stock_max_abs_diff` (the `stock` method vs recorded); the k3 KL to the reference policy;
      with loop credit, the old per-loop log-probs (`loop_logprobs` at the sampler's parameters);
   4. `ppo_epochs` x `minibatches` optimizer updates; each minibatch's loss normaliser is computed
@@ -73,6 +75,17 @@ def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> st
         return impl
     backend = backend or jax.default_backend()
     return "invariant" if backend == "cpu" and cfg.rollout.kernels == "invariant" else "forced"
+
+
+def resolve_require_exact(cfg: ExperimentConfig, replay_impl: str,
+                          backend: str | None = None) -> bool:
+    """`learner.require_exact` with none (auto) resolved: true where the README claims exact
+    replay (XLA CPU, `rollout.kernels=invariant`, `replay_impl` resolved to "invariant"), false
+    elsewhere (forced replay and GPU/TPU, where exactness is measured rather than claimed)."""
+    if cfg.learner.require_exact is not None:
+        return bool(cfg.learner.require_exact)
+    backend = backend or jax.default_backend()
+    return backend == "cpu" and cfg.rollout.kernels == "invariant" and replay_impl == "invariant"
 
 
 def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformation:
@@ -153,6 +166,7 @@ class GRPOLearner:
         self.scfg = sampling_config(cfg)
         r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
         self.replay_impl = resolve_replay_impl(cfg)
+        self.require_exact = resolve_require_exact(cfg, self.replay_impl)
         self.spec = LossSpec(
             cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=cfg.model.compute_dtype,
             temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
@@ -276,6 +290,13 @@ class GRPOLearner:
             replay_lp, replay_lpp = batch_logprobs(self.model_cfg, self.params, batch,
                                                    "replay", mesh=self.mesh)
         replay_exact = bits_equal_fraction(replay_lp, recorded, emit)
+        if self.require_exact and replay_exact < 1.0:
+            raise TrainingError(f"GRPO step {step}: replay_exact_fraction {replay_exact:.4f} < 1"
+                                f" (replay_impl {self.replay_impl}, rollout.kernels "
+                                f"{cfg.rollout.kernels}): the learner does not reproduce the "
+                                f"sampler's log-probs; stopping before any update (check the "
+                                f"backend with `looprl verify`, or set "
+                                f"learner.require_exact=false to train anyway)")
         stock_diff = float("nan")
         if cfg.learner.measure_stock:
             stock_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "stock",

@@ -392,6 +392,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
     st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None)
     rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
                    jnp.asarray(sample_index, jnp.int32), *frows)
+    if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+        params = jax.device_put(params)  # once per call; callers should pass device arrays
     step_arr = jnp.int32(step)
     prefill, decode, fetch = _prefill, _decode, np.asarray
     B = tokens.shape[0]

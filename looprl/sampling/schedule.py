@@ -186,9 +186,20 @@ def params_fingerprint(params) -> str:
 
     Each leaf is bitcast to uint32 words (bf16 leaves are widened bit-exactly), multiplied by
     position-dependent odd constants and summed modulo 2**32 (integer addition is associative,
-    so the reduction order and device count cannot change the result), with two independent
-    multiplier streams. Not cryptographic; `looprl.io.checkpoint` computes a full SHA-256 at
-    checkpoints."""
+    so the reduction order, the chunking and the device count cannot change the result), with
+    two independent multiplier streams. Not cryptographic; `looprl.io.checkpoint` computes a
+    full SHA-256 at checkpoints.
+
+    Cost (issue 19): one streaming pass per leaf, in chunks of `_CHUNK` words, so fp32 leaves
+    need no temporary larger than two chunks (8 MiB) and are read in place (XLA CPU copies a
+    bf16 leaf of rank > 1 once as uint16: at most one leaf-sized temporary); a numpy leaf is
+    copied to the device one leaf at a time. 1.43 B fp32 parameters: ~2-3 s on one XLA CPU
+    thread, peak RSS + 29 MB (issue 19's measurement). The value is the one this function gave before
+    it streamed (the same sum, taken in chunks), so rollouts recorded earlier (for example
+    reproducibility/cpu/rollouts) still match their checkpoints. Trees of jax arrays
+    (immutable) are remembered: the same tree costs one pass per parameter version; a numpy
+    tree (mutable) is hashed on every call, so callers place parameters on the device once
+    (`jax.device_put`) and pass those."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     leaves.sort(key=lambda kv: jax.tree_util.keystr(kv[0]))
     arrays = tuple(leaf for _, leaf in leaves)
@@ -196,7 +207,12 @@ def params_fingerprint(params) -> str:
     hit = _FINGERPRINTS.get(key)
     if hit is not None and all(ref() is x for ref, x in zip(hit[0], arrays)):
         return hit[1]
-    a, b = (int(x) for x in np.asarray(_tree_digest(arrays)))
+    if all(isinstance(x, jax.Array) for x in arrays):
+        digest = _tree_digest(arrays, np.uint32(1))  # one program per tree layout
+    else:  # numpy leaves: one leaf on the device at a time (one program per leaf shape)
+        digest = sum(np.asarray(_tree_digest((jnp.asarray(x),), np.uint32(i + 1)), np.uint64)
+                     for i, x in enumerate(arrays))
+    a, b = (int(x) % 2**32 for x in np.asarray(digest, np.uint64))
     fp = f"{a:08x}{b:08x}"
     if arrays and all(isinstance(x, jax.Array) for x in arrays):  # immutable: safe to remember
         if len(_FINGERPRINTS) >= 8:
@@ -207,33 +223,64 @@ def params_fingerprint(params) -> str:
 
 # Digests of the last few parameter trees made of jax arrays (immutable), keyed by the leaves'
 # ids and checked through weak references, so a tree that was freed and whose ids were reused
-# is hashed again. The digest costs a few ms even for the tiny model (a quarter of a 32-token
-# batch-1 rollout); evaluation and verify sample many batches with the same parameters.
+# is hashed again. Evaluation and verify sample many batches with the same parameters.
 _FINGERPRINTS: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], str]] = {}
 
-
-@jax.jit
-def _tree_digest(leaves):
-    """One compiled program for the whole tree (a dispatch per leaf cost ~10 ms a rollout)."""
-    acc = [_leaf_digest(jnp.asarray(leaf), i) for i, leaf in enumerate(leaves)]
-    return jnp.sum(jnp.stack(acc), axis=0, dtype=jnp.uint32) if acc else jnp.zeros(2, jnp.uint32)
+_CHUNK = 1 << 20  # words per streamed slice: 4 MiB temporaries whatever the leaf's size
 
 
-def _digest_words(words, salt):
+def _digest_words(words, start, salt):
+    """The two streams' sums over `words` (uint32 [n]) at flat positions start..start+n-1."""
     n = words.shape[0]
-    idx = jnp.arange(n, dtype=jnp.uint32) + salt * jnp.uint32(0x9E3779B9)
+    idx = jnp.arange(n, dtype=jnp.uint32) + start + salt * jnp.uint32(0x9E3779B9)
     m1 = idx * jnp.uint32(2654435761) | jnp.uint32(1)
     m2 = (idx ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(40503) | jnp.uint32(1)
     return jnp.stack([jnp.sum(words * m1, dtype=jnp.uint32),
                       jnp.sum((words ^ (words >> 16)) * m2, dtype=jnp.uint32)])
 
 
-def _leaf_digest(leaf, i: int):
-    if leaf.dtype.itemsize == 4:
-        words = jax.lax.bitcast_convert_type(leaf, jnp.uint32).ravel()
-    elif leaf.dtype.itemsize == 2:
-        words = jax.lax.bitcast_convert_type(leaf, jnp.uint16).astype(jnp.uint32).ravel()
+def _words(x, tag):
+    """uint32 words of a flat slice `x`: 4-byte leaves bitcast, 2-byte ones widened, others
+    through float32; xor-ed with the leaf's shape tag."""
+    if x.dtype.itemsize == 4:
+        w = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype == jnp.uint16:
+        w = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        w = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     else:
-        words = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).ravel()
-    words = words ^ jnp.uint32(len(leaf.shape) * 7919 + leaf.size)
-    return _digest_words(words, jnp.uint32(i + 1))
+        w = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return w ^ tag
+
+
+@jax.jit
+def _tree_digest(leaves, first_salt):
+    """uint32 [2]: the sum of the leaves' digests (salts first_salt (uint32), first_salt + 1,
+    ...)."""
+    acc = jnp.zeros(2, jnp.uint32)
+    for i, leaf in enumerate(leaves):
+        acc = acc + _leaf_digest(leaf, first_salt + jnp.uint32(i))
+    return acc
+
+
+def _leaf_digest(leaf, salt):
+    """uint32 [2]: one leaf's digest (salt = its 1-based position in sorted path order), as a
+    `fori_loop` over `_CHUNK`-word slices plus the tail."""
+    if leaf.dtype.itemsize == 2:  # slice raw uint16 words: XLA CPU would widen a whole bf16 leaf
+        leaf = jax.lax.bitcast_convert_type(leaf, jnp.uint16)
+    flat = leaf.ravel()
+    n = flat.shape[0]
+    tag = jnp.uint32((len(leaf.shape) * 7919 + leaf.size) % 2**32)
+    full = n // _CHUNK
+
+    def body(c, acc):
+        start = (c * _CHUNK).astype(jnp.uint32)
+        x = jax.lax.dynamic_slice(flat, (c * _CHUNK,), (_CHUNK,))
+        return acc + _digest_words(_words(x, tag), start, salt)
+
+    acc = jax.lax.fori_loop(0, full, body, jnp.zeros(2, jnp.uint32)) if full else \
+        jnp.zeros(2, jnp.uint32)
+    if n % _CHUNK:
+        acc = acc + _digest_words(_words(flat[full * _CHUNK:], tag), jnp.uint32(full * _CHUNK),
+                                  salt)
+    return acc

@@ -2,7 +2,9 @@
 warm start and the evaluations, and their figures as short rounded lines."""
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from looprl.rl.evaluation import evaluate
@@ -38,3 +40,40 @@ def warm_start_line(d: dict[str, Any]) -> str:
     """One rounded line of a warm-start evaluation point."""
     return (f"warm start step {d['step']}: loss {d['loss']:.3f}, last-loop CE "
             f"{d['ce_last_loop']:.3f}, held-out accuracy {d['accuracy']:.3f}")
+
+
+def replay_exact_steps(metrics_path: Path, n_steps: int) -> int:
+    """How many of the GRPO steps 0..n_steps-1 in metrics.jsonl replayed the sampler's
+    log-probs bit for bit (`replay_exact_fraction` 1.0)."""
+    if not metrics_path.exists():
+        return 0
+    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+    return sum(1 for r in rows if r["step"] < n_steps and r.get("replay_exact_fraction") == 1.0)
+
+
+def warn_inexact(m: dict[str, Any], bar) -> None:
+    """The console line for a GRPO step whose replay was not bit-exact (stderr, also when
+    quiet: it is a failure of the bit claim, not progress)."""
+    line = (f"looprl train: warning: GRPO step {m['step']}: replay_exact_fraction "
+            f"{m['replay_exact_fraction']:.4f} < 1 (ratio {m['ratio_min']:.4f}.."
+            f"{m['ratio_max']:.4f}, replay_impl {m['replay_impl']}): the learner does not "
+            f"reproduce the sampler's log-probs; check this backend with `looprl verify`")
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def replay_record(metrics_path: Path) -> dict[str, Any]:
+    """{"replay_steps", "replay_exact_fraction_min" (None without steps),
+    "inexact_replay_steps"} over every row of metrics.jsonl (a resumed run's too)."""
+    fracs = []
+    if metrics_path.exists():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                fracs.append(float(json.loads(line)["replay_exact_fraction"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+    return {"replay_steps": len(fracs),
+            "replay_exact_fraction_min": min(fracs) if fracs else None,
+            "inexact_replay_steps": sum(f < 1.0 for f in fracs)}

@@ -20,6 +20,7 @@ constant learning rate (the schedule's length depends on it).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -254,3 +255,11 @@ def resume_candidates(out: Path, say) -> list[tuple[int, Path]]:
                           f"interrupted before its first one (during the warm start or the "
                           f"evaluation before GRPO), so there is nothing to resume; remove "
                           f"{out} or start again with another out_dir")
+
+
+def without_run_control(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` as the run directory's `config.json` keeps it: without `run.resume` and
+    `run.stop_after`, which steer one invocation, so the file can serve as CONFIG again (a
+    fresh run with another out_dir, or `resume=`)."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=None,
+                                                            stop_after=None))

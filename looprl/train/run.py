@@ -16,7 +16,9 @@ The run directory (`run.out_dir`) receives:
                          params_sha256 of each (`looprl.train.resume`)
   checkpoint/            final looprl checkpoint (params + model_config.json + tokenizer.json)
   summary.json           eval_accuracy_before/after, eval_problems, grpo_steps,
-                         resumed_from_step, params_sha256, wall_s, ...
+                         resumed_from_step, params_sha256, wall_s,
+                         replay_exact_fraction_min, inexact_replay_steps,
+                         model_config (the model's actual shape), num_params, ...
   failure.json           only when a step failed (non-finite loss/gradient): the diagnostic
   preempted.json         only when SIGTERM or Ctrl-C stopped the run: the step, the signal and
                          the checkpoint to resume
@@ -53,14 +55,16 @@ from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process, sync
 from looprl.errors import CheckpointError, ConfigError, TrainingError
 from looprl.io.checkpoint import load_model_checkpoint, params_sha256, save_model_checkpoint
-from looprl.model.config import from_model_section
+from looprl.model.config import from_model_section, shape_note
 from looprl.model.looped import init_params
 from looprl.rl.evaluation import evaluate
 from looprl.rl.learner import GRPOLearner
-from looprl.train.resume import (REFERENCE_FILE, check_resume_config, checkpoint_candidates,
-                                 load_reference, load_resume_point, restore_training_checkpoint,
-                                 resume_candidates, save_training_checkpoint)
-from looprl.train.console import evaluate_and_say, progress_bar, warm_start_line
+from looprl.train.resume import (REFERENCE_FILE, without_run_control, check_resume_config,
+                                 checkpoint_candidates, load_reference, load_resume_point,
+                                 restore_training_checkpoint, resume_candidates,
+                                 save_training_checkpoint)
+from looprl.train.console import (evaluate_and_say, progress_bar, replay_exact_steps, replay_record,
+                                  warm_start_line, warn_inexact)
 from looprl.train.setup import build_tasks, checkpoint_task_meta, run_tokenizer
 from looprl.train.warm_start import warm_start
 
@@ -107,6 +111,9 @@ def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bo
         params, mcfg, ckpt_tokenizer, _ = load_model_checkpoint(
             Path(cfg.model.checkpoint).resolve())
         say(f"loaded {cfg.model.checkpoint}")
+        note = shape_note(cfg.model, mcfg)
+        if note and main:
+            print(f"looprl train: {note}", file=sys.stderr, flush=True)
     else:
         mcfg = from_model_section(cfg.model)
         params = init_params(mcfg, cfg.run.seed)
@@ -158,12 +165,12 @@ def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bo
             {"checkpoint": str(Path(cfg.model.checkpoint).resolve()),
              "params_sha256": params_sha256(params)}, indent=2) + "\n")
 
-    before = evaluate_and_say("eval before GRPO", bars, say, mcfg, params, warm_task, tokenizer, cfg,
-                       eval_set)
+    before = evaluate_and_say("eval before GRPO", bars, say, mcfg, params, warm_task, tokenizer,
+                              cfg, eval_set)
     before_q1 = None
     if cfg.rollout.exit_threshold < 1.0:
-        before_q1 = evaluate_and_say("eval before GRPO at q=1.0", bars, say, mcfg, params, warm_task,
-                              tokenizer, cfg, eval_set, exit_threshold=1.0)
+        before_q1 = evaluate_and_say("eval before GRPO at q=1.0", bars, say, mcfg, params,
+                                     warm_task, tokenizer, cfg, eval_set, exit_threshold=1.0)
     if main:
         (out / EVAL_BEFORE_FILE).write_text(json.dumps(
             {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
@@ -239,6 +246,8 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                     np.save(out / "mismatch_step0.npy", learner.last_token_abs_delta)
                 f.write(json.dumps(m) + "\n")
                 f.flush()
+                if main and m["replay_exact_fraction"] < 1.0:
+                    warn_inexact(m, bar)
                 if writer is not None:
                     for k, v in m.items():
                         if k != "step" and isinstance(v, (int, float)) and np.isfinite(v):
@@ -286,7 +295,7 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
         cfg = load_resume_point(resume_from[0][1], cfg, say)
     sync("looprl-out-dir")  # every process checked out_dir before process 0 writes into it
     if not resume_from and main:
-        save_json(_without_run_control(cfg), out / "config.json")
+        save_json(without_run_control(cfg), out / "config.json")
     warm_task, rl_task = build_tasks(cfg)
     eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
     ckpt_meta = checkpoint_task_meta(cfg, warm_task, len(eval_set))
@@ -305,7 +314,7 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
     if resume_at is not None:
         if main:
             # only once the resumption is known to be valid
-            save_json(_without_run_control(cfg), out / "config.json")
+            save_json(without_run_control(cfg), out / "config.json")
         if start == n_steps:
             say(f"nothing to run: the run is at GRPO step {start}, the requested end "
                 f"(run.grpo_steps={cfg.run.grpo_steps}, run.stop_after={cfg.run.stop_after}); "
@@ -329,6 +338,14 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
     after = before if n_steps == 0 else evaluate_and_say(
         "eval after GRPO", cfg.run.progress_bar and not quiet and main, say, mcfg, params,
         warm_task, tokenizer, cfg, eval_set)
+    replay = replay_record(out / "metrics.jsonl") if main else {}
+    if replay.get("inexact_replay_steps"):
+        print(f"looprl train: warning: {replay['inexact_replay_steps']} of "
+              f"{replay['replay_steps']} GRPO steps replayed inexactly (replay_exact_fraction "
+              f"min {replay['replay_exact_fraction_min']:.4f}); see `looprl verify`",
+              file=sys.stderr, flush=True)
+    elif replay.get("replay_steps"):
+        say(f"replay exact at all {replay['replay_steps']} GRPO steps")
     save_model_checkpoint(out / "checkpoint", params, mcfg, tok_json,
                           extra_meta={"stage": "grpo", "grpo_steps": n_steps, **ckpt_meta},
                           overwrite=True)
@@ -339,25 +356,20 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                "resumed_from_step": None if resume_at is None else start,
                "complete": n_steps == cfg.run.grpo_steps, "stop_after": cfg.run.stop_after,
                "params_sha256": params_sha256(params),
-               "replay_exact_steps": _replay_exact_steps(out / "metrics.jsonl", n_steps)
+               "replay_exact_steps": replay_exact_steps(out / "metrics.jsonl", n_steps)
                if main else None,
                "wall_s": time.time() - t_start,
                "eval_before": before, "eval_after": after, "eval_before_q1": begin.before_q1,
                "exit_threshold": cfg.rollout.exit_threshold,
                "warm_start_steps": report.get("stage1_steps"),
                "warm_start_plateaued": report.get("plateaued"),
-               "seed": cfg.run.seed}
+               "seed": cfg.run.seed,
+               "replay_exact_fraction_min": replay.get("replay_exact_fraction_min"),
+               "inexact_replay_steps": replay.get("inexact_replay_steps"),
+               "model_config": mcfg.to_dict(), "num_params": mcfg.num_params}
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _without_run_control(cfg: ExperimentConfig) -> ExperimentConfig:
-    """`cfg` as the run directory's `config.json` keeps it: without `run.resume` and
-    `run.stop_after`, which steer one invocation, so the file can serve as CONFIG again (a
-    fresh run with another out_dir, or `resume=`)."""
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=None,
-                                                            stop_after=None))
 
 
 # what a run writes before its first training checkpoint (removed when it is started again)
@@ -385,15 +397,6 @@ def _restart_interrupted_start(out: Path, cfg: ExperimentConfig, main: bool, say
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-
-
-def _replay_exact_steps(metrics_path: Path, n_steps: int) -> int:
-    """How many of the GRPO steps 0..n_steps-1 in metrics.jsonl replayed the sampler's
-    log-probs bit for bit (`replay_exact_fraction` 1.0)."""
-    if not metrics_path.exists():
-        return 0
-    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-    return sum(1 for r in rows if r["step"] < n_steps and r.get("replay_exact_fraction") == 1.0)
 
 
 def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:

@@ -124,3 +124,25 @@ def test_generate_with_non_finite_weights_is_an_error_naming_the_token(tmp_path,
     cap = capsys.readouterr()
     assert cap.out == ""
     assert "completion token 0 (id " in cap.err and "log-prob nan" in cap.err
+
+
+def test_generate_prints_its_timings_on_stderr_and_in_json(ckpt, capsys):
+    """Issue 19: prefill seconds and decode tokens/s, on stderr and under --json "timings"."""
+    import re
+    assert _gen(ckpt, "--json") == 0
+    cap = capsys.readouterr()
+    t = json.loads(cap.out.strip().splitlines()[-1])["timings"]
+    n = len(json.loads(cap.out.strip().splitlines()[-1])["tokens"])
+    assert t["prefill_s"] > 0 and t["decode_s"] >= 0
+    if n > 1:
+        assert t["decode_tokens_per_s"] == (n - 1) / t["decode_s"]
+    m = re.search(r"# prefill ([0-9.]+) s \((\d+) prompt tokens, 1 rows\), decode ([0-9.]+) "
+                  r"s, ([0-9.]+) tokens/s per row", cap.err)
+    assert m and float(m.group(4)) == round(t["decode_tokens_per_s"], 2)
+
+
+def test_generation_timings_without_decode_steps_is_zero_rate():
+    from looprl.cli.generate import generation_timings
+    assert generation_timings({"prefill_s": 0.5}, 1) == {"prefill_s": 0.5, "decode_s": 0.0,
+                                                         "decode_tokens_per_s": 0.0}
+    assert generation_timings({"prefill_s": 0.5, "decode_s": 2.0}, 5)["decode_tokens_per_s"] == 2.0

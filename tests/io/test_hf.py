@@ -137,6 +137,34 @@ def test_load_hf_bf16_holds_bf16_params_and_top_level_api(tmp_path):
     assert str(model.compute_dtype) == "bfloat16"
 
 
+def test_load_hf_model_compiles_once_and_its_call_is_the_eager_forward(tmp_path):
+    """Issue 19: `model(tokens)` is one compiled program; a second call at the same shape hits
+    the trace cache (no new compilation) and the compiled forward's bits are the eager one's."""
+    import jax.numpy as jnp
+    src = hf.save_hf(random_params(CFG), CFG, tmp_path / "src", "float32")
+    model = hf.load_hf(src)
+    assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(model.weights()))
+    tokens = jnp.asarray([[1, 3, 5, 7], [2, 4, 6, 8]], jnp.int32)
+    before = looped._inspect_forward._cache_size()
+    out1 = model(tokens)
+    assert looped._inspect_forward._cache_size() == before + 1
+    out2 = model(np.asarray(tokens))
+    assert looped._inspect_forward._cache_size() == before + 1  # reused
+    assert np.array_equal(bits(out1.logits), bits(out2.logits))
+    eager = looped.all_loop_outputs(CFG, looped.cast_weights(model.weights(), "float32"), tokens)
+    assert out1.logits.shape == (CFG.total_ut_steps, 2, 4, CFG.vocab_size)
+    assert np.array_equal(bits(out1.exit_lambda), bits(eager.exit_lambda))
+
+
+def test_device_params_replaces_numpy_leaves_in_place_with_the_same_bits():
+    p = random_params(CFG)
+    host = jax.tree.map(np.copy, p)
+    out = looped.device_params(p)
+    assert out is p and all(isinstance(a, jax.Array) for a in jax.tree.leaves(p))
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(host)):
+        assert np.array_equal(bits(a), bits(b))
+
+
 # --- bad input ---------------------------------------------------------------------------------
 def _good_state():
     return hf.hf_state_from_params(random_params(CFG), CFG, "float32")

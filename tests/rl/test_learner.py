@@ -142,3 +142,64 @@ def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
     (_, _), g_dense = run(dense_mb, method="dense")
     for a, b in zip(jax.tree.leaves(g_forced), jax.tree.leaves(g_dense)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+
+
+def _force_inexact_replay(monkeypatch):
+    """Make the trainer's replay the `stock` learner pass (same math, other bits: the
+    negative control), so replay_exact_fraction < 1. (`rollout.kernels=stock` with
+    `learner.replay_impl=invariant` cannot: the config refuses it, and a stock rollout's replay
+    is the forced re-run, which is exact.)"""
+    from looprl.rl import learner as rl_learner
+    real = rl_learner.batch_logprobs
+
+    def stock_replay(cfg, params, batch, method="replay", **kw):
+        return real(cfg, params, batch, "stock" if method == "replay" else method, **kw)
+
+    monkeypatch.setattr(rl_learner, "batch_logprobs", stock_replay)
+
+
+def test_inexact_replay_warns_on_the_console_and_is_counted_in_the_summary(tmp_path, capsys,
+                                                                           monkeypatch):
+    from looprl.train.run import train
+    _force_inexact_replay(monkeypatch)
+    cfg = apply_overrides(load_experiment(SMOKE), FAST + [
+        f"out_dir={tmp_path / 'run'}", "grpo_steps=1", "learner.require_exact=false"])
+    summary = train(cfg, quiet=True)
+    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["replay_impl"] == "invariant" and row["replay_exact_fraction"] < 1.0
+    err = capsys.readouterr().err
+    assert (f"GRPO step 0: replay_exact_fraction {row['replay_exact_fraction']:.4f} < 1" in err
+            and "looprl verify" in err)
+    assert "1 of 1 GRPO steps replayed inexactly" in err
+    assert summary["replay_exact_fraction_min"] == row["replay_exact_fraction"]
+    assert summary["inexact_replay_steps"] == 1
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["inexact_replay_steps"] == 1
+
+
+def test_require_exact_stops_the_run_at_the_first_inexact_step(tmp_path, capsys, monkeypatch):
+    """On XLA CPU with invariant kernels require_exact is on by default (no key given)."""
+    _force_inexact_replay(monkeypatch)
+    args = FAST + [f"out_dir={tmp_path / 'run'}", "grpo_steps=1"]
+    assert main(["train", str(SMOKE), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("looprl train: error: GRPO step 0: "
+                                               "replay_exact_fraction 0.")
+    assert "looprl verify" in err[0]
+    failure = json.loads((tmp_path / "run" / "failure.json").read_text())
+    assert failure["step"] == 0 and "replay_exact_fraction" in failure["error"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_require_exact_defaults_on_only_where_exactness_is_claimed():
+    from looprl.rl.learner import resolve_require_exact
+    cfg = load_experiment(SMOKE)
+    assert resolve_require_exact(cfg, "invariant", backend="cpu") is True
+    assert resolve_require_exact(cfg, "forced", backend="cpu") is False
+    assert resolve_require_exact(cfg, "invariant", backend="gpu") is False
+    stock = apply_overrides(cfg, ["rollout.kernels=stock"])
+    assert resolve_require_exact(stock, "forced", backend="cpu") is False
+    off = apply_overrides(cfg, ["learner.require_exact=false"])
+    assert resolve_require_exact(off, "invariant", backend="cpu") is False
+    on = apply_overrides(cfg, ["learner.require_exact=true"])
+    assert resolve_require_exact(on, "forced", backend="gpu") is True

@@ -109,6 +109,10 @@ def check_step(summary, metrics, out, tokenizer_json):
     assert m["grad_norm"] > 0.0 and m["degenerate_groups"] < 2
     assert 3.0 <= m["mean_exit_loop"] <= 4.0  # q = 0.9 with lambda ~ 0.6: loops 3 and 4
     assert summary["grpo_steps"] == 1 and summary["eval_problems"] == 2
+    # the model's actual shape (the tiny checkpoint's, not the named preset's)
+    assert summary["model_config"]["hidden_size"] != 2048
+    from looprl.model.config import OuroConfig
+    assert summary["num_params"] == OuroConfig.from_dict(summary["model_config"]).num_params
     assert 0.0 <= summary["eval_accuracy_after"] <= 1.0 and summary["exit_threshold"] == 0.9
     # the run's tokenizer is the model checkpoint's (GSM8K has none of its own)
     assert (out / "checkpoint" / "tokenizer.json").read_text() == tokenizer_json
