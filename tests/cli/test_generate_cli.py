@@ -146,3 +146,26 @@ def test_generation_timings_without_decode_steps_is_zero_rate():
     assert generation_timings({"prefill_s": 0.5}, 1) == {"prefill_s": 0.5, "decode_s": 0.0,
                                                          "decode_tokens_per_s": 0.0}
     assert generation_timings({"prefill_s": 0.5, "decode_s": 2.0}, 5)["decode_tokens_per_s"] == 2.0
+
+
+def test_num_samples_writes_a_rollout_that_verify_accepts(tmp_path, capsys):
+    """Issue 14: `generate --num-samples 3` samples 3 completions in one batch; with q < 1,
+    --ignore-eos and 3 x 171 >= 512 new tokens its rollout meets `verify --rollout`'s
+    requirements, and every replay cell is exact."""
+    cfg = preset("tiny", num_layers=1)
+    ck = tmp_path / "ck"
+    save_model_checkpoint(ck, init_params(cfg, 0), cfg, build_char_tokenizer().to_json())
+    rollout = tmp_path / "r.npz"
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", "1+2", "--prompt-style",
+                 "compact", "--num-samples", "3", "--max-new-tokens", "171", "--temperature",
+                 "1.0", "--exit-threshold", "0.6", "--ignore-eos", "--save-rollout",
+                 str(rollout), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["samples"]) == 3 and all(len(s["tokens"]) == 171 for s in out["samples"])
+    assert out["tokens"] == out["samples"][0]["tokens"]
+    assert out["samples"][0]["tokens"] != out["samples"][1]["tokens"]  # 3 different draws
+    assert main(["verify", "--rollout", str(rollout), "--checkpoint", str(ck), "--out",
+                 str(tmp_path / "rep")]) == 0
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["summary"]["requirements_met"] and report["summary"]["passed"]
+    assert {c["rollout_rows"] for c in report["cells"]} == {3}
