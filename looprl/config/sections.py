@@ -275,6 +275,12 @@ class LearnerConfig(_Section):
     # replay_impl resolving to invariant: `looprl.rl.learner.resolve_require_exact`), else false
     # (an inexact step then only warns on the console and is counted in summary.json)
     require_exact: Optional[bool] = None
+    # GRPO steps between replay checks: a check re-runs the replay at the sampler's parameters
+    # and compares it with the recorded log-probs bit for bit (replay_exact_fraction, logged only
+    # on the steps it was measured). Between checks the first update's replay value is the
+    # recorded log-prob itself (what replay means at the sampler's own parameters), which saves
+    # the forced re-run of `replay_impl=forced` there; 0 = never check
+    replay_check_every: int = 1
 
     def _validate(self):
         self._require(self.logprob_method != "replay", "logprob_method",
@@ -283,6 +289,7 @@ class LearnerConfig(_Section):
         self._require(self.ppo_epochs >= 1, "ppo_epochs", "a positive int")
         self._require(self.minibatches >= 1, "minibatches", "a positive int")
         self._require(self.microbatch_size >= 0, "microbatch_size", "an int >= 0")
+        self._require(self.replay_check_every >= 0, "replay_check_every", "an int >= 0")
         self._require(self.gate_loss_coef >= 0, "gate_loss_coef", "a float >= 0")
 
 

@@ -104,7 +104,7 @@ def _accuracy_panel(ax, runs, summaries, colors):
 def _timing_panel(ax, key, runs, colors):
     tops = []
     for (run, rows), color in zip(runs.items(), colors):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if not pts:
             continue
         xs, ys = zip(*pts)

@@ -246,7 +246,8 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                     np.save(out / "mismatch_step0.npy", learner.last_token_abs_delta)
                 f.write(json.dumps(m) + "\n")
                 f.flush()
-                if main and m["replay_exact_fraction"] < 1.0:
+                exact = m["replay_exact_fraction"]  # None on steps without a replay check
+                if main and exact is not None and exact < 1.0:
                     warn_inexact(m, bar)
                 if writer is not None:
                     for k, v in m.items():
@@ -255,7 +256,7 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{m['reward_mean']:.3f}",
-                                    exact=f"{m['replay_exact_fraction']:.2f}",
+                                    exact="-" if exact is None else f"{exact:.2f}",
                                     exit=f"{m['mean_exit_loop']:.2f}")
                 done = step + 1
                 if (done % cfg.run.checkpoint_every_steps == 0 or done == n_steps
