@@ -82,7 +82,8 @@ def verify(out: Path, reduced: bool) -> dict:
             from looprl.verify.report import summarize
             cfg = preset("tiny", num_layers=1)
             opts = VerifyOptions(n_prompts=2, group_size=2, max_new_tokens=4,
-                                 small_batches=(1,), min_tokens=8,
+                                 small_batches=(1,), small_batch_weights=("random",),
+                                 min_tokens=8,
                                  min_early_exit_fraction=0.0, replay_impl=impl)
             prompts = [[1, 5, 6, 2, 1], [1, 9, 2, 1]]
             cells = run_matrix(cfg, {"random": init_params(cfg, 0)}, prompts, opts,

@@ -90,6 +90,10 @@ class VerifyOptions:
     # small decode batches (DESIGN.md §5): rollouts of this many rows (one sample of each of as
     # many prompts), each decoding ceil(min_tokens / rows) tokens so it holds min_tokens
     small_batches: tuple[int, ...] = (1, 3, 5)
+    # the weight sets whose (dtype, policy) groups get the small decode batches: `quick` runs
+    # them on the trained weights (a 1-row rollout decodes 512 tokens one at a time, the costly
+    # part of the matrix), `full` on both
+    small_batch_weights: tuple[str, ...] = ("trained",)
 
     @classmethod
     def quick(cls, **kw) -> "VerifyOptions":
@@ -98,7 +102,7 @@ class VerifyOptions:
     @classmethod
     def full(cls, **kw) -> "VerifyOptions":
         base = dict(n_prompts=8, group_size=4, max_new_tokens=64, warm_start_steps=300,
-                    warm_start_gate_steps=100)
+                    warm_start_gate_steps=100, small_batch_weights=("random", "trained"))
         base.update(kw)
         return cls(**base)
 
@@ -319,7 +323,7 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
     skipped layouts go to `notes`. Per (weights, dtype, policy) the default rollout (the first
     `opts.n_prompts` prompts x `opts.group_size` samples) and the small decode batches of
     `opts.small_batches` rows (one sample of each of as many prompts; `prompts` must hold
-    enough), each saved as `<weights>_<dtype>_<policy>[_rows<R>].npz` under `rollout_dir`."""
+    enough; for the weight sets in `opts.small_batch_weights`), each saved as `<weights>_<dtype>_<policy>[_rows<R>].npz` under `rollout_dir`."""
     n_devices = jax.device_count()
     batches = [("", prompts[:opts.n_prompts], opts.group_size, opts.max_new_tokens)]
     for rows in opts.small_batches:
@@ -330,8 +334,9 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
     for weights, params in weight_sets.items():
         q = opts.exit_threshold_trained if weights == "trained" else opts.exit_threshold_random
         params_u = None
+        mine = batches if weights in opts.small_batch_weights else batches[:1]
         for dtype, policy, (suffix, batch_prompts, group, new_tokens) in itertools.product(
-                DTYPES, POLICIES, batches):
+                DTYPES, POLICIES, mine):
             t0 = time.time()
             scfg = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, exit_threshold=q,
                                   kv_policy=policy,

@@ -20,6 +20,7 @@ PROMPTS = [[1, 5, 6, 7, 2, 1], [1, 9, 2, 1], [1, 8, 8, 9, 10, 2, 1]]
 
 def test_small_batches_are_cells_of_their_own_and_replay_exactly():
     opts = VerifyOptions(n_prompts=2, group_size=2, max_new_tokens=6, small_batches=(1, 3),
+                         small_batch_weights=("random",),
                          min_tokens=12, min_early_exit_fraction=0.0)
     cells = run_matrix(CFG, {"random": init_params(CFG, 0)}, PROMPTS, opts, log=lambda m: None)
     rows = sorted({c["rollout_rows"] for c in cells})
