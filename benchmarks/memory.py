@@ -1,0 +1,130 @@
+"""Peak host memory of convert, generate, eval and one GRPO step at Ouro-1.4B width (issue 19).
+
+No arguments. Writes a random HF checkpoint (bf16 safetensors, `looprl.io.hf.save_hf`) of 4
+layers at Ouro-1.4B width (hidden 2048, MLP 5632, 16 heads, vocab 49152: 403 M parameters, 1.6
+GB in fp32) with a byte-level BPE tokenizer (as tests/tiny_ouro.py builds one) into a temporary
+directory, then runs each step in its own process and reads that process's peak RSS
+(`os.wait4` rusage, `ru_maxrss`):
+  convert   `looprl convert --hf DIR --out CKPT`
+  generate  `looprl generate --checkpoint CKPT --prompt ... --max-new-tokens 8`
+  eval      `looprl eval --task gsm8k --limit 2 --max-new-tokens 8` (/work/shared/data/gsm8k)
+  train     `looprl train experiments/ouro_1p4b_gsm8k_grpo.py`, one minimal GRPO step
+            (2 prompts x 4 samples, 6 new tokens, 2 eval problems; learner.require_exact=false
+            where the key exists, so an inexact step still measures)
+Each figure is reported as peak bytes / fp32 parameter bytes. The last line is one JSON object:
+{"benchmark": "memory", "convert_rss_per_param_byte", "generate_rss_per_param_byte",
+"eval_rss_per_param_byte", "train_step_rss_per_param_byte", ...}.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path("/work/shared/data/gsm8k")
+if not DATA.is_dir():
+    DATA = ROOT.parent / "shared" / "data" / "gsm8k"
+THREADS = 2
+
+
+def tokenizer_json() -> str:
+    """A byte-level BPE tokenizer.json (specials at ids 0-2), vocabulary 320."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(["Natalia sold clips to 48 of her friends in April. How many?",
+                             "The answer is 72. #### 72"] * 8, trainer)
+    return tok.to_str()
+
+
+def write_checkpoint(out: Path) -> None:
+    """Run in a child process (`--write DIR`): the random 4-layer HF checkpoint."""
+    import numpy as np
+
+    from looprl.io import hf
+    from looprl.model.config import preset
+    from looprl.model.looped import expected_param_shapes
+    cfg = preset("ouro-1.4b", num_layers=4)
+    rng = np.random.default_rng(0)
+    import jax
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32) * 0.02,
+                          expected_param_shapes(cfg))
+    for k in ("norm",):
+        params[k][:] = 1.0
+    for k in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
+              "post_attention_layernorm_2"):
+        params["layers"][k][:] = 1.0
+    hf.save_hf(params, cfg, out, "bfloat16", tokenizer_json=tokenizer_json())
+
+
+def measure(name: str, argv: list[str], env) -> dict:
+    """Run `argv` in its own process; (wall s, peak RSS bytes, exit status)."""
+    t0 = time.time()
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    rc = os.waitstatus_to_exitcode(status)
+    rec = {"wall_s": round(time.time() - t0, 1), "peak_rss": usage.ru_maxrss * 1024, "rc": rc}
+    print(f"{name}: {rec}", flush=True)
+    if rc != 0:
+        print(out.decode(errors="replace")[-3000:], flush=True)
+    return rec
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        write_checkpoint(Path(sys.argv[2]))
+        return
+    from looprl.config import LearnerConfig
+    from looprl.model.config import preset
+    cfg = preset("ouro-1.4b", num_layers=4)
+    param_bytes = 4 * cfg.num_params
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this tree's looprl in every child
+    py = [sys.executable]
+    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="looprl-memory-") as tmp:
+        tmp = Path(tmp)
+        hf_dir, ckpt = tmp / "hf", tmp / "ckpt"
+        measure("write", py + [__file__, "--write", str(hf_dir)], env)
+        cli = py + ["-m", "looprl.cli"]
+        res = {}
+        res["convert"] = measure("convert", cli + ["convert", "--hf", str(hf_dir), "--out",
+                                                   str(ckpt)], env)
+        res["generate"] = measure("generate", cli + [
+            "generate", "--checkpoint", str(ckpt), "--prompt", "How many clips?",
+            "--max-new-tokens", "8", "--json"], env)
+        res["eval"] = measure("eval", cli + [
+            "eval", "--checkpoint", str(ckpt), "--task", "gsm8k", "--limit", "2",
+            "--max-new-tokens", "8", "--data-dir", str(DATA), "--out", str(tmp / "eval")], env)
+        extra = (["learner.require_exact=false"] if "require_exact" in
+                 {f.name for f in dataclasses.fields(LearnerConfig)} else [])
+        res["train_step"] = measure("train_step", cli + [
+            "train", "experiments/ouro_1p4b_gsm8k_grpo.py", f"model.checkpoint={ckpt}",
+            f"out_dir={tmp / 'run'}", f"task.data_dir={DATA}", "grpo_steps=1",
+            "prompts_per_step=2", "group_size=4", "max_new_tokens=6", "minibatches=1",
+            "microbatch_size=4", "eval.eval_problems=2", "eval_batch_size=2",
+            "tensorboard=false", "progress_bar=false", *extra], env)
+    figures = {"benchmark": "memory", "threads": THREADS, "num_params": cfg.num_params,
+               "fp32_param_bytes": param_bytes}
+    for k, r in res.items():
+        figures[f"{k}_rss_per_param_byte"] = round(r["peak_rss"] / param_bytes, 3)
+        figures[f"{k}_peak_rss"] = r["peak_rss"]
+        figures[f"{k}_wall_s"] = r["wall_s"]
+        figures[f"{k}_rc"] = r["rc"]
+    figures["wall_s"] = round(time.time() - t_start, 1)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
