@@ -112,7 +112,8 @@ def main() -> None:
         res["train_step"] = measure("train_step", cli + [
             "train", "experiments/ouro_1p4b_gsm8k_grpo.py", f"model.checkpoint={ckpt}",
             f"out_dir={tmp / 'run'}", f"task.data_dir={DATA}", "grpo_steps=1",
-            "prompts_per_step=2", "group_size=4", "max_new_tokens=6", "minibatches=1",
+            "prompts_per_step=1", "group_size=4", "max_new_tokens=6", "minibatches=1",
+            "learner.measure_stock=false", "grpo.kl_beta=0",  # one learner pass fewer each
             "microbatch_size=4", "eval.eval_problems=2", "eval_batch_size=2",
             "tensorboard=false", "progress_bar=false", *extra], env)
     figures = {"benchmark": "memory", "threads": THREADS, "num_params": cfg.num_params,
