@@ -39,6 +39,8 @@ def load_groups(seed_dirs: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
         for d in runs:
             rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()
                     if x.strip()]
+            if not rows:  # the shared warm start's run (no GRPO step)
+                continue
             summary = json.loads((d / "summary.json").read_text()) \
                 if (d / "summary.json").is_file() else {}
             delta = np.load(d / "mismatch_step0.npy") if (d / "mismatch_step0.npy").is_file() \
