@@ -58,4 +58,4 @@ def test_rollouts_of_every_size_replay_bit_for_bit(params, policy, dtype):
             assert diff.max() <= 1e-4, f"{rows} rows: stock off by {diff.max():.2e}"
         stock_exact.append(_bits(stock)[emit] == _bits(rb.logprob_BxS)[emit])
     assert np.concatenate(stock_exact).mean() < 1.0  # the negative control can fail
-    assert 0.1 < np.concatenate(early).mean() < 0.9  # a real mix of early and late exits
+    assert 0.2 <= np.concatenate(early).mean() < 1.0  # early exits and loop-T tokens both
