@@ -101,3 +101,28 @@ def test_off_the_cpu_branch_pads_rows_and_asks_for_full_fp32_precision(monkeypat
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     assert "HIGHEST" not in str(jax.make_jaxpr(kn.matmul)(xb, wb))
     assert kn.row_tile() == kn.ROW_TILE
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_does_not_depend_on_the_left_padding(dtype):
+    """Issue 14: 100 live keys in a prompt bucket of P = 128 (pad 28) and of P = 192 (pad 92,
+    the live keys straddling slot 128 of the cache): the same queries over the same keys give
+    the same bits (keys are rotated to each row's first live key, so 128-key blocks sit at token
+    positions)."""
+    rng = np.random.default_rng(0)
+    H, K, live, C = 4, 128, 100, 8
+    q = rng.standard_normal((1, C, H, K)).astype(np.float32)
+    kv = rng.standard_normal((2, 1, live, H, K)).astype(np.float32)
+    outs = []
+    for P in (128, 192):
+        S, pad = P + 16, P - live
+        k = np.zeros((1, S, H, K), np.float32)
+        v = np.zeros((1, S, H, K), np.float32)
+        k[:, pad:pad + live], v[:, pad:pad + live] = kv[0], kv[1]
+        qpos = pad + live - C + np.arange(C)  # the last C live positions query
+        mask = (np.arange(S)[None, :] >= pad) & (np.arange(S)[None, :] <= qpos[:, None])
+        f = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5))
+        out = f(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                jnp.asarray(mask[None]))
+        outs.append(np.asarray(out.astype(jnp.float32)).view(np.uint32))
+    assert np.array_equal(outs[0], outs[1])
