@@ -67,12 +67,20 @@ def test_non_finite_loss_stops_with_a_diagnostic_and_writes_no_checkpoint(tmp_pa
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_forced_replay_fallback_trains_on_a_stock_kernel_sampler(tmp_path):
+def test_forced_replay_fallback_trains_on_a_stock_kernel_sampler(tmp_path, monkeypatch):
     """`rollout.kernels=stock` has no invariant replay; `learner.replay_impl` auto picks the
     forced re-run, whose bits equal the sampler's, so the first update's ratio is exactly 1 and
-    the second minibatch (after an update) still trains on the forced re-run's values."""
+    the second minibatch (after an update) still trains on the forced re-run's values. (The
+    reward is the completion's CRC parity: a 10-step warm start answers nothing right, and a
+    step whose groups all score 0 has no gradient.)"""
+    import zlib
+
     from looprl.rl.learner import resolve_replay_impl
+    from looprl.tasks.arithmetic import ArithmeticTask
     from looprl.train.run import train
+
+    monkeypatch.setattr(ArithmeticTask, "reward",
+                        lambda self, p, text: float(zlib.crc32(text.encode()) % 2))
 
     cfg = apply_overrides(load_experiment(SMOKE), FAST + [
         f"out_dir={tmp_path / 'run'}", "rollout.kernels=stock", "grpo_steps=1",
