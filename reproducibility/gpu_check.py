@@ -107,8 +107,9 @@ def needle(reduced: bool) -> dict:
 
 
 def kernels_bench(reduced: bool) -> dict:
-    rc, tail = _run([sys.executable, "benchmarks/kernels.py"], timeout=420,
-                    env={"LOOPRL_BENCH_REDUCED": "1"} if reduced else None)
+    if reduced:  # the benchmark runs at Ouro-1.4B widths only (minutes on a CPU)
+        return {"skipped": "reduced mode"}
+    rc, tail = _run([sys.executable, "benchmarks/kernels.py"], timeout=420)
     last = [ln for ln in tail.splitlines() if ln.startswith("{")]
     return {"exit_status": rc, "figures": json.loads(last[-1]) if last else None,
             "tail": "" if last else tail[-800:]}
