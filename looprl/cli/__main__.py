@@ -1,6 +1,4 @@
 """`python -m looprl.cli ...` = `looprl ...`."""
-import sys
+from looprl.cli.main import entry
 
-from looprl.cli.main import main
-
-sys.exit(main())
+entry()

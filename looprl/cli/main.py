@@ -9,6 +9,7 @@ exit status 2, never a bare traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -207,5 +208,22 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
+def entry() -> None:
+    """The `looprl` executable (and `python -m looprl.cli`): `main()`, then exit with its status.
+
+    After a Ctrl-C (status 130) the process ends with `os._exit`, skipping the interpreter's
+    finalization: the KeyboardInterrupt may have landed inside XLA's C++ (a compile, a
+    dispatch), and finalizing that runtime then crashed the process (SIGSEGV or SIGINT after
+    the resume line was printed, i.e. a status other than 130). Nothing is lost by skipping it:
+    every file looprl writes is complete when written (atomic renames), the TensorBoard writer
+    is closed in `train`'s `finally`, and stdout/stderr are flushed here first."""
+    status = main()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
