@@ -1,4 +1,4 @@
-"""Seconds per GRPO step, split into rollout and learner, for `dense` and `deferred` rollouts.
+"""Seconds per GRPO step, split into rollout and learner, for `dense`, `deferred` and `copy`.
 
 Main job shapes (`experiments/tiny_arith.py`: hidden 64, 1 layer, T = 4, 32 prompts x G = 8,
 answer-only chain sums, its q and learner settings). The model is first warm-started briefly
@@ -9,9 +9,15 @@ parameters runs one untimed step (compilation) and `STEPS` timed steps (`rollout
 measurements). The policies run in ABBA blocks (dense, deferred, deferred, dense) so drift of a
 shared machine hits both alike; medians over both blocks are reported.
 
+Issue 18's keys are speedups (dense step seconds / the policy's step seconds; higher is
+better), at 256 rows (the main job's 32 prompts x 8) with `rollout.max_new_tokens=128`:
+`deferred_vs_dense_step_b256`, `copy_vs_dense_step_b256`, and `amdahl_bound_step_b256` = dense
+step seconds / dense learner seconds, the speedup a free rollout would give. The older
+`deferred_vs_dense_step` / `deferred_vs_dense_rollout` keys stay time ratios (policy / dense,
+below 1: faster), as they were first reported.
+
 Run: `python benchmarks/grpo_step.py` (no arguments; well under 400 s on 2 CPU cores). The last
-line is one JSON object with `deferred_vs_dense_step` = deferred step seconds / dense step
-seconds (below 1: deferred is faster end to end).
+line is one JSON object.
 """
 from __future__ import annotations
 
@@ -34,7 +40,9 @@ from looprl.model.config import from_model_section
 from looprl.train.warm_start import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
-WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 6
+WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 4
+POLICIES = ("dense", "deferred", "copy")
+MAX_NEW = 128  # rollout.max_new_tokens: the rollout a real share of the step (issue 18)
 
 
 def main() -> dict:
@@ -51,10 +59,11 @@ def main() -> dict:
     params = jax.tree.map(np.asarray, params)
     warm_s = time.time() - t_start
 
-    rows: dict[str, list[dict]] = {"dense": [], "deferred": []}
+    rows: dict[str, list[dict]] = {p: [] for p in POLICIES}
     compile_s: dict[str, float] = {}
-    for policy in ("dense", "deferred", "deferred", "dense"):
-        pcfg = apply_overrides(cfg, [f"rollout.kv_policy={policy}"])
+    for policy in POLICIES + POLICIES[::-1]:  # ABC CBA blocks
+        pcfg = apply_overrides(cfg, [f"rollout.kv_policy={policy}",
+                                     f"rollout.max_new_tokens={MAX_NEW}"])
         learner = GRPOLearner(pcfg, mcfg, params, rl_task, tok)
         t0 = time.perf_counter()
         learner.step(0)                       # compile (first block) / warm caches
@@ -68,7 +77,9 @@ def main() -> dict:
         return statistics.median(r[key] for r in rows[policy])
 
     out: dict = {"benchmark": "grpo_step"}
-    for p in ("dense", "deferred"):
+    for p in POLICIES:
+        out[f"{p}_response_length"] = round(med(p, "response_length"), 2)
+    for p in POLICIES:
         out[f"{p}_rollout_s"] = round(med(p, "rollout_s"), 4)
         out[f"{p}_learner_s"] = round(med(p, "learner_s"), 4)
         out[f"{p}_step_s"] = round(statistics.median(r["rollout_s"] + r["learner_s"]
@@ -78,7 +89,7 @@ def main() -> dict:
                                                            for r in rows[p]), 3)
     out.update({
         "sequences_per_step": cfg.rollout.sequences_per_step,
-        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "max_new_tokens": MAX_NEW,
         "exit_threshold": cfg.rollout.exit_threshold,
         "model": {"hidden_size": mcfg.hidden_size, "num_layers": mcfg.num_layers,
                   "total_ut_steps": mcfg.total_ut_steps},
@@ -92,6 +103,10 @@ def main() -> dict:
         "platform": platform.platform(), "jax": jax.__version__,
         "deferred_vs_dense_rollout": round(out["deferred_rollout_s"] / out["dense_rollout_s"], 3),
         "deferred_vs_dense_step": round(out["deferred_step_s"] / out["dense_step_s"], 3),
+        "deferred_vs_dense_step_b256": round(out["dense_step_s"] / out["deferred_step_s"], 3),
+        "copy_vs_dense_step_b256": round(out["dense_step_s"] / out["copy_step_s"], 3),
+        "amdahl_bound_step_b256": round(out["dense_step_s"] / out["dense_learner_s"], 3),
+        "rollout_share_of_dense_step": round(out["dense_rollout_s"] / out["dense_step_s"], 3),
         "wall_s": round(time.time() - t_start, 1),
     })
     return out

@@ -1,4 +1,17 @@
-"""Decode throughput of the rollout engine: KV policies `dense`, `deferred`, `copy` (issue 3).
+"""Decode throughput of the rollout engine: KV policies `dense`, `deferred`, `copy` (issues 3, 18).
+
+**The RL batch first (issue 18).** Every `*_vs_dense_*` key is a speedup: dense decode seconds
+/ the policy's decode seconds, side by side in this run (higher is better; > 1: faster than
+dense). `copy_vs_dense_b256` / `deferred_vs_dense_b256`: the main job's model
+(experiments/tiny_arith.py, hidden 64, 1 layer, T = 4), warm-started as in grpo_step.py so the
+gate is trained, 256 rows (32 prompts x 8), q = 0.5, 32 new tokens; next to them
+`ideal_speedup_copy_b256` = T / mean exit loop, `fraction_of_ideal_copy_b256`, the mean exit
+loops, and `*_work_share_of_dense_b256`: the rows x positions the policy's loops ran (from the
+recorded `loop_rows`, a deferred window counting all its positions) over dense's, i.e. its
+share of dense's matmul FLOPs. `*_1p4b_width_b64`: the same for one layer of ouro-1.4b width
+(random weights, gate biased toward early exits), 64 rows, 16 new tokens.
+`flax_vs_torch_decode_b{1,16,128}`: the PyTorch reference's seconds / Flax's (invariant
+kernels), greedy, all loops.
 
 Model: preset `tiny` (hidden 128, 2 layers, 4 heads, T = 4; vocab of the arithmetic task's char
 tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate is trained),
@@ -42,17 +55,27 @@ import jax
 import numpy as np
 import torch
 
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from looprl.config import load_experiment
 from looprl.io import hf
-from looprl.model.config import preset
+from looprl.model.config import from_model_section, preset
 from looprl.model.looped import init_params
 from looprl.reference.torch_ouro import TorchOuro
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tasks.arithmetic import ArithmeticTask
+from looprl.train.setup import build_tasks
 from looprl.train.warm_start import warm_start
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MAX_NEW = 32  # new tokens per row in the batch-size sweep
 B1_MAX_NEW = 128  # new tokens of the `_b1` keys (see the module doc)
-BATCHES = (1, 16, 128)
+BATCHES = (1, 16)  # the tiny preset's sweep (256 rows: the main job's model, `_rl_batch`)
+RL_ROWS, RL_Q, RL_GROUP = 256, 0.5, 8  # the RL batch: 32 prompts x G = 8, q = 0.5
+WIDE_ROWS, WIDE_NEW, WIDE_GATE_BIAS = 64, 16, -1.0  # one ouro-1.4b-width layer
 THRESHOLDS = (0.5, 0.9)
 B1_Q = 0.9
 POLICIES = ("dense", "deferred", "copy")
@@ -62,13 +85,14 @@ RL_MAX_PENDING = 4  # the RL config's default (`rollout.deferred_max_pending`), 
 REPEATS = 5
 
 
-def _interleaved(fns):
+def _interleaved(fns, repeats=None):
     """Median seconds of each callable in `fns` (name -> fn): one warm-up call each, then
-    REPEATS rounds calling every fn once, so a change in machine load hits all of them alike."""
+    `repeats` (default REPEATS) rounds calling every fn once, so a change in machine load hits
+    all of them alike."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
-    for _ in range(REPEATS):
+    for _ in range(repeats or REPEATS):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
@@ -76,7 +100,8 @@ def _interleaved(fns):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _measure_group(cfg, params, prompts, configs, T, max_new=MAX_NEW):
+def _measure_group(cfg, params, prompts, configs, T, max_new=MAX_NEW, keep=None,
+                   repeats=None):
     """Tokens/s of several sampler configs on the same prompts, interleaved: after one
     compile/warm-up call each, REPEATS rounds run every config once, and each config's median
     counts, so a change in machine load hits all of them alike. `configs`: name -> kwargs of
@@ -94,7 +119,9 @@ def _measure_group(cfg, params, prompts, configs, T, max_new=MAX_NEW):
 
     secs = _interleaved({name: functools.partial(run, name, SamplingConfig(
         max_new_tokens=max_new, temperature=1.0, stop_ids=(), **kw))
-        for name, kw in configs.items()})
+        for name, kw in configs.items()}, repeats)
+    if keep is not None:
+        keep.update(out)
     rows = {}
     for name in configs:
         rb = out[name]
@@ -108,6 +135,67 @@ def _measure_group(cfg, params, prompts, configs, T, max_new=MAX_NEW):
               f"(max_pending {rb.schedule.deferred_max_pending}) decode {dec:9.1f} tok/s "
               f"(whole call {tps:9.1f}) mean exit {mean_exit:.2f}", file=sys.stderr)
     return rows
+
+
+def _work_share(rb, dense_rb):
+    """Rows x positions the loops of `rb`'s decode steps ran (from its recorded `loop_rows`;
+    a deferred window counts `chunk_size` positions per row) over the same for `dense_rb`: the
+    share of dense's matmul FLOPs the policy spent (attention aside)."""
+    lr, ld = np.asarray(rb.loop_rows), np.asarray(dense_rb.loop_rows)
+    work = lr[..., 0].sum() + rb.schedule.chunk_size * lr[..., 1].sum()
+    return float(work / ld[..., 0].sum())
+
+
+def _speedups(got, rbs, T):
+    """Per-policy figures against dense: decode speedup (dense decode s / policy decode s),
+    ideal T / mean exit, share of the ideal, and the share of dense's work."""
+    out = {}
+    for name, r in got.items():
+        vs = r["decode_tokens_per_s"] / got["dense"]["decode_tokens_per_s"]
+        out[name] = {**r, "vs_dense": vs, "fraction_of_ideal": vs / r["ideal_speedup"],
+                     "work_share_of_dense": _work_share(rbs[name], rbs["dense"])}
+    return out
+
+
+def _rl_batch(max_new=MAX_NEW):
+    """The main job's model (experiments/tiny_arith.py: hidden 64, 1 layer, T = 4), briefly
+    warm-started as in benchmarks/grpo_step.py (300 stage-I + 50 gate steps, so the gate is
+    trained), 32 RL prompts x G = 8 = 256 rows, q = 0.5, stop ids off."""
+    cfg = load_experiment(ROOT / "experiments" / "tiny_arith.py")
+    warm_task, rl_task = build_tasks(cfg)
+    tok = warm_task.tokenizer()
+    mcfg = from_model_section(cfg.model)
+    ws = cfg.warm_start
+    params, _ = warm_start(mcfg, init_params(mcfg, 0), warm_task, tok, steps=300,
+                           batch_size=ws.batch_size, learning_rate=ws.learning_rate, seed=0,
+                           gate_steps=50, entropy_beta=ws.entropy_beta)
+    params = jax.device_put(jax.tree.map(np.asarray, params))
+    prompts = [tok.encode(rl_task.format_prompt(p))
+               for p in rl_task.train_problems(RL_ROWS // RL_GROUP, 0)]
+    prompts = [p for p in prompts for _ in range(RL_GROUP)]
+    configs = {p: dict(kv_policy=p, exit_threshold=RL_Q) for p in POLICIES}
+    rbs = {}
+    got = _measure_group(mcfg, params, prompts, configs, mcfg.total_ut_steps, max_new=max_new,
+                         keep=rbs)
+    return _speedups(got, rbs, mcfg.total_ut_steps)
+
+
+def _wide_layer():
+    """One layer of ouro-1.4b width (hidden 2048, 16 heads, MLP 5632, T = 4; the arithmetic
+    tokenizer's vocabulary), random weights with the gate bias at WIDE_GATE_BIAS (early exits),
+    64 rows, q = 0.5, WIDE_NEW new tokens."""
+    task = ArithmeticTask(seed=0)
+    tok = task.tokenizer()
+    cfg = preset("ouro-1.4b", num_layers=1, vocab_size=tok.vocab_size)
+    p = init_params(cfg, 0)
+    p["early_exit_gate"]["bias"] = jnp.array([WIDE_GATE_BIAS])
+    params = jax.device_put(jax.tree.map(np.asarray, p))
+    prompts = [tok.encode(task.format_prompt(q)) for q in task.train_problems(WIDE_ROWS, 7)]
+    configs = {p: dict(kv_policy=p, exit_threshold=RL_Q) for p in POLICIES}
+    rbs = {}
+    got = _measure_group(cfg, params, prompts, configs, cfg.total_ut_steps, max_new=WIDE_NEW,
+                         keep=rbs, repeats=2)
+    return _speedups(got, rbs, cfg.total_ut_steps)
 
 
 def main() -> dict:
@@ -124,7 +212,7 @@ def main() -> dict:
     params = jax.device_put(jax.tree.map(np.asarray, params))  # on the device, as in training
     print(f"warm start: {ws['stage1_steps']} + {ws['stage2_steps']} steps, stage-I loss "
           f"{ws['stage1_final_loss']:.3f}, {ws['wall_s']:.0f}s", file=sys.stderr)
-    problems = task.train_problems(max(BATCHES), 50_000)
+    problems = task.train_problems(128, 50_000)
     prompts_all = [tok.encode(task.format_prompt(p)) for p in problems]
 
     rows = {}  # (config, q, batch, new tokens) -> row
@@ -153,7 +241,7 @@ def main() -> dict:
     ref = TorchOuro(cfg, {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
     default_threads = torch.get_num_threads()
     torch_vs = {}
-    for B in (1, 16):
+    for B in (1, 16, 128):
         P = min(len(p) for p in prompts_all[:B])
         prompts = [p[:P] for p in prompts_all[:B]]  # the reference takes equal-length prompts
         arr = np.asarray(prompts)
@@ -170,7 +258,8 @@ def main() -> dict:
         secs = _interleaved({"invariant": functools.partial(flax_run, "invariant"),
                              "stock": functools.partial(flax_run, "stock"),
                              "torch": functools.partial(torch_run, default_threads),
-                             "torch_1thread": functools.partial(torch_run, 1)})
+                             "torch_1thread": functools.partial(torch_run, 1)},
+                            repeats=3 if B > 16 else None)
         torch.set_num_threads(default_threads)
         flax_s = {k: secs[k] for k in ("invariant", "stock")}
         torch_s = {k: secs[k] for k in ("torch", "torch_1thread")}
@@ -184,12 +273,37 @@ def main() -> dict:
               f"(stock kernels {B * MAX_NEW / flax_s['stock']:.1f}), torch "
               f"{B * MAX_NEW / torch_s[best]:.1f} tok/s ({best})", file=sys.stderr)
 
+    rl = _rl_batch()
+    wide = _wide_layer()
     table = {f"{p}_q{q}_b{B}_new{n}": {k: round(v, 3) for k, v in r.items()}
              for (p, q, B, n), r in rows.items()}
+    r3 = lambda x: round(x, 3)  # noqa: E731
+    b256 = {
+        "copy_vs_dense_b256": r3(rl["copy"]["vs_dense"]),
+        "deferred_vs_dense_b256": r3(rl["deferred"]["vs_dense"]),
+        "ideal_speedup_copy_b256": r3(rl["copy"]["ideal_speedup"]),
+        "fraction_of_ideal_copy_b256": r3(rl["copy"]["fraction_of_ideal"]),
+        "mean_exit_loop_copy_b256": r3(rl["copy"]["mean_exit_loop"]),
+        "mean_exit_loop_deferred_b256": r3(rl["deferred"]["mean_exit_loop"]),
+        "deferred_work_share_of_dense_b256": r3(rl["deferred"]["work_share_of_dense"]),
+        "copy_work_share_of_dense_b256": r3(rl["copy"]["work_share_of_dense"]),
+        "decode_tokens_per_s_b256": {p: round(rl[p]["decode_tokens_per_s"], 1)
+                                     for p in POLICIES},
+        "copy_vs_dense_1p4b_width_b64": r3(wide["copy"]["vs_dense"]),
+        "deferred_vs_dense_1p4b_width_b64": r3(wide["deferred"]["vs_dense"]),
+        "ideal_speedup_copy_1p4b_width_b64": r3(wide["copy"]["ideal_speedup"]),
+        "mean_exit_loop_1p4b_width_b64": r3(wide["copy"]["mean_exit_loop"]),
+        "deferred_work_share_of_dense_1p4b_width_b64": r3(
+            wide["deferred"]["work_share_of_dense"]),
+        "decode_tokens_per_s_1p4b_width_b64": {p: round(wide[p]["decode_tokens_per_s"], 2)
+                                               for p in POLICIES},
+        "flax_vs_torch_decode_b128": r3(torch_vs[128]["flax_vs_torch"]),
+    }
     b1 = {p: rows[(p, B1_Q, 1, B1_MAX_NEW)] for p in POLICIES}
     short = {p: rows[(p, B1_Q, 1, MAX_NEW)] for p in POLICIES}
     result = {
         "benchmark": "rollout",
+        **b256,
         "deferred_vs_dense_b1": round(b1["deferred"]["vs_dense"], 3),
         "copy_vs_dense_b1": round(b1["copy"]["vs_dense"], 3),
         "mean_exit_loop_deferred": round(b1["deferred"]["mean_exit_loop"], 3),

@@ -42,6 +42,25 @@ def auto_max_pending(local_rows: int) -> int:
     return int(min(63, max(7, 64 // max(local_rows, 1) - 1)))
 
 
+def row_menu(local_rows: int) -> tuple[int, ...]:
+    """Sub-batch sizes of row compaction (issue 18) for `local_rows` rows per device: the
+    multiples of 8 of the form 2^k or 3 * 2^k (8, 16, 24, 32, 48, 64, 96, ...) below
+    `local_rows`, then `local_rows` itself; `(local_rows,)` up to 8 rows.
+
+    A loop runs n rows as the smallest size >= n, so a loop does at most 1.5x the rows it needs
+    (2x below 16), and 2 log2(rows / 8) + 1 sizes bound the compiled shapes (10 at 256 rows).
+    Multiples of 8 are the kernels' row quantum (`looprl.model.kernels.ROW_QUANTUM`)."""
+    n = max(int(local_rows), 1)
+    sizes = {n}
+    k = 8
+    while k < n:
+        sizes.add(k)
+        if k >= 16 and k * 3 // 2 < n:
+            sizes.add(k * 3 // 2)
+        k *= 2
+    return tuple(sorted(sizes))
+
+
 def chunk_size(policy: str, max_pending: int) -> int:
     """Positions per decode chunk: the current one plus (for deferred) the pending window."""
     return max_pending + 1 if policy == "deferred" else 1

@@ -9,7 +9,9 @@ each of the T x L (loop, layer) slots: `[T, L, B, S, Hkv, K]`.
 Prefill runs every prompt position through all T loops as one chunk; each decode step runs the
 current position (plus, under `deferred`, the pending window) loop by loop in a
 `lax.while_loop` that stops as soon as every row of the batch is done with the step, so early
-exit saves sequential depth. All matmuls and attention use the batch-invariant kernels of
+exit saves sequential depth; and each loop runs only the rows that still need it (row
+compaction, issue 18: a sub-batch whose size comes from `policies.row_menu`, recorded in
+`RolloutBatch.loop_rows`), so early exit saves work at RL batch sizes too. All matmuls and attention use the batch-invariant kernels of
 `looprl.model.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
 
 `forced` mode re-runs a recorded rollout (its tokens, exit loops and flushes) at other parameters:
@@ -65,6 +67,8 @@ class SamplingConfig:
     prompt_len_multiple: int = 1    # P = the longest prompt rounded up to a multiple of this
     noise_keying: str = NOISE_KEYING  # "completion" (token index in its completion) or "layout"
     #                                   (padded position; runs and rollouts before 2026-12-01)
+    row_compaction: bool = True  # each decode loop runs only the rows that need it, gathered
+    #                              into a sub-batch of a size from `policies.row_menu` (issue 18)
 
     def validate(self, T: int) -> None:
         """Raises SamplingError naming the bad field."""
@@ -108,6 +112,7 @@ class DecodeState(NamedTuple):
     flush_BxS: jax.Array
     done_B: jax.Array
     completion_len_B: jax.Array
+    loop_rows_1xSxTx2: jax.Array  # sub-batch rows per (decode step, loop, width class)
     p: jax.Array  # next position to run (int32 scalar)
 
 
@@ -128,10 +133,95 @@ class _Static:
     S: int
     seed: int
     forced: bool
+    row_menu: tuple[int, ...] = ()  # sub-batch sizes of row compaction; () = off
+
+
+def _loop_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
+               active_BxC):
+    """Loop d for every row over the chunk [w0, w0 + C): positions in `active_BxC` compute
+    their loop-d KV and hidden state, the others keep theirs."""
+    layout_C = w0 + jnp.arange(C)
+    positions = jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1)
+    k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
+    v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
+    h_in = jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1)
+    depth_win = jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1)
+    h_new, k_slots, v_slots = stack_pass(st.cfg, w, h_in, positions, layout_C, rows.pad_B,
+                                         k_slots, v_slots, active_BxC, w0,
+                                         st.scfg.kernels == "stock")
+    return s._replace(
+        k_cache=jax.lax.dynamic_update_index_in_dim(s.k_cache, k_slots, d - 1, 0),
+        v_cache=jax.lax.dynamic_update_index_in_dim(s.v_cache, v_slots, d - 1, 0),
+        h_BxSxD=jax.lax.dynamic_update_slice_in_dim(
+            s.h_BxSxD, jnp.where(active_BxC[..., None], h_new, h_in), w0, 1),
+        depth_BxS=jax.lax.dynamic_update_slice_in_dim(
+            s.depth_BxS, jnp.where(active_BxC, d, depth_win), w0, 1))
+
+
+def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
+                  active_BxC, run_B):
+    """Loop d over the chunk [w0, w0 + C) for the rows `run_B` only (issue 18).
+
+    The n = sum(run_B) rows are gathered, in row order, into a sub-batch of M rows, M the
+    smallest size of `st.row_menu` >= n (the menu bounds the compiled shapes; n = 0 runs
+    nothing); the M - n filler rows compute nothing (no active position) and are dropped on the
+    way back. Only the chunk's window of the loop-d KV slots, hidden states and depths is
+    scattered back. The kernels are row-invariant (`looprl.model.kernels`), so a row's bits
+    are those it gets in the full batch. Returns (state, M) with M an int32 scalar."""
+    B = run_B.shape[0]
+    L, Hkv, K = st.cfg.num_layers, st.cfg.num_kv_heads, st.cfg.head_dim
+    menu = jnp.asarray(st.row_menu, jnp.int32)
+    n = jnp.sum(run_B, dtype=jnp.int32)
+    which = jnp.where(n > 0, 1 + jnp.searchsorted(menu, n, side="left"), 0)
+    order = jnp.argsort(~run_B, stable=True)  # the running rows first, in row order
+    layout_C = w0 + jnp.arange(C)
+    k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
+    v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
+    h_win = jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1)
+    depth_win = jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1)
+    k_win = jax.lax.dynamic_slice_in_dim(k_slots, w0, C, axis=2)  # L, B, C, Hkv, K
+    v_win = jax.lax.dynamic_slice_in_dim(v_slots, w0, C, axis=2)
+    positions = jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1)
+
+    def run(M):
+        def branch(_):
+            idx = order[:M]
+            back = jnp.where(jnp.arange(M) < n, idx, B)  # filler rows: dropped (index B)
+            act = active_BxC[idx] & (jnp.arange(M) < n)[:, None]
+            h_in = h_win[idx]
+            h_new, k_m, v_m = stack_pass(st.cfg, w, h_in, positions[idx], layout_C,
+                                         rows.pad_B[idx], k_slots[:, idx], v_slots[:, idx],
+                                         act, w0, st.scfg.kernels == "stock")
+            k_m = jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2)
+            v_m = jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2)
+            return (k_win.at[:, back].set(k_m, mode="drop"),
+                    v_win.at[:, back].set(v_m, mode="drop"),
+                    h_win.at[back].set(jnp.where(act[..., None], h_new, h_in), mode="drop"),
+                    depth_win.at[back].set(jnp.where(act, d, depth_win[idx]), mode="drop"))
+        return branch
+
+    branches = [lambda _: (k_win, v_win, h_win, depth_win)] + [run(M) for M in st.row_menu]
+    k_w, v_w, h_w, depth_w = jax.lax.switch(which, branches, None)
+    put = lambda cache, win: jax.lax.dynamic_update_slice(  # noqa: E731
+        cache, win[None].astype(cache.dtype), (d - 1, 0, 0, w0, 0, 0))
+    del L, Hkv, K
+    s = s._replace(k_cache=put(s.k_cache, k_w), v_cache=put(s.v_cache, v_w),
+                   h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_w, w0, 1),
+                   depth_BxS=jax.lax.dynamic_update_slice_in_dim(s.depth_BxS, depth_w, w0, 1))
+    sizes = jnp.asarray((0,) + st.row_menu, jnp.int32)
+    return s, sizes[which]
+
+
+def _record_rows(s: DecodeState, p, d, rows_m, width_class: int) -> DecodeState:
+    """Write the sub-batch size `rows_m` of loop d at decode position p (width class 0: the
+    current position alone, 1: the deferred window) into `loop_rows_1xSxTx2`."""
+    return s._replace(loop_rows_1xSxTx2=s.loop_rows_1xSxTx2.at[0, p, d - 1, width_class].set(
+        rows_m))
 
 
 def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: int, emit_p,
-               eligible_C, force_full_B, running_B, peel_first_loop: bool = False):
+               eligible_C, force_full_B, running_B, peel_first_loop: bool = False,
+               compact_rows: bool = False):
     """Run loops 1..(as needed) for the chunk [w0, w0+C), then emit from position `emit_p`.
 
     A chunk position is computed at loop d iff its row is running and it has computed exactly
@@ -140,7 +230,10 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
     `peel_first_loop` runs loop 1 as a chunk of the emitting position alone: in a decode step
     every other chunk position has already computed loop 1 (deferred keeps only loops >= 2
     pending), so loop 1 costs what it costs under `dense`; the kernels are row-invariant, so
-    the bits do not change.
+    the bits do not change. `compact_rows` (decode steps, with `st.row_menu`): each loop runs
+    only the rows still running, as a sub-batch (`_compact_pass`); under `deferred` the rows
+    with no pending position needing the loop run their current position alone, the others the
+    whole window. Row-invariant kernels again keep every bit.
     Returns the updated state (tokens, log-probs, exits written at emit_p / emit_p + 1).
     """
     cfg, scfg = st.cfg, st.scfg
@@ -148,6 +241,7 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
     T = cfg.total_ut_steps
     B = s.tokens_BxS.shape[0]
     q = scfg.exit_threshold
+    compact = bool(st.row_menu) and compact_rows
     positions_BxS = Layout(rows.pad_B).positions(st.S)
     forced_exit_B = (jax.lax.dynamic_index_in_dim(rows.forced_exit_BxS, emit_p, 1, False)
                      if st.forced else None)
@@ -156,23 +250,22 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
         """One loop d over the chunk [w0, w0 + C) (C static)."""
         d, s, xs, exited, exit_loop, h_exit, running = c
         d = d + 1
-        layout_C = w0 + jnp.arange(C)
-        positions = jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1)
-        k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
-        v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
-        h_in = jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1)
         depth_win = jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1)
         active = running[:, None] & eligible_C[None, :] & (depth_win == d - 1)
-        h_new, k_slots, v_slots = stack_pass(cfg, w, h_in, positions, layout_C, rows.pad_B,
-                                             k_slots, v_slots, active, w0, stock)
-        h_store = jnp.where(active[..., None], h_new, h_in)
-        s = s._replace(
-            k_cache=jax.lax.dynamic_update_index_in_dim(s.k_cache, k_slots, d - 1, 0),
-            v_cache=jax.lax.dynamic_update_index_in_dim(s.v_cache, v_slots, d - 1, 0),
-            h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_store, w0, 1),
-            depth_BxS=jax.lax.dynamic_update_slice_in_dim(
-                s.depth_BxS, jnp.where(active, d, depth_win), w0, 1))
-        h_cur = jax.lax.dynamic_index_in_dim(h_new, emit_p - w0, 1, keepdims=True)  # B,1,D
+        if not compact:
+            s = _loop_pass(st, w, s, rows, positions_BxS, d, w0, C, active)
+        elif C == 1:
+            s, n = _compact_pass(st, w, s, rows, positions_BxS, d, w0, 1, active, running)
+            s = _record_rows(s, emit_p, d, n, 0)
+        else:  # rows with nothing pending at this loop run their current position alone
+            wide_B = jnp.any(active & (w0 + jnp.arange(C) != emit_p)[None, :], axis=1)
+            at_p = jax.lax.dynamic_slice_in_dim(active, emit_p - w0, 1, axis=1)
+            s, n1 = _compact_pass(st, w, s, rows, positions_BxS, d, emit_p, 1,
+                                  at_p & ~wide_B[:, None], running & ~wide_B)
+            s, nc = _compact_pass(st, w, s, rows, positions_BxS, d, w0, C,
+                                  active & wide_B[:, None], wide_B)
+            s = _record_rows(_record_rows(s, emit_p, d, n1, 0), emit_p, d, nc, 1)
+        h_cur = jax.lax.dynamic_index_in_dim(s.h_BxSxD, emit_p, 1, keepdims=True)  # B,1,D
         lam = exit_lambda(w, h_cur, stock)[:, 0]
         xs, _ = exit_state_update(xs, lam, d, T)
         if st.forced:
@@ -247,7 +340,8 @@ def _prefill(st: _Static, params, tokens_BxS, rows: RowInfo, step):
         logprob_BxS=jnp.zeros((B, st.S), jnp.float32),
         logprob_processed_BxS=jnp.zeros((B, st.S), jnp.float32),
         flush_BxS=jnp.zeros((B, st.S), bool), done_B=jnp.zeros((B,), bool),
-        completion_len_B=jnp.zeros((B,), jnp.int32), p=jnp.int32(st.P))
+        completion_len_B=jnp.zeros((B,), jnp.int32),
+        loop_rows_1xSxTx2=jnp.zeros((1, st.S, T, 2), jnp.int32), p=jnp.int32(st.P))
     ones = jnp.ones((B,), bool)
     return _run_chunk(st, w, s, rows, step, w0=0, C=st.P, emit_p=st.P - 1,
                       eligible_C=jnp.ones((st.P,), bool), force_full_B=ones, running_B=ones)
@@ -285,7 +379,8 @@ def _decode(st: _Static, params, s: DecodeState, rows: RowInfo, step, n_steps: i
             full_B = jnp.zeros_like(live_B)
         eligible = (layout_C <= p) & ((layout_C >= st.P) | (layout_C == p))
         s = _run_chunk(st, w, s, rows, step, w0=w0, C=C, emit_p=p, eligible_C=eligible,
-                       force_full_B=full_B, running_B=live_B, peel_first_loop=True)
+                       force_full_B=full_B, running_B=live_B, peel_first_loop=True,
+                       compact_rows=True)
         if scfg.kv_policy == "copy":
             k_B = jax.lax.dynamic_index_in_dim(s.exit_loop_BxS, p, 1, False)
             rows_B = live_B & (k_B > 0)
@@ -389,7 +484,12 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         local_rows = -(-tokens.shape[0] // (mesh.size if mesh is not None else 1))
         scfg = dataclasses.replace(scfg, deferred_max_pending=policies.auto_max_pending(
             local_rows))
-    st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None)
+    local_rows = -(-tokens.shape[0] // (mesh.size if mesh is not None else 1))
+    if forced is not None and sched.row_menu:  # the recorded compaction (schedule version 2)
+        menu = tuple(sched.row_menu)
+    else:
+        menu = policies.row_menu(local_rows) if scfg.row_compaction else ()
+    st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None, menu)
     rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
                    jnp.asarray(sample_index, jnp.int32), *frows)
     if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
@@ -433,14 +533,15 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
         row_tile=row_tile() if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
         mesh=_mesh_record(mesh, params), noise_keying=scfg.noise_keying,
-        kernel_version=KERNEL_VERSION)
+        kernel_version=KERNEL_VERSION, row_menu=menu)
     return RolloutBatch(
         tokens_BxS=fetch(s.tokens_BxS)[:B], pad_B=np.asarray(pad),
         exit_loop_BxS=fetch(s.exit_loop_BxS)[:B], logprob_BxS=fetch(s.logprob_BxS)[:B],
         logprob_processed_BxS=fetch(s.logprob_processed_BxS)[:B],
         flush_BxS=fetch(s.flush_BxS)[:B], prompt_index_B=np.asarray(prompt_index, np.int32),
         sample_index_B=np.asarray(sample_index, np.int32),
-        completion_len_B=fetch(s.completion_len_B)[:B], schedule=sched)
+        completion_len_B=fetch(s.completion_len_B)[:B], schedule=sched,
+        loop_rows=fetch(s.loop_rows_1xSxTx2) if menu else None)
 
 
 # --- on a mesh (issue 7): the same programs, one per device on its rows -------------------------
@@ -451,7 +552,7 @@ def _mesh_record(mesh, params):
 
 def _state_specs():
     row, kv = PS(ROW_AXES), PS(None, None, ROW_AXES)  # the caches are [T, L, B, S, Hkv, K]
-    return DecodeState(row, row, row, kv, kv, row, row, row, row, row, row, row)
+    return DecodeState(row, row, row, kv, kv, row, row, row, row, row, row, row, row)
 
 
 @functools.lru_cache(maxsize=32)

@@ -13,8 +13,15 @@ and shardings (`mesh`, optional: absent = one device), compute dtype, the sample
 only by a forced re-run of the sampler), and a fingerprint of the sampler's parameters. The
 learner never re-decides any of it.
 
+Row compaction (issue 18, format version 2): each decode loop ran only the rows that needed it,
+gathered into a sub-batch whose size came from a fixed menu (`Schedule.row_menu`); the size
+each loop of each decode step used is `RolloutBatch.loop_rows`. With the row-invariant kernels
+the sizes do not change a bit; they are recorded because DESIGN.md §3 asks for the batch
+composition, and a forced re-run reuses the menu (and so reproduces the sizes).
+
 On disk (`save`/`load`): one `.npz` file holding the arrays and a JSON `meta` string with
-`format_version` (currently 1) and the schedule fields.
+`format_version` (currently 2; version-1 files, without compaction, still load) and the
+schedule fields.
 """
 from __future__ import annotations
 
@@ -32,8 +39,8 @@ import numpy as np
 
 from looprl.errors import ScheduleError
 
-FORMAT_VERSION = 1
-KV_POLICIES = ("dense", "deferred", "copy")
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before row compaction (no row_menu, no loop_rows)
 
 _ARRAYS = ("tokens_BxS", "pad_B", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS",
            "flush_BxS", "prompt_index_B", "sample_index_B", "completion_len_B")
@@ -72,10 +79,14 @@ class Schedule:
     # the invariant kernels' version (`looprl.model.kernels.KERNEL_VERSION`) the rollout was
     # sampled with; "" in files written before 2026-12-01 (the scanned-rule kernels)
     kernel_version: str = ""
+    # the sub-batch sizes of row compaction (`looprl.sampling.policies.row_menu`); () when every
+    # loop ran the whole batch (compaction off, or files of format version 1)
+    row_menu: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stop_ids"] = list(self.stop_ids)
+        d["row_menu"] = list(self.row_menu)
         return d
 
     @classmethod
@@ -83,12 +94,13 @@ class Schedule:
         known = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids",
                                             "kernels", "mesh", "noise_keying",
-                                            "kernel_version"})
+                                            "kernel_version", "row_menu"})
         if missing:
             raise ScheduleError(f"schedule meta is missing keys {missing}")
         d = {k: v for k, v in d.items() if k in known}
-        if "stop_ids" in d:
-            d["stop_ids"] = tuple(d["stop_ids"])
+        for key in ("stop_ids", "row_menu"):
+            if key in d:
+                d[key] = tuple(d[key])
         return cls(**d)
 
 
@@ -113,6 +125,7 @@ class RolloutBatch:
     sample_index_B: Any
     completion_len_B: Any
     schedule: Schedule
+    loop_rows: Any = None
 
     @property
     def emit_mask_BxS(self):
@@ -147,13 +160,17 @@ class RolloutBatch:
         return dataclasses.replace(self, logprob_BxS=nan, logprob_processed_BxS=nan.copy())
 
     def to_numpy(self) -> "RolloutBatch":
-        return dataclasses.replace(self, **{k: np.asarray(getattr(self, k)) for k in _ARRAYS})
+        loop_rows = None if self.loop_rows is None else np.asarray(self.loop_rows)
+        return dataclasses.replace(self, **{k: np.asarray(getattr(self, k)) for k in _ARRAYS},
+                                   loop_rows=loop_rows)
 
     def save(self, path: str | Path) -> None:
         """Write one `.npz` (arrays + JSON meta with `format_version`); atomic via rename."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp.npz")
         arrays = {k: np.asarray(getattr(self, k)) for k in _ARRAYS}
+        if self.loop_rows is not None:
+            arrays["loop_rows"] = np.asarray(self.loop_rows)
         meta = {"format_version": FORMAT_VERSION, "schedule": self.schedule.to_dict()}
         np.savez(tmp, meta=np.asarray(json.dumps(meta)), **arrays)
         tmp.replace(path)
@@ -172,13 +189,14 @@ class RolloutBatch:
                                 f"{type(e).__name__}: {e}") from e
         if not isinstance(meta, dict):
             raise ScheduleError(f"{path}: not a looprl rollout file (no 'meta' object)")
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") not in READABLE_VERSIONS:
             raise ScheduleError(f"{path}: format_version {meta.get('format_version')!r}, "
-                                f"this looprl reads {FORMAT_VERSION}")
+                                f"this looprl reads {list(READABLE_VERSIONS)}")
         missing = [k for k in _ARRAYS if k not in data]
         if missing:
             raise ScheduleError(f"{path}: missing arrays {missing}")
-        return cls(**{k: data[k] for k in _ARRAYS}, schedule=Schedule.from_dict(meta["schedule"]))
+        return cls(**{k: data[k] for k in _ARRAYS}, schedule=Schedule.from_dict(meta["schedule"]),
+                   loop_rows=data.get("loop_rows"))
 
 
 def params_fingerprint(params) -> str:

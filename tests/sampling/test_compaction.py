@@ -1,0 +1,137 @@
+"""Per-loop row compaction (issue 18): a loop runs only the rows that need it, in a sub-batch
+whose size comes from `policies.row_menu`, and no bit of the rollout changes.
+
+The model exits early often (gate bias -0.3, q = 0.5), rows differ in prompt length, stop ids
+are off so every row decodes every step, and the deferred window is short (max_pending 3), so
+flushes, pending windows and the width-1 group all occur."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from looprl.model.config import preset
+from looprl.model.looped import init_params
+from looprl.sampling.policies import row_menu
+from looprl.sampling.sampler import SamplingConfig, generate
+from looprl.sampling.schedule import RolloutBatch
+
+CFG = preset("tiny", vocab_size=32, hidden_size=64, intermediate_size=128, num_heads=2,
+             num_kv_heads=1, head_dim=32)
+T = CFG.total_ut_steps
+PROMPTS = [[5, 9, 3, 7, 11], [4, 6], [8, 12, 13, 14, 15, 16, 17], [20], [1, 2, 3],
+           [30, 29, 28, 27], [7], [9, 9]]
+G = 3  # 24 rows: menu (8, 16, 24)
+ARRAYS = ("tokens_BxS", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS", "flush_BxS",
+          "completion_len_B")
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = init_params(CFG, 1)
+    p["early_exit_gate"]["bias"] = jnp.array([-0.3])
+    return jax.device_put(jax.tree.map(np.asarray, p))
+
+
+def _scfg(policy, dtype):
+    return SamplingConfig(max_new_tokens=14, temperature=1.0, exit_threshold=0.5,
+                          kv_policy=policy, compute_dtype=dtype, stop_ids=(),
+                          deferred_max_pending=3)
+
+
+def _raw(x):
+    a = np.asarray(x)
+    return a.view(np.uint8) if a.dtype != bool else a
+
+
+def test_row_menu_sizes():
+    assert row_menu(1) == (1,)
+    assert row_menu(8) == (8,)
+    assert row_menu(9) == (8, 9)
+    assert row_menu(24) == (8, 16, 24)
+    assert row_menu(100) == (8, 16, 24, 32, 48, 64, 96, 100)
+    assert row_menu(256) == (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@pytest.fixture(scope="module")
+def rollouts(params):
+    """(policy, dtype) -> (compacted, uncompacted) rollouts of the same prompts and seed."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        for policy in ("dense", "deferred", "copy"):
+            sc = _scfg(policy, dtype)
+            out[policy, dtype] = (
+                generate(CFG, params, PROMPTS, sc, group_size=G, seed=5),
+                generate(CFG, params, PROMPTS, dataclasses.replace(sc, row_compaction=False),
+                         group_size=G, seed=5))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy", ["dense", "deferred", "copy"])
+def test_compacted_rollout_equals_the_uncompacted_one_bit_for_bit(rollouts, policy, dtype):
+    a, b = rollouts[policy, dtype]
+    for k in ARRAYS:
+        assert np.array_equal(_raw(getattr(a, k)), _raw(getattr(b, k))), k
+    assert a.schedule.row_menu == (8, 16, 24) and b.schedule.row_menu == ()
+    assert b.loop_rows is None and a.loop_rows.shape == (1, a.schedule.seq_len, T, 2)
+
+
+@pytest.mark.parametrize("policy", ["dense", "copy"])
+def test_recorded_sizes_are_the_smallest_menu_size_holding_the_running_rows(rollouts, policy):
+    """dense runs every live row through all T loops; copy runs a row through loop d iff its
+    token exits at d or later: the recorded size at (p, d) is the smallest menu size >= that
+    count. The first loops run all 24 rows; deeper loops of copy run fewer."""
+    a, _ = rollouts[policy, "float32"]
+    menu = np.asarray(a.schedule.row_menu)
+    P, S = a.schedule.prompt_len, a.schedule.seq_len
+    exits = np.asarray(a.exit_loop_BxS)
+    lr = a.loop_rows[0]
+    assert not lr[..., 1].any()  # no deferred windows
+    for p in range(P, S - 1):
+        for d in range(1, T + 1):
+            n = int(np.sum(exits[:, p] >= d)) if policy == "copy" else len(exits)
+            want = 0 if n == 0 else int(menu[np.searchsorted(menu, n)])
+            assert lr[p, d - 1, 0] == want, (p, d, n)
+    if policy == "copy":
+        assert lr[P:S - 1, T - 1, 0].sum() < 24 * (S - 1 - P)
+
+
+def test_deferred_runs_rows_without_pending_work_on_their_own_position(rollouts):
+    """Under deferred, loop 1 runs every row alone (class 0, 24 rows); at deeper loops some
+    rows run their whole window (class 1) and others only their current position, and no loop
+    runs more rows than the batch."""
+    a, _ = rollouts["deferred", "float32"]
+    P, S = a.schedule.prompt_len, a.schedule.seq_len
+    lr = a.loop_rows[0, P:S - 1]
+    assert (lr[:, 0, 0] == 24).all() and not lr[:, 0, 1].any()
+    assert lr[:, 1:, 1].sum() > 0 and lr[:, 1:, 0].sum() > 0
+    assert set(np.unique(lr)) <= {0, 8, 16, 24}
+
+
+@pytest.mark.parametrize("policy", ["deferred", "copy"])
+def test_forced_rerun_reproduces_the_compaction(params, rollouts, policy):
+    a, _ = rollouts[policy, "bfloat16"]
+    f = generate(CFG, params, [], _scfg(policy, "bfloat16"), forced=a)
+    assert f.schedule.row_menu == a.schedule.row_menu
+    assert np.array_equal(f.loop_rows, a.loop_rows)
+    assert np.array_equal(_raw(f.logprob_BxS), _raw(a.logprob_BxS))
+
+
+def test_version_2_round_trip_and_version_1_files_still_load(rollouts, tmp_path):
+    a, _ = rollouts["deferred", "float32"]
+    a.save(tmp_path / "v2.npz")
+    back = RolloutBatch.load(tmp_path / "v2.npz")
+    assert back.schedule == a.schedule and np.array_equal(back.loop_rows, a.loop_rows)
+    with np.load(tmp_path / "v2.npz") as z:  # the same rollout as a version-1 writer wrote it
+        data = {k: z[k] for k in z.files if k != "loop_rows"}
+    meta = json.loads(str(data["meta"]))
+    meta["format_version"] = 1
+    del meta["schedule"]["row_menu"]
+    data["meta"] = np.asarray(json.dumps(meta))
+    np.savez(tmp_path / "v1.npz", **data)
+    old = RolloutBatch.load(tmp_path / "v1.npz")
+    assert old.schedule.row_menu == () and old.loop_rows is None
+    assert np.array_equal(_raw(old.logprob_BxS), _raw(a.logprob_BxS))
