@@ -9,7 +9,7 @@ gate is trained, 256 rows (32 prompts x 8), q = 0.5, 32 new tokens; next to them
 loops, and `*_work_share_of_dense_b256`: the rows x positions the policy's loops ran (from the
 recorded `loop_rows`, a deferred window counting all its positions) over dense's, i.e. its
 share of dense's matmul FLOPs. `*_1p4b_width_b64`: the same for one layer of ouro-1.4b width
-(random weights, gate biased toward early exits), 64 rows, 16 new tokens.
+(random weights, gate biased toward early exits), 64 rows, 8 new tokens.
 `flax_vs_torch_decode_b{1,16,128}`: the PyTorch reference's seconds / Flax's (invariant
 kernels), greedy, all loops.
 
@@ -75,14 +75,14 @@ MAX_NEW = 32  # new tokens per row in the batch-size sweep
 B1_MAX_NEW = 128  # new tokens of the `_b1` keys (see the module doc)
 BATCHES = (1, 16)  # the tiny preset's sweep (256 rows: the main job's model, `_rl_batch`)
 RL_ROWS, RL_Q, RL_GROUP = 256, 0.5, 8  # the RL batch: 32 prompts x G = 8, q = 0.5
-WIDE_ROWS, WIDE_NEW, WIDE_GATE_BIAS = 64, 16, -1.0  # one ouro-1.4b-width layer
+WIDE_ROWS, WIDE_NEW, WIDE_GATE_BIAS = 64, 8, -1.0  # one ouro-1.4b-width layer
 THRESHOLDS = (0.5, 0.9)
 B1_Q = 0.9
 POLICIES = ("dense", "deferred", "copy")
 MAX_PENDING = None  # the sampler's default pending bound: policies.auto_max_pending(batch)
 OLD_MAX_PENDING = 15  # the default until 2026-11-30, reported at b1 for comparison
 RL_MAX_PENDING = 4  # the RL config's default (`rollout.deferred_max_pending`), reported at b1
-REPEATS = 5
+REPEATS = 3
 
 
 def _interleaved(fns, repeats=None):

@@ -165,11 +165,10 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     The n = sum(run_B) rows are gathered, in row order, into a sub-batch of M rows, M the
     smallest size of `st.row_menu` >= n (the menu bounds the compiled shapes; n = 0 runs
     nothing); the M - n filler rows compute nothing (no active position) and are dropped on the
-    way back. Only the chunk's window of the loop-d KV slots, hidden states and depths is
+    way back. M = B runs the rows in place, without the gather. Only the chunk's window of the loop-d KV slots, hidden states and depths is
     scattered back. The kernels are row-invariant (`looprl.model.kernels`), so a row's bits
     are those it gets in the full batch. Returns (state, M) with M an int32 scalar."""
     B = run_B.shape[0]
-    L, Hkv, K = st.cfg.num_layers, st.cfg.num_kv_heads, st.cfg.head_dim
     menu = jnp.asarray(st.row_menu, jnp.int32)
     n = jnp.sum(run_B, dtype=jnp.int32)
     which = jnp.where(n > 0, 1 + jnp.searchsorted(menu, n, side="left"), 0)
@@ -183,7 +182,20 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     v_win = jax.lax.dynamic_slice_in_dim(v_slots, w0, C, axis=2)
     positions = jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1)
 
+    stock = st.scfg.kernels == "stock"
+
+    def whole_batch(_):  # M = B: every row in place (rows not in run_B have nothing active)
+        h_new, k_m, v_m = stack_pass(st.cfg, w, h_win, positions, layout_C, rows.pad_B,
+                                     k_slots, v_slots, active_BxC, w0, stock)
+        return (jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2),
+                jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2),
+                jnp.where(active_BxC[..., None], h_new, h_win),
+                jnp.where(active_BxC, d, depth_win))
+
     def run(M):
+        if M == B:
+            return whole_batch
+
         def branch(_):
             idx = order[:M]
             back = jnp.where(jnp.arange(M) < n, idx, B)  # filler rows: dropped (index B)
@@ -191,7 +203,7 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
             h_in = h_win[idx]
             h_new, k_m, v_m = stack_pass(st.cfg, w, h_in, positions[idx], layout_C,
                                          rows.pad_B[idx], k_slots[:, idx], v_slots[:, idx],
-                                         act, w0, st.scfg.kernels == "stock")
+                                         act, w0, stock)
             k_m = jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2)
             v_m = jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2)
             return (k_win.at[:, back].set(k_m, mode="drop"),
@@ -204,7 +216,6 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     k_w, v_w, h_w, depth_w = jax.lax.switch(which, branches, None)
     put = lambda cache, win: jax.lax.dynamic_update_slice(  # noqa: E731
         cache, win[None].astype(cache.dtype), (d - 1, 0, 0, w0, 0, 0))
-    del L, Hkv, K
     s = s._replace(k_cache=put(s.k_cache, k_w), v_cache=put(s.v_cache, v_w),
                    h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_w, w0, 1),
                    depth_BxS=jax.lax.dynamic_update_slice_in_dim(s.depth_BxS, depth_w, w0, 1))
