@@ -169,6 +169,8 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     scattered back. The kernels are row-invariant (`looprl.model.kernels`), so a row's bits
     are those it gets in the full batch. Returns (state, M) with M an int32 scalar."""
     B = run_B.shape[0]
+    if st.row_menu[-1] != B:  # every count n <= B must have a size: the menu ends at B
+        raise SamplingError(f"row menu {st.row_menu} does not end at the {B} rows per device")
     menu = jnp.asarray(st.row_menu, jnp.int32)
     n = jnp.sum(run_B, dtype=jnp.int32)
     which = jnp.where(n > 0, 1 + jnp.searchsorted(menu, n, side="left"), 0)
@@ -496,10 +498,9 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         scfg = dataclasses.replace(scfg, deferred_max_pending=policies.auto_max_pending(
             local_rows))
     local_rows = -(-tokens.shape[0] // (mesh.size if mesh is not None else 1))
-    if forced is not None and sched.row_menu:  # the recorded compaction (schedule version 2)
-        menu = tuple(sched.row_menu)
-    else:
-        menu = policies.row_menu(local_rows) if scfg.row_compaction else ()
+    menu = policies.row_menu(local_rows) if scfg.row_compaction else ()
+    if forced is not None and sched.row_menu and sched.row_menu[-1] == local_rows:
+        menu = tuple(sched.row_menu)  # the recorded compaction, on the recorded rows per device
     st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None, menu)
     rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
                    jnp.asarray(sample_index, jnp.int32), *frows)

@@ -17,7 +17,9 @@ Row compaction (issue 18, format version 2): each decode loop ran only the rows 
 gathered into a sub-batch whose size came from a fixed menu (`Schedule.row_menu`); the size
 each loop of each decode step used is `RolloutBatch.loop_rows`. With the row-invariant kernels
 the sizes do not change a bit; they are recorded because DESIGN.md §3 asks for the batch
-composition, and a forced re-run reuses the menu (and so reproduces the sizes).
+composition. A forced re-run with the recorded rows per device reuses the menu (and so
+reproduces the sizes); on another device count it uses that count's menu (the bits are the
+same).
 
 On disk (`save`/`load`): one `.npz` file holding the arrays and a JSON `meta` string with
 `format_version` (currently 2; version-1 files, without compaction, still load) and the

@@ -120,6 +120,18 @@ def test_forced_rerun_reproduces_the_compaction(params, rollouts, policy):
     assert np.array_equal(_raw(f.logprob_BxS), _raw(a.logprob_BxS))
 
 
+def test_forced_rerun_on_other_rows_per_device_uses_their_menu(params, rollouts):
+    """A rollout sampled with 4 rows per device (menu (4,)) re-run in forced mode on one device
+    holding all 24 rows: the menu must be the 24 rows' (a menu not ending at the rows per device
+    would leave rows uncomputed), and the bits are the sampler's."""
+    a, _ = rollouts["deferred", "float32"]
+    as_if_sharded = dataclasses.replace(a, schedule=dataclasses.replace(a.schedule,
+                                                                        row_menu=(4,)))
+    f = generate(CFG, params, [], _scfg("deferred", "float32"), forced=as_if_sharded)
+    assert f.schedule.row_menu == (8, 16, 24)
+    assert np.array_equal(_raw(f.logprob_BxS), _raw(a.logprob_BxS))
+
+
 def test_version_2_round_trip_and_version_1_files_still_load(rollouts, tmp_path):
     a, _ = rollouts["deferred", "float32"]
     a.save(tmp_path / "v2.npz")
