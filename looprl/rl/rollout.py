@@ -20,7 +20,7 @@ def sampling_config(cfg: ExperimentConfig, *, greedy: bool = False) -> SamplingC
     return SamplingConfig(max_new_tokens=r.max_new_tokens,
                           temperature=0.0 if greedy else r.temperature,
                           top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
-                          exit_threshold=r.exit_threshold, fixed_depth=r.fixed_exit_loop,
+                          exit_threshold=r.exit_threshold, fixed_depth=r.fixed_depth,
                           kv_policy=r.kv_policy, deferred_max_pending=r.deferred_max_pending,
                           stop_ids=(2,), compute_dtype=cfg.model.compute_dtype,
                           prompt_len_multiple=r.prompt_len_multiple, kernels=r.kernels,
