@@ -199,14 +199,7 @@ def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None, mesh=None)
     `mesh`: re-run on a mesh (the sampler's `mesh` argument).
     Raises: ScheduleError if the re-run does not follow the recorded schedule (exit loops)."""
     sch = batch.schedule
-    scfg = SamplingConfig(
-        max_new_tokens=sch.seq_len - sch.prompt_len, temperature=sch.temperature,
-        top_k=sch.top_k, top_p=sch.top_p,
-        exit_threshold=1.0 if sch.exit_threshold is None else sch.exit_threshold,
-        fixed_depth=sch.fixed_depth, kv_policy=sch.kv_policy,
-        deferred_max_pending=sch.deferred_max_pending, stop_ids=tuple(sch.stop_ids),
-        compute_dtype=sch.compute_dtype, max_seq_len=sch.seq_len,
-        kernels=sch.kernels)
+    scfg = SamplingConfig.from_schedule(sch)
     out = generate(cfg, params, [[0]], scfg, forced=batch.to_numpy(), mesh=mesh)
     if not np.array_equal(np.asarray(out.exit_loop_BxS), np.asarray(batch.exit_loop_BxS)):
         raise ScheduleError("forced replay did not follow the recorded exit loops")
