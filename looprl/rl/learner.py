@@ -38,33 +38,14 @@ from looprl.config import ExperimentConfig
 from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
 from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
+from looprl.learner.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
-from looprl.rl.rollout import (bits_equal_fraction, completion_rewards, mean_exit_loop,
-                               rollout_sha256, sampling_config)
+from looprl.rl.rollout import (completion_rewards, mean_exit_loop, rollout_sha256,
+                               sampling_config)
 from looprl.sampling.sampler import generate
 from looprl.sampling.schedule import params_fingerprint
-
-
-def mismatch_stats(learner_lp_BxS, sampler_lp_BxS, mask_BxS, eps_low: float,
-                   eps_high: float) -> dict[str, float]:
-    """How far the learner's log-probs (at the sampler's parameters) are from the sampler's,
-    over the sampled tokens: `mismatch_k3_kl` (k3 estimate of KL(sampler || learner), tokens
-    drawn from the sampler: mean of `r - 1 - log r`, `r = pi_learner / pi_sampler`),
-    `mismatch_abs_mean` / `mismatch_abs_max` (|delta logprob|, nats) and
-    `ratio_outside_clip_frac` (share of tokens whose ratio r lies outside the PPO clip range
-    `[1 - eps_low, 1 + eps_high]`, where clipping acts on the first update)."""
-    m = np.asarray(mask_BxS, bool)
-    x = (np.asarray(learner_lp_BxS, np.float64) - np.asarray(sampler_lp_BxS, np.float64))[m]
-    if not x.size:
-        return {"mismatch_k3_kl": 0.0, "mismatch_abs_mean": 0.0, "mismatch_abs_max": 0.0,
-                "ratio_outside_clip_frac": 0.0}
-    r = np.exp(x)
-    return {"mismatch_k3_kl": float(np.mean(np.expm1(x) - x)),
-            "mismatch_abs_mean": float(np.mean(np.abs(x))),
-            "mismatch_abs_max": float(np.max(np.abs(x))),
-            "ratio_outside_clip_frac": float(np.mean((r < 1.0 - eps_low) | (r > 1.0 + eps_high)))}
 
 
 def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> str:

@@ -1,5 +1,6 @@
 """The rollout side of a GRPO step: the run's `SamplingConfig`, rewards of a rollout batch, and
-the per-step rollout figures (mean exit loop, `rollout_sha256`, bit-equal fractions).
+the per-step rollout figures (mean exit loop, `rollout_sha256`; bit-equal fractions are
+`looprl.learner.mismatch`'s).
 
 Everything here reads a `RolloutBatch` (`looprl.sampling.schedule`) that the sampler returned;
 nothing samples or differentiates.
@@ -53,11 +54,3 @@ def rollout_sha256(batch) -> str:
             raise TypeError(f"rollout array of dtype {a.dtype}, expected {dt}")
         h.update(a.astype(dt, copy=False).tobytes())
     return h.hexdigest()
-
-
-def bits_equal_fraction(a, b, mask) -> float:
-    """Fraction of masked entries whose fp32 bits are equal."""
-    a, b, m = np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(mask, bool)
-    if not m.any():
-        return 1.0
-    return float(np.mean(a[m].view(np.uint32) == b[m].view(np.uint32)))
