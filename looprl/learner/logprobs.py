@@ -33,11 +33,13 @@ looprl computes (`experiments/mismatch_study.py`; both differentiable, dense gra
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from looprl.config import LogprobMethod
 from looprl.distributed.mesh import row_sharded_call
 from looprl.errors import ScheduleError
 from looprl.model.config import OuroConfig
@@ -46,7 +48,7 @@ from looprl.model.looped import (cast_weights, exit_lambda, gate_logits, lm_logi
 from looprl.sampling.processing import process_logits
 from looprl.sampling.sampler import SamplingConfig, generate
 
-METHODS = ("dense", "replay", "hybrid", "stock", "full_depth", "expected")
+METHODS = typing.get_args(LogprobMethod)  # the config's choices: hybrid, replay, dense, stock, ...
 SCHEDULE_UNAWARE = ("full_depth", "expected")  # learners that ignore the recorded schedule
 
 

@@ -33,7 +33,6 @@ import numpy as np
 from looprl.errors import ScheduleError
 
 FORMAT_VERSION = 1
-KV_POLICIES = ("dense", "deferred", "copy")
 
 _ARRAYS = ("tokens_BxS", "pad_B", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS",
            "flush_BxS", "prompt_index_B", "sample_index_B", "completion_len_B")

@@ -58,15 +58,20 @@ import optax
 
 from looprl.distributed.mesh import make_mesh
 from looprl.errors import ScheduleError
-from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs, sequence_logprobs
+from looprl.learner.logprobs import METHODS as LEARNER_METHODS
+from looprl.learner.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
+                                     sequence_logprobs)
 from looprl.learner.mismatch import compare_logprobs
 from looprl.model.kernels import KERNEL_VERSION
+from looprl.sampling.policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
 
 DTYPES = ("float32", "bfloat16")
-POLICIES = ("dense", "deferred", "copy")
-METHODS = ("replay", "dense", "stock")
+POLICIES = KV_POLICIES
+# the learner's schedule-aware methods but `hybrid`, whose value is replay's and whose gradient
+# is dense's: ("replay", "dense", "stock")
+METHODS = tuple(m for m in LEARNER_METHODS if m != "hybrid" and m not in SCHEDULE_UNAWARE)
 STOCK_TOLERANCE_FP32 = 1e-4
 
 
