@@ -8,7 +8,9 @@ gate is trained, 256 rows (32 prompts x 8), q = 0.5, 32 new tokens; next to them
 `ideal_speedup_copy_b256` = T / mean exit loop, `fraction_of_ideal_copy_b256`, the mean exit
 loops, and `*_work_share_of_dense_b256`: the rows x positions the policy's loops ran (from the
 recorded `loop_rows`, a deferred window counting all its positions) over dense's, i.e. its
-share of dense's matmul FLOPs. `*_1p4b_width_b64`: the same for one layer of ouro-1.4b width
+share of dense's matmul FLOPs; `compaction_speedup_b256`: each policy with row compaction
+over the same policy without it (`row_compaction=False`), and `uncompacted_vs_dense_b256`
+(speedups against the compacted dense). `*_1p4b_width_b64`: the same for one layer of ouro-1.4b width
 (random weights, gate biased toward early exits), 64 rows, 8 new tokens.
 `flax_vs_torch_decode_b{1,16,128}`: the PyTorch reference's seconds / Flax's (invariant
 kernels), greedy, all loops.
@@ -174,9 +176,13 @@ def _rl_batch(max_new=MAX_NEW):
                for p in rl_task.train_problems(RL_ROWS // RL_GROUP, 0)]
     prompts = [p for p in prompts for _ in range(RL_GROUP)]
     configs = {p: dict(kv_policy=p, exit_threshold=RL_Q) for p in POLICIES}
+    configs.update({f"{p}_uncompacted": dict(kv_policy=p, exit_threshold=RL_Q,
+                                             row_compaction=False) for p in POLICIES})
     rbs = {}
     got = _measure_group(mcfg, params, prompts, configs, mcfg.total_ut_steps, max_new=max_new,
                          keep=rbs)
+    for p in POLICIES:  # what row compaction buys: the same policy without it, same run
+        rbs[f"{p}_uncompacted"] = rbs[p]  # (its loop_rows are None; the work share is p's)
     return _speedups(got, rbs, mcfg.total_ut_steps)
 
 
@@ -289,6 +295,11 @@ def main() -> dict:
         "copy_work_share_of_dense_b256": r3(rl["copy"]["work_share_of_dense"]),
         "decode_tokens_per_s_b256": {p: round(rl[p]["decode_tokens_per_s"], 1)
                                      for p in POLICIES},
+        "uncompacted_vs_dense_b256": {p: r3(rl[f"{p}_uncompacted"]["vs_dense"])
+                                      for p in POLICIES},
+        "compaction_speedup_b256": {p: r3(rl[p]["decode_tokens_per_s"]
+                                          / rl[f"{p}_uncompacted"]["decode_tokens_per_s"])
+                                    for p in POLICIES},
         "copy_vs_dense_1p4b_width_b64": r3(wide["copy"]["vs_dense"]),
         "deferred_vs_dense_1p4b_width_b64": r3(wide["deferred"]["vs_dense"]),
         "ideal_speedup_copy_1p4b_width_b64": r3(wide["copy"]["ideal_speedup"]),

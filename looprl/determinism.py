@@ -61,6 +61,7 @@ def backend_initialized() -> bool:
 
 
 def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else `platform.processor()` or the machine."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -71,30 +72,45 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def git_commit() -> str | None:
+def git_commit() -> dict:
+    """{git_commit: HEAD of the checkout looprl runs from (None outside one), git_dirty: whether
+    tracked files differ from it (None when unknown)}."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
+                             text=True, timeout=10)
         if out.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
+            return {"git_commit": None, "git_dirty": None}
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10).stdout
+        return {"git_commit": out.stdout.strip() or None, "git_dirty": bool(dirty.strip())}
     except (OSError, subprocess.SubprocessError):
-        return None
+        return {"git_commit": None, "git_dirty": None}
 
 
 def environment() -> dict:
-    """What bit claims hold for: jax/jaxlib build, backend, device kind, CPU, threads, flags."""
+    """What bit claims hold for (DESIGN.md §5), the one record every report carries (`looprl
+    verify`'s report.json, `looprl eval`'s summary, benchmarks): jax/jaxlib/python versions,
+    backend, device kind and count, CPU model, CPU count and affinity, XLA_FLAGS,
+    `threads_pinned` (one intra-op thread) and `intra_op_threads`, platform, git commit and
+    whether the checkout is dirty.
+
+    jax is imported here, not at module top: this module sets XLA_FLAGS before jax loads."""
     import jax
     import jaxlib
     dev = jax.devices()[0]
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        affinity = None
+    flags = os.environ.get("XLA_FLAGS", "")
+    pinned = PINNED_THREAD_FLAG in flags
     return {
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
-        "device_kind": getattr(dev, "device_kind", str(dev)), "device_count": jax.device_count(),
-        "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "threads_pinned": PINNED_THREAD_FLAG in os.environ.get("XLA_FLAGS", ""),
-        "python": platform.python_version(), "git_commit": git_commit(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
+        "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
+        "device_count": jax.device_count(), "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(), "cpu_affinity": affinity, "xla_flags": flags,
+        "threads_pinned": pinned, "intra_op_threads": 1 if pinned else affinity,
+        "platform": platform.platform(), **git_commit(),
     }

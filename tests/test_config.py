@@ -18,7 +18,7 @@ def test_defaults_construct_and_are_frozen():
 def test_overrides_dotted_and_bare_keys_parse_by_type():
     cfg = C.apply_overrides(C.ExperimentConfig(), [
         "grpo.eps_high=0.28", "out_dir=/tmp/run1", "seed=7", "stop_after=2", "resume=/tmp/run1",
-        "kv_policy=deferred", "rollout.fixed_exit_loop=3", "tis_cap=2", "train_gate=yes",
+        "kv_policy=deferred", "rollout.fixed_depth=3", "tis_cap=2", "train_gate=yes",
         "task.train_datasets=chain_sum, leg_counting", "optim.learning_rate=3e-5",
         "loop_credit=progressive", "group_size=4",
     ])
@@ -28,7 +28,7 @@ def test_overrides_dotted_and_bare_keys_parse_by_type():
     assert cfg.run.stop_after == 2
     assert cfg.run.resume == "/tmp/run1"
     assert cfg.rollout.kv_policy == "deferred"
-    assert cfg.rollout.fixed_exit_loop == 3
+    assert cfg.rollout.fixed_depth == 3
     assert cfg.grpo.tis_cap == 2.0 and isinstance(cfg.grpo.tis_cap, float)
     assert cfg.learner.train_gate is True
     assert cfg.task.train_datasets == ("chain_sum", "leg_counting")
@@ -36,9 +36,9 @@ def test_overrides_dotted_and_bare_keys_parse_by_type():
     assert cfg.grpo.loop_credit == "progressive"
     assert cfg.rollout.group_size == 4
     # later overrides win; none for Optional
-    cfg2 = C.apply_overrides(cfg, ["seed=1", "run.seed=2", "fixed_exit_loop=none",
+    cfg2 = C.apply_overrides(cfg, ["seed=1", "run.seed=2", "fixed_depth=none",
                                    "resume=none"])
-    assert cfg2.run.seed == 2 and cfg2.rollout.fixed_exit_loop is None
+    assert cfg2.run.seed == 2 and cfg2.rollout.fixed_depth is None
     assert cfg2.run.resume is None
 
 
@@ -107,7 +107,7 @@ def test_constructor_type_checks_and_coerces_int_to_float():
 
 def test_json_round_trip_of_a_non_default_config(tmp_path):
     cfg = C.apply_overrides(C.ExperimentConfig(name="x"), [
-        "seed=5", "tis_cap=1.5", "fixed_exit_loop=2", "train_datasets=a,b,c", "kv_policy=copy",
+        "seed=5", "tis_cap=1.5", "fixed_depth=2", "train_datasets=a,b,c", "kv_policy=copy",
         "kl_beta=0.001", "compute_dtype=bfloat16"])
     text = C.to_json(cfg)
     assert json.loads(text)["task"]["train_datasets"] == ["a", "b", "c"]
@@ -191,8 +191,8 @@ def test_cross_section_checks_name_their_keys():
     with pytest.raises(ConfigError, match=r"'learner.microbatch_size': expected a divisor of the "
                                           r"minibatch size 128, found 5"):
         C.apply_overrides(C.ExperimentConfig(), ["microbatch_size=5"])
-    with pytest.raises(ConfigError, match=r"'rollout.fixed_exit_loop': expected an int in \[1, 2\]"):
-        C.apply_overrides(C.ExperimentConfig(), ["total_ut_steps=2", "fixed_exit_loop=3"])
+    with pytest.raises(ConfigError, match=r"'rollout.fixed_depth': expected an int in \[1, 2\]"):
+        C.apply_overrides(C.ExperimentConfig(), ["total_ut_steps=2", "fixed_depth=3"])
 
 
 def test_shape_note_names_both_shapes_when_a_checkpoint_differs_from_its_preset():
@@ -207,3 +207,36 @@ def test_shape_note_names_both_shapes_when_a_checkpoint_differs_from_its_preset(
     assert "num_layers 24->6" in note and "'ouro-1.4b'" in note
     assert f"{six.num_params:,} params" in note and "\n" not in note
     assert shape_note(ModelConfig(preset="ouro-1.4b", num_layers=6), six) is None
+
+
+def test_old_key_fixed_exit_loop_is_read_as_fixed_depth_with_a_warning(tmp_path):
+    from looprl.config.fields import ConfigRenameWarning
+    for key in ("fixed_exit_loop=2", "rollout.fixed_exit_loop=2"):
+        with pytest.warns(ConfigRenameWarning, match=r"'rollout.fixed_exit_loop' is the old "
+                                                     r"name of 'rollout.fixed_depth'"):
+            cfg = C.apply_overrides(C.ExperimentConfig(), [key])
+        assert cfg.rollout.fixed_depth == 2
+    # a config.json written before the rename
+    d = C.to_dict(C.ExperimentConfig())
+    del d["rollout"]["fixed_depth"]
+    d["rollout"]["fixed_exit_loop"] = 3
+    with pytest.warns(ConfigRenameWarning):
+        assert C.from_json(json.dumps(d)).rollout.fixed_depth == 3
+    d["rollout"]["fixed_depth"] = 3
+    with pytest.warns(ConfigRenameWarning), pytest.raises(ConfigError, match="both"):
+        C.from_json(json.dumps(d))
+
+
+def test_one_type_dispatch_checks_values_and_parses_text_alike():
+    from typing import Literal, Optional
+
+    from looprl.config.fields import convert_value
+    cases = [(int, 3, "3"), (float, 2.5, "2.5"), (bool, False, "off"), (str, "x", "x"),
+             (Optional[int], None, "none"), (tuple[int, ...], (1, 2), "1, 2"),
+             (Literal["a", "b"], "b", "b")]
+    for tp, value, text in cases:
+        assert convert_value(tp, value, "k") == value
+        assert convert_value(tp, text, "k", text=True) == value
+    assert convert_value(float, 2, "k") == 2.0 and isinstance(convert_value(float, 2, "k"), float)
+    with pytest.raises(ConfigError, match=r"'k': expected int, found True"):
+        convert_value(int, True, "k")

@@ -24,7 +24,7 @@ from looprl.tasks.arithmetic import ArithmeticTask
 from looprl.tokenizer import tokenizer_from_json
 from looprl.train.warm_start import warm_start
 from looprl.verify.matrix import VerifyOptions, run_matrix, task_prompts, verify_rollout
-from looprl.verify.report import environment, summarize, write_report
+from looprl.verify.report import summarize, write_report
 
 
 def verify_model_config(config: str | None, vocab_size: int) -> OuroConfig:
@@ -185,8 +185,8 @@ def run(args) -> int:
     check_finite_cells(cells)
     summary = summarize(cells)
     report = {"format_version": 1, "command": "looprl verify " + " ".join(sys.argv[2:])
-              if sys.argv[1:2] == ["verify"] else "looprl verify", "env": environment(),
-              "setup": setup, "summary": summary, "cells": cells,
+              if sys.argv[1:2] == ["verify"] else "looprl verify",
+              "env": determinism.environment(), "setup": setup, "summary": summary, "cells": cells,
               "negative_control": [c for c in cells if c["method"] == "stock"],
               "notes": notes, "wall_s": round(time.time() - t_start, 1)}
     write_report(out, report)

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from looprl.config.overrides import apply_overrides
-from looprl.config.sections import ExperimentConfig, check_value, field_types
+from looprl.config.fields import RENAMED, convert_value, field_types, renamed_key
+from looprl.config.sections import ExperimentConfig
 from looprl.errors import ConfigError
 
 
@@ -105,6 +106,12 @@ def _from_dict(cls, d: Any, where: str):
         raise ConfigError(f"config section {where or 'root'!r}: expected an object, found {d!r}")
     hints = field_types(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    renamed = {renamed_key(where, k): k for k in d if k in RENAMED.get(where, {})}
+    for new, old in renamed.items():  # a file written before a key was renamed
+        if new in d:
+            raise ConfigError(f"config section {where!r}: both {old!r} and its new name "
+                              f"{new!r} given")
+    d = {RENAMED.get(where, {}).get(k, k): v for k, v in d.items()}
     unknown = sorted(set(d) - names)
     if unknown:
         prefix = f"{where}." if where else ""
@@ -119,7 +126,7 @@ def _from_dict(cls, d: Any, where: str):
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kw[name] = _from_dict(tp, value, key)
         else:
-            kw[name] = check_value(tp, value, key)
+            kw[name] = convert_value(tp, value, key)
     return cls(**kw)
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
-import typing
-from typing import Any, Literal
+from typing import Any
 
-from looprl.config.sections import ExperimentConfig, field_types, type_name
+from looprl.config.fields import RENAMED, convert_value, field_types, renamed_key, type_name
+from looprl.config.sections import ExperimentConfig
 from looprl.errors import ConfigError
 
 
@@ -27,9 +26,13 @@ def _leaf_paths(cls, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]
 
 def resolve_key(cfg_cls, key: str) -> tuple[str, ...]:
     """The leaf path a key names: a full dotted path, or a bare field name unique across
-    sections. Raises ConfigError for unknown or ambiguous keys (listing the candidates)."""
+    sections; an old key name (`RENAMED`) is read as its new one, with a ConfigRenameWarning.
+    Raises ConfigError for unknown or ambiguous keys (listing the candidates)."""
     leaves = _leaf_paths(cfg_cls)
     path = tuple(key.split("."))
+    for section, names in RENAMED.items():  # an old key name: read as the new one, warned
+        if path[-1] in names and (len(path) == 1 or path[-2] == section):
+            path = path[:-1] + (renamed_key(section, path[-1]),)
     if path in leaves:
         return path
     matches = [p for p in leaves if len(p) >= len(path) and p[-len(path):] == path]
@@ -57,52 +60,10 @@ def config_key_lines(cfg) -> list[str]:
     return lines
 
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-_NONE = {"none", "null"}
-
-
 def parse_value(tp, text: str, key: str):
-    """Parse the command-line string `text` as type `tp`; ConfigError naming key/type/value."""
-    def bad():
-        return ConfigError(f"config key {key!r}: expected {type_name(tp)}, found {text!r}")
-
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if text.strip().lower() in _NONE:
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        try:
-            return parse_value(inner[0], text, key)
-        except ConfigError:
-            raise bad() from None
-    if origin is Literal:
-        if text not in typing.get_args(tp):
-            raise bad()
-        return text
-    if origin is tuple:
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        return tuple(parse_value(typing.get_args(tp)[0], p, key) for p in parts)
-    if tp is bool:
-        low = text.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise bad()
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise bad() from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise bad() from None
-    if tp is str:
-        return text
-    raise bad()
+    """Parse the command-line string `text` as type `tp` (`convert_value(..., text=True)`);
+    ConfigError naming key/type/value."""
+    return convert_value(tp, text, key, text=True)
 
 
 def _rebuild(obj, updates: dict[tuple[str, ...], Any]):
@@ -120,7 +81,7 @@ def _rebuild(obj, updates: dict[tuple[str, ...], Any]):
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str] | tuple[str, ...]
                     ) -> ExperimentConfig:
     """`cfg` with `key=value` overrides applied (later ones win), e.g. `grpo.eps_high=0.28`,
-    `seed=1`, `resume=runs/x`, `fixed_exit_loop=none`, `task.train_datasets=chain_sum,leg_counting`.
+    `seed=1`, `resume=runs/x`, `fixed_depth=none`, `task.train_datasets=chain_sum,leg_counting`.
 
     Raises ConfigError for a malformed item, an unknown or ambiguous key, a value that does
     not parse as the field's type or choices, or a resulting config that fails validation.

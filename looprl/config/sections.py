@@ -3,10 +3,9 @@ constructed (`looprl.config` has the whole story)."""
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
+from looprl.config.fields import convert_value, field_types
 from looprl.errors import ConfigError
 
 KVPolicy = Literal["dense", "deferred", "copy"]
@@ -23,66 +22,6 @@ PromptStyle = Literal["chatml", "thinking", "compact"]
 TaskSource = Literal["jsonl", "hub"]
 
 
-# --- typed, self-checking sections --------------------------------------------------------------
-
-def type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return "optional " + " or ".join(type_name(a) for a in args) + " (or none)"
-    if origin is tuple:
-        return f"tuple of {type_name(typing.get_args(tp)[0])} (comma-separated)"
-    return getattr(tp, "__name__", str(tp))
-
-
-def check_value(tp, value, key: str):
-    """`value` as type `tp` (an int is accepted for a float), or ConfigError naming the key."""
-    def bad():
-        return ConfigError(f"config key {key!r}: expected {type_name(tp)}, found {value!r}")
-
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return check_value(inner[0], value, key)
-    if origin is Literal:
-        if value not in typing.get_args(tp) or isinstance(value, bool):
-            raise bad()
-        return value
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            raise bad()
-        return tuple(check_value(typing.get_args(tp)[0], v, key) for v in value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad()
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad()
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad()
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad()
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, tp):
-            raise bad()
-        return value
-    raise TypeError(f"config key {key!r}: unsupported field type {tp!r}")
-
-
-def field_types(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 class _Section:
     """Base of every config section: type-checks (and int -> float coerces) its fields, then
     runs `_validate` for value ranges. Subclasses are frozen dataclasses."""
@@ -91,7 +30,8 @@ class _Section:
         hints = field_types(type(self))
         for f in dataclasses.fields(self):
             key = f"{self._section_name()}{f.name}"
-            object.__setattr__(self, f.name, check_value(hints[f.name], getattr(self, f.name), key))
+            value = convert_value(hints[f.name], getattr(self, f.name), key)
+            object.__setattr__(self, f.name, value)
         self._validate()
 
     def _section_name(self) -> str:
@@ -219,7 +159,8 @@ class RolloutConfig(_Section):
     top_p: float = 1.0                    # 1.0: off (RL samples untruncated by default)
     top_k: int = 0                        # 0: off
     exit_threshold: float = 0.9           # q of the Q-exit rule; 1.0 = always loop T
-    fixed_exit_loop: Optional[int] = None  # exit at this loop instead of the Q-exit rule
+    fixed_depth: Optional[int] = None     # exit at this loop instead of the Q-exit rule (the
+                                          # old key `fixed_exit_loop` is read as this: RENAMED)
     kv_policy: KVPolicy = "dense"
     kernels: Kernels = "invariant"        # sampler kernels; "stock" needs learner.replay_impl
                                           # forced (or auto): its bits have no invariant replay
@@ -243,8 +184,8 @@ class RolloutConfig(_Section):
         self._require(0 < self.top_p <= 1, "top_p", "a float in (0, 1]")
         self._require(self.top_k >= 0, "top_k", "an int >= 0 (0 = off)")
         self._require(0 < self.exit_threshold <= 1, "exit_threshold", "a float in (0, 1]")
-        self._require(self.fixed_exit_loop is None or self.fixed_exit_loop >= 1,
-                      "fixed_exit_loop", "an int >= 1 or none")
+        self._require(self.fixed_depth is None or self.fixed_depth >= 1,
+                      "fixed_depth", "an int >= 1 or none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,10 +372,10 @@ class ExperimentConfig(_Section):
                 f"config key 'learner.microbatch_size': expected a divisor of the minibatch size "
                 f"{mb}, found {self.learner.microbatch_size}")
         T = self.model.total_ut_steps
-        if T is not None and self.rollout.fixed_exit_loop is not None and \
-                self.rollout.fixed_exit_loop > T:
-            raise ConfigError(f"config key 'rollout.fixed_exit_loop': expected an int in [1, {T}] "
-                              f"(model.total_ut_steps), found {self.rollout.fixed_exit_loop}")
+        if T is not None and self.rollout.fixed_depth is not None and \
+                self.rollout.fixed_depth > T:
+            raise ConfigError(f"config key 'rollout.fixed_depth': expected an int in [1, {T}] "
+                              f"(model.total_ut_steps), found {self.rollout.fixed_depth}")
         if self.rollout.kernels == "stock" and self.learner.replay_impl == "invariant":
             raise ConfigError("config key 'learner.replay_impl': 'invariant' cannot reproduce a "
                               "sampler run with rollout.kernels='stock'; use 'forced' or 'auto'")

@@ -33,98 +33,65 @@ looprl computes (`experiments/mismatch_study.py`; both differentiable, dense gra
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from looprl.config import LogprobMethod
 from looprl.distributed.mesh import row_sharded_call
 from looprl.errors import ScheduleError
 from looprl.model.config import OuroConfig
-from looprl.model.layers import stack_pass
-from looprl.model.looped import Layout, cast_weights, embed, exit_lambda, lm_logits
+from looprl.model.looped import (cast_weights, exit_lambda, gate_logits, lm_logits,
+                                 next_token_targets, teacher_forced_loops)
 from looprl.sampling.processing import process_logits
 from looprl.sampling.sampler import SamplingConfig, generate
 
-METHODS = ("dense", "replay", "hybrid", "stock", "full_depth", "expected")
+METHODS = typing.get_args(LogprobMethod)  # the config's choices: hybrid, replay, dense, stock, ...
 SCHEDULE_UNAWARE = ("full_depth", "expected")  # learners that ignore the recorded schedule
 
 
-def exit_hidden(cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, *,
-                copy_kv: bool, stock: bool = False, remat: bool = True, with_lambda=False):
-    """Teacher-forced loops; returns h at each position's exit loop `[B, S, D]` (zeros where
-    exit_loop is 0) and, if `with_lambda`, the gate values `[T, B, S]` fp32.
+def exit_hidden(model_cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, *,
+                copy_kv: bool, stock: bool = False, remat: bool = True):
+    """Teacher-forced loops (`teacher_forced_loops`); returns h at each position's exit loop
+    `[B, S, D]` (zeros where exit_loop is 0).
 
     copy_kv: the `copy` policy: at loop d, position j's K/V are those of loop min(d, kv_depth_j).
     remat: rematerialise each loop in the backward pass (memory O(1 loop) instead of O(T)).
+
+    The T loops run as a `lax.scan` (an XLA while loop), not unrolled: each loop's input h is
+    then read from memory, as in the sampler's loop-by-loop while loop. Unrolled, XLA fuses
+    loop d's final norm (`h = (x * rsqrt) * w`) into loop d+1's residual add, where LLVM's
+    FMA contraction rounds `x + h` differently than when h comes from memory (seen with
+    L = 1, whose layer scan XLA inlines: tests/learner/test_small_dims_exact.py).
     """
-    B, S = tokens_BxS.shape
-    T = cfg.total_ut_steps
-    positions = Layout(pad_B).positions(S)
-    layout = jnp.arange(S)
-    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
-    dt = w["embed_tokens"].dtype
+    def keep_exit(h_exit, h, _, d):
+        return jnp.where((exit_loop_BxS == d)[..., None], h, h_exit)
 
-    def one_loop(h, k_prev, v_prev, d):
-        write = (d <= kv_depth_BxS) if copy_kv else jnp.ones((B, S), bool)
-        k_in = k_prev if copy_kv else jnp.zeros(kv_shape, dt)
-        v_in = v_prev if copy_kv else jnp.zeros(kv_shape, dt)
-        return stack_pass(cfg, w, h, positions, layout, pad_B, k_in, v_in, write, 0, stock)
-
-    if remat:
-        one_loop = jax.checkpoint(one_loop)
-
-    # The T loops run as a `lax.scan` (an XLA while loop), not unrolled: each loop's input h is
-    # then read from memory, as in the sampler's loop-by-loop while loop. Unrolled, XLA fuses
-    # loop d's final norm (`h = (x * rsqrt) * w`) into loop d+1's residual add, where LLVM's
-    # FMA contraction rounds `x + h` differently than when h comes from memory (seen with
-    # L = 1, whose layer scan XLA inlines: tests/learner/test_small_dims_exact.py).
-    def body(carry, d):
-        h, h_exit, k, v = carry
-        h, k_new, v_new = one_loop(h, k, v, d)
-        if copy_kv:
-            k, v = k_new, v_new
-        h_exit = jnp.where((exit_loop_BxS == d)[..., None], h, h_exit)
-        lam = exit_lambda(w, h, stock) if with_lambda else None
-        return (h, h_exit, k, v), lam
-
-    h = embed(w, tokens_BxS)
-    kv0 = jnp.zeros(kv_shape, dt) if copy_kv else jnp.zeros((), dt)
-    (_, h_exit, _, _), lams = jax.lax.scan(body, (h, jnp.zeros_like(h), kv0, kv0),
-                                           jnp.arange(1, T + 1, dtype=jnp.int32))
-    return (h_exit, lams) if with_lambda else h_exit
+    return teacher_forced_loops(model_cfg, w, tokens_BxS, pad_B, fold=keep_exit,
+                                init=jnp.zeros_like,
+                                kv_depth_BxS=kv_depth_BxS if copy_kv else None, stock=stock,
+                                remat=remat, unroll=False)
 
 
-def expected_hidden(cfg: OuroConfig, w, tokens_BxS, pad_B, *, remat: bool = True):
+def expected_hidden(model_cfg: OuroConfig, w, tokens_BxS, pad_B, *, remat: bool = True):
     """`sum_t p_t h(t)` `[B, S, D]` fp32 over the T loops of a dense teacher-forced pass, with
     p_t the exit distribution of the gate (HF Ouro's `stacked_exit_pdf`: `p_t = lambda_t *
     remaining` for t < T, `p_T = remaining`). Differentiable in the gate and the stack."""
     B, S = tokens_BxS.shape
-    T = cfg.total_ut_steps
-    positions = Layout(pad_B).positions(S)
-    layout = jnp.arange(S)
-    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
-    dt = w["embed_tokens"].dtype
-    write = jnp.ones((B, S), bool)
+    T = model_cfg.total_ut_steps
 
-    def one_loop(h):
-        h, _, _ = stack_pass(cfg, w, h, positions, layout, pad_B, jnp.zeros(kv_shape, dt),
-                             jnp.zeros(kv_shape, dt), write, 0)
-        return h, exit_lambda(w, h)
-
-    if remat:
-        one_loop = jax.checkpoint(one_loop)
-
-    def body(carry, t):
-        h, mix, remaining = carry
-        h, lam = one_loop(h)
+    def mix_in(carry, h, lam, t):
+        mix, remaining = carry
         p = jnp.where(t < T, lam * remaining, remaining)
         remaining = remaining * (1.0 - lam)
-        return (h, mix + p[..., None] * h.astype(jnp.float32), remaining), None
+        return mix + p[..., None] * h.astype(jnp.float32), remaining
 
-    h = embed(w, tokens_BxS)
-    init = (h, jnp.zeros(h.shape, jnp.float32), jnp.ones((B, S), jnp.float32))
-    (_, mix, _), _ = jax.lax.scan(body, init, jnp.arange(1, T + 1, dtype=jnp.int32))
+    mix, _ = teacher_forced_loops(
+        model_cfg, w, tokens_BxS, pad_B, readout=lambda h, t: exit_lambda(w, h), fold=mix_in,
+        init=lambda h: (jnp.zeros(h.shape, jnp.float32), jnp.ones((B, S), jnp.float32)),
+        remat=remat, unroll=False)
     return mix
 
 
@@ -134,15 +101,14 @@ def token_logprobs(w, h_exit_BxSxD, tokens_BxS, exit_loop_BxS, temperature: floa
     logits = lm_logits(w, h_exit_BxSxD, stock)
     B, S, V = logits.shape
     full, processed = process_logits(logits.reshape(B * S, V), temperature, top_k, top_p)
-    target = jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros((B, 1), tokens_BxS.dtype)], axis=1)
-    t = target.reshape(B * S, 1)
+    t = next_token_targets(tokens_BxS).reshape(B * S, 1)
     lp = jnp.take_along_axis(full, t, axis=1).reshape(B, S)
     lpp = jnp.take_along_axis(processed, t, axis=1).reshape(B, S)
     emit = exit_loop_BxS > 0
     return jnp.where(emit, lp, 0.0), jnp.where(emit, lpp, 0.0)
 
 
-def sequence_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS,
+def sequence_logprobs(model_cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS,
                       *, kv_policy: str, compute_dtype: str, temperature: float,
                       method: str = "hybrid", top_k: int = 0, top_p: float = 1.0,
                       remat: bool = True):
@@ -156,14 +122,14 @@ def sequence_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS,
     copy_kv = kv_policy == "copy"
     stock = method == "stock"
     if method == "expected":  # the mixed hidden state and the lm_head in fp32
-        h = expected_hidden(cfg, w, tokens_BxS, pad_B, remat=remat)
+        h = expected_hidden(model_cfg, w, tokens_BxS, pad_B, remat=remat)
         w = {**w, "lm_head": w["lm_head"].astype(jnp.float32)}
     else:
         exits = exit_loop_BxS
         if method == "full_depth":  # loop T everywhere, dense KV: an ordinary forward
-            exits = jnp.where(exit_loop_BxS > 0, cfg.total_ut_steps, 0)
+            exits = jnp.where(exit_loop_BxS > 0, model_cfg.total_ut_steps, 0)
             copy_kv = False
-        h = exit_hidden(cfg, w, tokens_BxS, pad_B, exits, kv_depth_BxS, copy_kv=copy_kv,
+        h = exit_hidden(model_cfg, w, tokens_BxS, pad_B, exits, kv_depth_BxS, copy_kv=copy_kv,
                         stock=stock, remat=remat)
     full, proc = token_logprobs(w, h, tokens_BxS, exit_loop_BxS, temperature, top_k, top_p,
                                 stock)
@@ -235,14 +201,7 @@ def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None, mesh=None)
     `mesh`: re-run on a mesh (the sampler's `mesh` argument).
     Raises: ScheduleError if the re-run does not follow the recorded schedule (exit loops)."""
     sch = batch.schedule
-    scfg = SamplingConfig(
-        max_new_tokens=sch.seq_len - sch.prompt_len, temperature=sch.temperature,
-        top_k=sch.top_k, top_p=sch.top_p,
-        exit_threshold=1.0 if sch.exit_threshold is None else sch.exit_threshold,
-        fixed_depth=sch.fixed_depth, kv_policy=sch.kv_policy,
-        deferred_max_pending=sch.deferred_max_pending, stop_ids=tuple(sch.stop_ids),
-        compute_dtype=sch.compute_dtype, max_seq_len=sch.seq_len,
-        kernels=sch.kernels)
+    scfg = SamplingConfig.from_schedule(sch)
     out = generate(cfg, params, [[0]], scfg, forced=batch.to_numpy(), mesh=mesh)
     if not np.array_equal(np.asarray(out.exit_loop_BxS), np.asarray(batch.exit_loop_BxS)):
         raise ScheduleError("forced replay did not follow the recorded exit loops")
@@ -253,8 +212,9 @@ def forced_replay_logprobs(cfg: OuroConfig, params, batch, rows=None, mesh=None)
     return lp, lpp
 
 
-def loop_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, *,
-                  kv_policy: str, compute_dtype: str, temperature: float, remat: bool = True):
+def loop_logprobs(model_cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS,
+                  kv_depth_BxS, *, kv_policy: str, compute_dtype: str, temperature: float,
+                  remat: bool = True):
     """Every loop's log-prob of the emitted token and gate logit, for RLTT loop credit and the
     stage-II gate loss (traceable, differentiable; `dense`-style teacher-forced pass).
 
@@ -273,38 +233,19 @@ def loop_logprobs(cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_BxS, kv_
     """
     w = cast_weights(params, compute_dtype)
     B, S = tokens_BxS.shape
-    T = cfg.total_ut_steps
-    copy_kv = kv_policy == "copy"
-    positions = Layout(pad_B).positions(S)
-    layout = jnp.arange(S)
-    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
-    dt = w["embed_tokens"].dtype
-    target = jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros((B, 1), tokens_BxS.dtype)], axis=1)
+    target = next_token_targets(tokens_BxS)
     emit = exit_loop_BxS > 0
-    g = w["early_exit_gate"]
 
-    def one_loop(h, k_prev, v_prev, d):
-        write = (d <= kv_depth_BxS) if copy_kv else jnp.ones((B, S), bool)
-        k_in = k_prev if copy_kv else jnp.zeros(kv_shape, dt)
-        v_in = v_prev if copy_kv else jnp.zeros(kv_shape, dt)
-        h, k_new, v_new = stack_pass(cfg, w, h, positions, layout, pad_B, k_in, v_in, write, 0)
+    def readout(h, d):
         full, _ = process_logits(lm_logits(w, h).reshape(B * S, -1), temperature, 0, 1.0)
         lp = jnp.take_along_axis(full, target.reshape(B * S, 1), axis=1).reshape(B, S)
         # the gate logit reads h(t) under stop_gradient: the stage-II gate loss trains the gate
         # only (DESIGN.md §1), never the LM that produced h (tests/rl/test_train_gate.py)
-        h_sg = jax.lax.stop_gradient(h).astype(jnp.float32)
-        z = jnp.einsum("bsd,d->bs", h_sg, g["kernel"][:, 0]) + g["bias"][0]
-        return h, k_new, v_new, jnp.where(emit, lp, 0.0), z
+        z = gate_logits(w, jax.lax.stop_gradient(h))
+        return jnp.where(emit, lp, 0.0), z
 
-    if remat:
-        one_loop = jax.checkpoint(one_loop, static_argnums=(3,))
-    h = embed(w, tokens_BxS)
-    k = v = jnp.zeros(kv_shape, dt) if copy_kv else None
-    lps, zs = [], []
-    for d in range(1, T + 1):
-        h, k_new, v_new, lp, z = one_loop(h, k, v, d)
-        if copy_kv:
-            k, v = k_new, v_new
-        lps.append(lp)
-        zs.append(z)
-    return jnp.stack(lps), jnp.stack(zs)
+    # unrolled (a Python loop over T), the form this pass has always had: the scan form would
+    # give other low bits, and so change every loop-credit and gate-training run
+    return teacher_forced_loops(model_cfg, w, tokens_BxS, pad_B, readout=readout,
+                                kv_depth_BxS=kv_depth_BxS if kv_policy == "copy" else None,
+                                remat=remat, unroll=True)

@@ -30,25 +30,25 @@ rows that were never padded.
 The construction (CPU):
 
 * `matmul` (every projection, the MLP, the lm_head, the exit gate `[D, 1]` and `rowsum`): rows
-  are zero-padded to a multiple of a row tile T = `_row_tile_for(M)`, the fewest tiles of at
+  are zero-padded to a multiple of a row tile R = `_row_tile_for(M)`, the fewest tiles of at
   most ROW_TILE_MAX = 512 rows, each the equal share of M rounded up to a multiple of
   ROW_QUANTUM = 8 (M = 300: one 304-row tile; 1000: two of 504; 4096: eight of 512; at most 7
-  padding rows per tile), output columns to a multiple of `N_MIN` = 16 (zero columns; N = 1
+  padding rows per tile), output columns to a multiple of `N_MIN` = 16 (zero columns; O = 1
   would be a matrix-vector product), the contraction is cut into `K_BLOCK` = 128 long blocks
   (zero-padded) whose fp32 partial products are summed in block order: every dot the compiler
-  sees is `[T, 128] x [128, O16]`, whatever M. Argument: (1) Eigen's blocking and oneDNN's
+  sees is `[R, 128] x [128, O16]`, whatever M. Argument: (1) Eigen's blocking and oneDNN's
   kernel choice are functions of the dot's shape; (2) a contraction of 128 is below every K
   split (Eigen's L1 heuristic keeps k up to >= 152 for any L1 >= 32 KB, TSL keeps kc = k, so
   one sgemm call accumulates each output over the whole block), so the only K order is the
   block order, which is ours and fixed; (3) every row block handed to `dnnl_sgemm` holds a
-  multiple of 8 rows (T and TSL's 24-multiple `nc` are multiples of 8, so is T mod nc), so no
+  multiple of 8 rows (R and TSL's 24-multiple `nc` are multiples of 8, so is R mod nc), so no
   row falls into a leftover-row or matrix-vector path, and inside an 8-row register block every
   row runs the same instruction stream on its own accumulators: neither a row's position in
-  its tile nor the tile size can matter, which is why T need not come from a fixed ladder (the
+  its tile nor the tile size can matter, which is why R need not come from a fixed ladder (the
   previous form used 8, 16, ..., 512; a 300-row call then padded to 3 x 128 rows). The columns
   are never split by us (one dot covers all O16 columns), so a column's place in the dot is a
   function of O alone; that the library's column blocking (Eigen's `mc`, oneDNN's 48-column
-  register block and its leftovers) does not change with T is covered by the tests, not by an
+  register block and its leftovers) does not change with R is covered by the tests, not by an
   argument (a column-blocked variant, which would also need it, was measured slower: see
   Cost). Without (2) the tile size did matter: with unsplit contractions of 384 or 1024 (or
   the 2048-long exit gate) 8..32-row dots and 40..256-row dots disagreed, because the K split
@@ -56,18 +56,18 @@ The construction (CPU):
   shape tested (tests/model/test_kernels_ouro_shapes.py forces tiles of 8..512 rows, most not
   powers of two). (3) is stated for AVX-512 (oneDNN's sgemm N unroll 8); on AVX2 machines
   (unroll 6) it has to be re-checked. Two loop forms, same dots and adds in the same order, so
-  the same bits: a small tile (T <= BATCHED_MAX_ROWS = 16: decode, one tile) gets all its
+  the same bits: a small tile (R <= BATCHED_MAX_ROWS = 16: decode, one tile) gets all its
   partials from one batched dot (nb matmuls of the same shape, weight read in place) and sums
   them from the first; a large tile runs one `fori_loop` step per (tile, K block), adding each
   partial into an fp32 accumulator that starts at -0.0 (-0.0 + p == p bitwise for every p,
   including +-0 and NaN, so the sum is `p0 + p1 + ...` as in the small form); for fp32 output
   the accumulator is the output itself, updated in place through the loop carry. The weight is
-  cast to fp32 once outside the loop (XLA does the same for a bf16 dot), x per `[T, 128]`
+  cast to fp32 once outside the loop (XLA does the same for a bf16 dot), x per `[R, 128]`
   block. `jax.custom_vjp` gives the backward as plain dots (no invariance needed there).
 * `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`) and run in
   `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
-  matmuls of one shape: scores `[T, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
-  and the value product `[T, 128] x [128, K]` per (b, h, key block), the key axis padded to a
+  matmuls of one shape: scores `[R, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
+  and the value product `[R, 128] x [128, K]` per (b, h, key block), the key axis padded to a
   multiple of 128 (masked keys, probability exactly 0) and its blocks summed in order. Before
   the dots each row's key axis is rotated (an exact gather) so that its first live key sits in
   slot 0: the blocks are then cut at the row's own token positions 0, 128, 256, ..., whatever
@@ -84,11 +84,11 @@ The construction (CPU):
 
 Cost (`benchmarks/kernels.py`, one core; figures in its JSON line): the weight is streamed
 (and packed by the library) once per row tile, which is why tiles are as large as 512 rows,
-and each K block adds a `[T, O]` partial into the accumulator. Measured on 2 shared cores
-(medians of 5-7, noisy): at `[T, 2048] x [2048, 2048]` fp32 the batched form of all 16
-partials took 84 ms at T = 304 and 137-141 ms at T = 512 against 40 and 44-63 ms for the loop
-(16 partials of `[T, O]` written and re-read; the old rule batched up to 16 MB of partials,
-i.e. every 128-row tile of a 2048-wide weight), and about the same as the loop at T = 8
+and each K block adds a `[R, O]` partial into the accumulator. Measured on 2 shared cores
+(medians of 5-7, noisy): at `[R, 2048] x [2048, 2048]` fp32 the batched form of all 16
+partials took 84 ms at R = 304 and 137-141 ms at R = 512 against 40 and 44-63 ms for the loop
+(16 partials of `[R, O]` written and re-read; the old rule batched up to 16 MB of partials,
+i.e. every 128-row tile of a 2048-wide weight), and about the same as the loop at R = 8
 (2048-, 5632- and 49152-wide weights), hence the loop above 16 rows. Tiling the output
 columns too (256- or 512-column blocks, K loop innermost, so the accumulator stays in L2) was
 slower than the whole-row loop (300 x 2048 x 2048: 94-105 ms vs 41-51 ms; 1000 rows: 181-241
@@ -207,43 +207,43 @@ def _blocked_weight(w_IxO):
     return w.reshape(-1, kb, w.shape[1])
 
 
-def _kblocked_dot(x_TxI, w_BxKxO):
-    """`x @ w` for one small fp32 row tile (T <= BATCHED_MAX_ROWS, or a single block) and a
-    `_blocked_weight`: every dot is `[T, kb] x [kb, O16]` (kb <= K_BLOCK, so nothing below
+def _kblocked_dot(x_RxI, w_ZxIxO):
+    """`x @ w` for one small fp32 row tile (R <= BATCHED_MAX_ROWS, or a single block) and a
+    `_blocked_weight`: every dot is `[R, kb] x [kb, O16]` (kb <= K_BLOCK, so nothing below
     splits the contraction), partial products summed in block order in fp32. The partials come
     from one batched dot (the DotThunk runs it as nb matmuls of that same shape, reading the
     weight in place); the sum starts from the first partial."""
-    nb, kb, o = w_BxKxO.shape
-    t = x_TxI.shape[0]
-    x_TxI, _ = _pad_rows(x_TxI, 1, kb)
+    nb, kb, o = w_ZxIxO.shape
+    t = x_RxI.shape[0]
+    x_RxI, _ = _pad_rows(x_RxI, 1, kb)
     if nb == 1:
-        return jnp.dot(x_TxI, w_BxKxO[0], preferred_element_type=jnp.float32)
-    x_BxTxK = jnp.swapaxes(x_TxI.reshape(t, nb, kb), 0, 1)
-    parts = jnp.einsum("btk,bko->bto", x_BxTxK, w_BxKxO, preferred_element_type=jnp.float32)
+        return jnp.dot(x_RxI, w_ZxIxO[0], preferred_element_type=jnp.float32)
+    x_ZxRxI = jnp.swapaxes(x_RxI.reshape(t, nb, kb), 0, 1)
+    parts = jnp.einsum("zri,zio->zro", x_ZxRxI, w_ZxIxO, preferred_element_type=jnp.float32)
     acc = parts[0]
     for j in range(1, nb):
         acc = acc + parts[j]
     return acc
 
 
-def _looped_matmul(rows_MxI, w_BxKxO, out_dtype, t):
-    """Large tiles (T > BATCHED_MAX_ROWS, more than one K block): one `fori_loop` step per
-    (row tile, K block), tile-major, K blocks in order; each step is one `[T, kb] x [kb, O16]`
-    dot of a `[T, kb]` slice of x (cast to fp32 there) and the j-th weight block, added into the
+def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t):
+    """Large tiles (R > BATCHED_MAX_ROWS, more than one K block): one `fori_loop` step per
+    (row tile, K block), tile-major, K blocks in order; each step is one `[R, kb] x [kb, O16]`
+    dot of a `[R, kb]` slice of x (cast to fp32 there) and the j-th weight block, added into the
     tile's fp32 accumulator, which starts at -0.0 (-0.0 + p == p bitwise for every p, so the sum
     has the bits of `p0 + p1 + ...`, the small-tile sum). fp32 output: the accumulator is the
     output itself, updated in place (`dynamic_update_slice` in the loop carry), so the only
     temporaries are one partial and one x block. Other output dtypes: an inner loop over the K
-    blocks on a `[T, O16]` fp32 accumulator, cast into the output per tile. Same dots, same adds
+    blocks on a `[R, O16]` fp32 accumulator, cast into the output per tile. Same dots, same adds
     in the same order as `_kblocked_dot`, so the same bits."""
-    nb, kb, o16 = w_BxKxO.shape
+    nb, kb, o16 = w_ZxIxO.shape
     x, m = _pad_rows(rows_MxI, 0, t)
     x, _ = _pad_rows(x, 1, kb)
     nt = x.shape[0] // t
 
     def partial(r, j):
         xb = jax.lax.dynamic_slice(x, (r, j * kb), (t, kb)).astype(jnp.float32)
-        wj = jax.lax.dynamic_index_in_dim(w_BxKxO, j, 0, keepdims=False)
+        wj = jax.lax.dynamic_index_in_dim(w_ZxIxO, j, 0, keepdims=False)
         return jnp.dot(xb, wj, preferred_element_type=jnp.float32)
 
     if out_dtype == jnp.float32:
@@ -272,8 +272,8 @@ def _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype):
     if wb.shape[0] > 1 and t > BATCHED_MAX_ROWS:
         return _looped_matmul(rows_MxI, wb, out_dtype, t)[:, :o]
 
-    def tile(x_TxI):
-        return _kblocked_dot(x_TxI.astype(jnp.float32), wb).astype(out_dtype)
+    def tile(x_RxI):
+        return _kblocked_dot(x_RxI.astype(jnp.float32), wb).astype(out_dtype)
 
     return _tiles_map(tile, rows_MxI, 0)[:, :o]
 
@@ -298,42 +298,42 @@ def _tiled_matmul_bwd(out_dtype, res, g_MxO):
 _tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 
 
-def matmul(x_MxK: jax.Array, w_KxN: jax.Array, out_dtype=None) -> jax.Array:
+def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
 
     On the CPU: rows zero-padded to a multiple of the row tile `_row_tile_for(M)` (a multiple
-    of 8), every dot `[T, 128] x [128, N16]` in fp32 (K in 128-long blocks summed in order, N
+    of 8), every dot `[R, 128] x [128, O16]` in fp32 (I in 128-long blocks summed in order, O
     padded to a multiple of N_MIN), small tiles batched, large ones in one `fori_loop`;
     backward by plain dots (`jax.custom_vjp`). Elsewhere: rows padded to ROW_TILE, one dot.
 
     Args:
-      x_MxK: `[..., K]` any float dtype. w_KxN: `[K, N]` same dtype as x.
+      x_MxI: `[..., I]` any float dtype. w_IxO: `[I, O]` same dtype as x.
       out_dtype: accumulate/return dtype (`preferred_element_type`); default x.dtype.
-    Returns: `[..., N]`.
+    Returns: `[..., O]`.
     """
-    x = x_MxK
+    x = x_MxI
     lead = x.shape[:-1]
-    k, n = x.shape[-1], w_KxN.shape[-1]
-    rows = x.reshape(-1, k)
+    i, o = x.shape[-1], w_IxO.shape[-1]
+    rows = x.reshape(-1, i)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if on_cpu():
-        y = _tiled_matmul(rows, w_KxN, out_dtype)
+        y = _tiled_matmul(rows, w_IxO, out_dtype)
     else:
         m = rows.shape[0]
         rows, _ = _pad_rows(rows, 0)
-        y = jnp.einsum("mk,kn->mn", rows, w_KxN, preferred_element_type=out_dtype,
-                       precision=_fp32_precision(rows, w_KxN))[:m]
-    return y.reshape(*lead, n)
+        y = jnp.einsum("mi,io->mo", rows, w_IxO, preferred_element_type=out_dtype,
+                       precision=_fp32_precision(rows, w_IxO))[:m]
+    return y.reshape(*lead, o)
 
 
-def _attention_probs_values(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, mask_BxTxS, scale, dtype, prec,
+def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, dtype, prec,
                             softmax_fn, key_block=None):
     """The attention math on one block of queries: fp32 scores, mask, fp32 softmax, probs cast
     to the compute dtype, value product accumulated in fp32, cast to `dtype`."""
-    scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxTxK, k_BxHxSxK,
+    scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxRxK, k_BxHxSxK,
                         preferred_element_type=jnp.float32, precision=prec)
     scores = scores * jnp.float32(scale)
-    scores = jnp.where(mask_BxTxS[:, None], scores, MASK_VALUE)
+    scores = jnp.where(mask_BxRxS[:, None], scores, MASK_VALUE)
     probs = softmax_fn(scores).astype(dtype).astype(v_BxHxSxK.dtype)
     S = v_BxHxSxK.shape[2]
     if key_block is None or S <= key_block:
@@ -341,9 +341,9 @@ def _attention_probs_values(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, mask_BxTxS, scale, 
                           preferred_element_type=jnp.float32).astype(dtype)
     # value product in key_block-long blocks aligned to key positions (S is a multiple of it),
     # one batched dot over (b, h, block), partials summed in block order
-    B, H, T, _ = probs.shape
+    B, H, R, _ = probs.shape
     nb = S // key_block
-    p = jnp.moveaxis(probs.reshape(B, H, T, nb, key_block), 3, 2)
+    p = jnp.moveaxis(probs.reshape(B, H, R, nb, key_block), 3, 2)
     v = v_BxHxSxK.reshape(B, H, nb, key_block, -1)
     parts = jnp.einsum("bhjck,bhjkd->bhjcd", p, v, preferred_element_type=jnp.float32)
     acc = parts[:, :, 0]
@@ -378,8 +378,8 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     mask = _keys_from_first_live(mask, offset_B, 2)
 
     def tile(qm):
-        q_BxHxTxK, mask_BxTxS = qm
-        return _attention_probs_values(q_BxHxTxK.astype(jnp.float32), k32, v32, mask_BxTxS,
+        q_BxHxRxK, mask_BxRxS = qm
+        return _attention_probs_values(q_BxHxRxK.astype(jnp.float32), k32, v32, mask_BxRxS,
                                        scale, dtype, None, softmax, K_BLOCK)
 
     t = _row_tile_for(C)
@@ -420,7 +420,17 @@ def _attention_cpu_bwd(scale, res, g):
 _attention_cpu.defvjp(_attention_cpu_fwd, _attention_cpu_bwd)
 
 
-def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
+def repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H: int):
+    """GQA: each of the J key/value heads repeated H // J times along the head axis (head h
+    reads kv head h // (H // J), HF's `repeat_kv`), giving `[B, S, H, K]` each; unchanged when
+    J = H. An exact copy, so it moves no bits."""
+    J = k_BxSxJxK.shape[2]
+    if J == H:
+        return k_BxSxJxK, v_BxSxJxK
+    return (jnp.repeat(k_BxSxJxK, H // J, axis=2), jnp.repeat(v_BxSxJxK, H // J, axis=2))
+
+
+def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """Causal softmax attention of C queries over the whole key axis S (fixed length).
 
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
@@ -432,15 +442,13 @@ def attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
     `Precision.HIGHEST`.
 
     Args:
-      q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, Hkv, K]` with H % Hkv == 0 (GQA);
+      q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, J, K]` with J kv heads, H % J == 0 (GQA,
+        `repeat_kv_heads`);
       mask_BxCxS: bool, True where query c may attend to key s.
     Returns: `[B, C, H, K]` in q's dtype.
     """
     B, C, H, K = q_BxCxHxK.shape
-    hkv = k_BxSxHxK.shape[2]
-    if hkv != H:
-        k_BxSxHxK = jnp.repeat(k_BxSxHxK, H // hkv, axis=2)
-        v_BxSxHxK = jnp.repeat(v_BxSxHxK, H // hkv, axis=2)
+    k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)
     k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
     v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
@@ -518,15 +526,12 @@ def stock_matmul(x, w, out_dtype=None):
                       precision=_fp32_precision(x, w))
 
 
-def stock_attention(q_BxCxHxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale: float):
+def stock_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """Attention the common way: keys trimmed to the live prefix (the last query's position + 1
     over all rows, which the caller guarantees by passing a live-length key axis), no row padding,
     scores in the compute dtype as PyTorch eager does before an fp32 softmax."""
     B, C, H, K = q_BxCxHxK.shape
-    hkv = k_BxSxHxK.shape[2]
-    if hkv != H:
-        k_BxSxHxK = jnp.repeat(k_BxSxHxK, H // hkv, axis=2)
-        v_BxSxHxK = jnp.repeat(v_BxSxHxK, H // hkv, axis=2)
+    k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     scores = jnp.einsum("bchk,bshk->bhcs", q_BxCxHxK * jnp.asarray(scale, q_BxCxHxK.dtype),
                         k_BxSxHxK, precision=_fp32_precision(q_BxCxHxK, k_BxSxHxK)
                         ).astype(jnp.float32)

@@ -32,39 +32,39 @@ def key_mask(positions_in_layout_C, pad_B, seq_len: int):
     return (s[None, None, :] >= pad_B[:, None, None]) & (s[None, None, :] <= q[None, :, None])
 
 
-def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxHxK, v_BxSxHxK, write_BxC,
+def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, write_BxC,
                   w0, mask_BxCxS, stock: bool = False):
     """Apply one layer to a chunk of C positions whose first layout index is `w0`.
 
-    The chunk's keys/values are written into the layer's KV slot `[B, S, Hkv, K]` at
+    The chunk's keys/values are written into the layer's KV slot `[B, S, J, K]` (J kv heads) at
     [w0, w0 + C) where `write_BxC` is True (elsewhere the slot keeps what it had), then the
     chunk's queries attend over the whole slot. Returns (y_BxCxD, k_slot, v_slot).
     """
     mm = kn.stock_matmul if stock else kn.matmul
     attend = kn.stock_attention if stock else kn.attention
     B, C, _ = x_BxCxD.shape
-    H, Hkv, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    H, J, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     norm = functools.partial(kn.rms_norm, eps=eps, stock=stock)
     h = norm(x_BxCxD, lw["input_layernorm"])
     q = kn.apply_rope(mm(h, lw["q_proj"]).reshape(B, C, H, K), cos, sin)
-    k = kn.apply_rope(mm(h, lw["k_proj"]).reshape(B, C, Hkv, K), cos, sin)
-    v = mm(h, lw["v_proj"]).reshape(B, C, Hkv, K)
-    k_old = jax.lax.dynamic_slice_in_dim(k_BxSxHxK, w0, C, axis=1)
-    v_old = jax.lax.dynamic_slice_in_dim(v_BxSxHxK, w0, C, axis=1)
+    k = kn.apply_rope(mm(h, lw["k_proj"]).reshape(B, C, J, K), cos, sin)
+    v = mm(h, lw["v_proj"]).reshape(B, C, J, K)
+    k_old = jax.lax.dynamic_slice_in_dim(k_BxSxJxK, w0, C, axis=1)
+    v_old = jax.lax.dynamic_slice_in_dim(v_BxSxJxK, w0, C, axis=1)
     wmask = write_BxC[:, :, None, None]
-    k_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxHxK, jnp.where(wmask, k, k_old), w0, 1)
-    v_BxSxHxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxHxK, jnp.where(wmask, v, v_old), w0, 1)
-    o = attend(q, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, K ** -0.5).reshape(B, C, H * K)
+    k_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxJxK, jnp.where(wmask, k, k_old), w0, 1)
+    v_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxJxK, jnp.where(wmask, v, v_old), w0, 1)
+    o = attend(q, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, K ** -0.5).reshape(B, C, H * K)
     a = x_BxCxD + norm(mm(o, lw["o_proj"]), lw["input_layernorm_2"])
     z = norm(a, lw["post_attention_layernorm"])
     m = mm(jax.nn.silu(mm(z, lw["gate_proj"])) * mm(z, lw["up_proj"]), lw["down_proj"])
     y = a + norm(m, lw["post_attention_layernorm_2"])
-    return y, k_BxSxHxK, v_BxSxHxK
+    return y, k_BxSxJxK, v_BxSxJxK
 
 
-def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_LxBxSxHxK,
-               v_LxBxSxHxK, write_BxC, w0, stock: bool = False):
+def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_LxBxSxJxK,
+               v_LxBxSxJxK, write_BxC, w0, stock: bool = False):
     """One loop (ut step): all L shared layers, then the shared final norm (`model.norm`).
 
     Args:
@@ -72,10 +72,10 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
       x_BxCxD: the chunk's input hidden states (embeddings at loop 1, h(t-1) after).
       positions_BxC: RoPE positions (layout index minus the row's left padding).
       layout_C: layout indices of the chunk, `w0 + arange(C)`.
-      k/v_LxBxSxHxK: this loop's KV slots for every layer.
-    Returns: (h_BxCxD normalised, k_LxBxSxHxK, v_LxBxSxHxK).
+      k/v_LxBxSxJxK: this loop's KV slots for every layer.
+    Returns: (h_BxCxD normalised, k_LxBxSxJxK, v_LxBxSxJxK).
     """
-    S = k_LxBxSxHxK.shape[2]
+    S = k_LxBxSxJxK.shape[2]
     cos, sin = kn.rope_cos_sin(positions_BxC, cfg.head_dim, cfg.rope_theta, x_BxCxD.dtype)
     mask = key_mask(layout_C, pad_B, S)
 
@@ -85,5 +85,5 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
                                           mask, stock)
         return y, (k_slot, v_slot)
 
-    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, (w["layers"], k_LxBxSxHxK, v_LxBxSxHxK))
+    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, (w["layers"], k_LxBxSxJxK, v_LxBxSxJxK))
     return kn.rms_norm(out, w["norm"], cfg.rms_norm_eps, stock), k_new, v_new

@@ -211,22 +211,102 @@ class Layout:
         return jnp.maximum(jnp.arange(S)[None, :] - self.pad_B[:, None], 0)
 
 
-def all_loop_outputs(cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None) -> ModelOutput:
-    """Every loop's logits `[T, B, S, V]` fp32 and gate `[T, B, S]` (inspection only)."""
+def next_token_targets(tokens_BxS):
+    """The token each position emits, `[B, S]`: tokens[:, i + 1] at position i and 0 at the last
+    position (DESIGN.md §3 alignment: position i emits token i + 1)."""
+    B = tokens_BxS.shape[0]
+    return jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros((B, 1), tokens_BxS.dtype)], axis=1)
+
+
+def gate_logits(w: dict, h_BxSxD):
+    """Exit-gate logit `h . w + b` `[B, S]` fp32, as one einsum: the training losses' form (the
+    stage-I/II losses take log-sigmoids of the logit, exact where lambda saturates). Not the
+    sampler's: `exit_lambda` computes the gate with the invariant `matmul`, whose bits the Q-exit
+    rule depends on; the two differ in low bits."""
+    g = w["early_exit_gate"]
+    return jnp.einsum("bsd,d->bs", h_BxSxD.astype(jnp.float32), g["kernel"][:, 0]) + g["bias"][0]
+
+
+def teacher_forced_loops(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None, *,
+                         readout=None, fold=None, init=None, kv_depth_BxS=None,
+                         stock: bool = False, remat: bool = False, unroll: bool = False):
+    """The T loops of a teacher-forced pass over a whole (left-padded) sequence: the one loop
+    every learner pass, the warm start and the inspection forward run.
+
+    h(0) = Emb(tokens); for d = 1..T: h(d) = `stack_pass(h(d-1))` as one chunk of S positions,
+    then `y_d = readout(h(d), d)` and, with `fold`, `carry = fold(carry, h(d), y_d, d)` from
+    `carry = init(h(0))`. `d` is 1-based: an int32 scalar under the scan, a Python int unrolled.
+
+    Args:
+      w: compute-dtype weights (`cast_weights`); tokens_BxS int32; pad_B int32 `[B]` left
+        padding (default 0).
+      kv_depth_BxS: None: every loop's own K/V (the `dense` and `deferred` policies). Given: the
+        `copy` policy, at loop d position j's K/V are those of loop min(d, kv_depth_j).
+      stock: the `stock` kernels in the stack.
+      remat: `jax.checkpoint` each loop's stack pass and readout (the backward recomputes them:
+        memory O(1 loop) instead of O(T)); `fold` stays outside the rematerialised region.
+      unroll: False: a `lax.scan` over the loops (an XLA while loop), each loop's input h read
+        from memory as in the sampler's loop-by-loop while loop; the learner's form (see
+        `looprl.learner.logprobs.exit_hidden` for why: the unrolled form rounds differently at
+        L = 1). True: a Python loop (T copies of the loop in the program).
+    Returns: fold's final carry if `fold` is given, else the readouts stacked on a leading T axis
+      (a pytree like readout's; None without a readout). The two forms (scan, unrolled) compute
+      the same math but are different programs: their bits may differ.
+    """
     B, S = tokens_BxS.shape
+    T = model_cfg.total_ut_steps
     pad_B = jnp.zeros((B,), jnp.int32) if pad_B is None else pad_B
     positions = Layout(pad_B).positions(S)
+    layout = jnp.arange(S)
+    kv_shape = (model_cfg.num_layers, B, S, model_cfg.num_kv_heads, model_cfg.head_dim)
     dt = w["embed_tokens"].dtype
-    shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    copy_kv = kv_depth_BxS is not None
+
+    def one_loop(h, k_prev, v_prev, d):
+        write = (d <= kv_depth_BxS) if copy_kv else jnp.ones((B, S), bool)
+        k_in = k_prev if copy_kv else jnp.zeros(kv_shape, dt)
+        v_in = v_prev if copy_kv else jnp.zeros(kv_shape, dt)
+        h, k_new, v_new = stack_pass(model_cfg, w, h, positions, layout, pad_B, k_in, v_in,
+                                     write, 0, stock)
+        return h, k_new, v_new, None if readout is None else readout(h, d)
+
+    if remat:
+        one_loop = jax.checkpoint(one_loop, static_argnums=(3,) if unroll else ())
+
+    def step(state, d):
+        h, carry, k, v = state
+        h, k_new, v_new, y = one_loop(h, k, v, d)
+        if copy_kv:
+            k, v = k_new, v_new
+        if fold is not None:
+            carry, y = fold(carry, h, y, d), None
+        return (h, carry, k, v), y
+
     h = embed(w, tokens_BxS)
-    logits, lams = [], []
-    write = jnp.ones((B, S), bool)
-    for _ in range(cfg.total_ut_steps):
-        h, _, _ = stack_pass(cfg, w, h, positions, jnp.arange(S), pad_B, jnp.zeros(shape, dt),
-                             jnp.zeros(shape, dt), write, 0)
-        logits.append(lm_logits(w, h))
-        lams.append(exit_lambda(w, h))
-    return ModelOutput(jnp.stack(logits), jnp.stack(lams))
+    if unroll:
+        kv0 = jnp.zeros(kv_shape, dt) if copy_kv else None
+    else:  # the scan's carry needs arrays
+        kv0 = jnp.zeros(kv_shape, dt) if copy_kv else jnp.zeros((), dt)
+    state = (h, None if init is None else init(h), kv0, kv0)
+    if unroll:
+        ys = []
+        for d in range(1, T + 1):
+            state, y = step(state, d)
+            ys.append(y)
+        ys = None if fold is not None or readout is None else jax.tree.map(
+            lambda *a: jnp.stack(a), *ys)
+    else:
+        state, ys = jax.lax.scan(step, state, jnp.arange(1, T + 1, dtype=jnp.int32))
+    return state[1] if fold is not None else ys
+
+
+def all_loop_outputs(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None) -> ModelOutput:
+    """Every loop's logits `[T, B, S, V]` fp32 and gate `[T, B, S]` (inspection only; unrolled
+    `teacher_forced_loops` with the invariant kernels)."""
+    logits, lams = teacher_forced_loops(
+        model_cfg, w, tokens_BxS, pad_B, unroll=True,
+        readout=lambda h, d: (lm_logits(w, h), exit_lambda(w, h)))
+    return ModelOutput(logits, lams)
 
 
 def expected_param_shapes(cfg: OuroConfig) -> dict[str, Any]:

@@ -3,7 +3,6 @@ grade it (used by `looprl train` before and after GRPO, and by `looprl eval`).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -52,17 +51,16 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
     return rows
 
 
-def evaluate(model_cfg: OuroConfig, params, task, tokenizer, cfg: ExperimentConfig, problems,
+def evaluate(model_cfg: OuroConfig, params, task, tokenizer, exp_cfg: ExperimentConfig, problems,
              exit_threshold: float | None = None, progress=None) -> dict[str, Any]:
     """Greedy held-out accuracy at the run's q (or `exit_threshold`), in batches of
     `eval.eval_batch_size` (`evaluate_problems`). Returns {accuracy (mean reward),
     mean_exit_loop, problems}, and by_terms (accuracy per metadata `num_terms`) for tasks whose
     problems have terms (arithmetic, not GSM8K). `progress(n)`: as in `evaluate_problems`."""
-    scfg = sampling_config(cfg, greedy=True)
-    if exit_threshold is not None:
-        scfg = dataclasses.replace(scfg, exit_threshold=exit_threshold)
+    q = {} if exit_threshold is None else {"exit_threshold": exit_threshold}
+    scfg = sampling_config(exp_cfg, greedy=True, **q)
     rows = evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg,
-                             batch_size=cfg.eval.eval_batch_size, seed=cfg.run.seed,
+                             batch_size=exp_cfg.eval.eval_batch_size, seed=exp_cfg.run.seed,
                              progress=progress)
     correct_a = np.asarray([float(r["reward"]) for r in rows])
     exits = [e for r in rows for e in r["exit_loops"]]

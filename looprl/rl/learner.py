@@ -38,63 +38,46 @@ from looprl.config import ExperimentConfig
 from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
 from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
+from looprl.learner.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
-from looprl.rl.rollout import (bits_equal_fraction, completion_rewards, mean_exit_loop,
-                               rollout_sha256, sampling_config)
+from looprl.rl.rollout import (completion_rewards, mean_exit_loop, rollout_sha256,
+                               sampling_config)
 from looprl.sampling.sampler import generate
 from looprl.sampling.schedule import params_fingerprint
 
 
-def mismatch_stats(learner_lp_BxS, sampler_lp_BxS, mask_BxS, eps_low: float,
-                   eps_high: float) -> dict[str, float]:
-    """How far the learner's log-probs (at the sampler's parameters) are from the sampler's,
-    over the sampled tokens: `mismatch_k3_kl` (k3 estimate of KL(sampler || learner), tokens
-    drawn from the sampler: mean of `r - 1 - log r`, `r = pi_learner / pi_sampler`),
-    `mismatch_abs_mean` / `mismatch_abs_max` (|delta logprob|, nats) and
-    `ratio_outside_clip_frac` (share of tokens whose ratio r lies outside the PPO clip range
-    `[1 - eps_low, 1 + eps_high]`, where clipping acts on the first update)."""
-    m = np.asarray(mask_BxS, bool)
-    x = (np.asarray(learner_lp_BxS, np.float64) - np.asarray(sampler_lp_BxS, np.float64))[m]
-    if not x.size:
-        return {"mismatch_k3_kl": 0.0, "mismatch_abs_mean": 0.0, "mismatch_abs_max": 0.0,
-                "ratio_outside_clip_frac": 0.0}
-    r = np.exp(x)
-    return {"mismatch_k3_kl": float(np.mean(np.expm1(x) - x)),
-            "mismatch_abs_mean": float(np.mean(np.abs(x))),
-            "mismatch_abs_max": float(np.max(np.abs(x))),
-            "ratio_outside_clip_frac": float(np.mean((r < 1.0 - eps_low) | (r > 1.0 + eps_high)))}
-
-
-def resolve_replay_impl(cfg: ExperimentConfig, backend: str | None = None) -> str:
+def resolve_replay_impl(exp_cfg: ExperimentConfig, backend: str | None = None) -> str:
     """`learner.replay_impl` with "auto" resolved: "invariant" on XLA CPU with invariant sampler
     kernels (where the dense pass reproduces the sampler bit for bit), "forced" otherwise."""
-    impl = cfg.learner.replay_impl
+    impl = exp_cfg.learner.replay_impl
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
-    return "invariant" if backend == "cpu" and cfg.rollout.kernels == "invariant" else "forced"
+    return "invariant" if backend == "cpu" and exp_cfg.rollout.kernels == "invariant" else "forced"
 
 
-def resolve_require_exact(cfg: ExperimentConfig, replay_impl: str,
+def resolve_require_exact(exp_cfg: ExperimentConfig, replay_impl: str,
                           backend: str | None = None) -> bool:
     """`learner.require_exact` with none (auto) resolved: true where the README claims exact
     replay (XLA CPU, `rollout.kernels=invariant`, `replay_impl` resolved to "invariant"), false
     elsewhere (forced replay and GPU/TPU, where exactness is measured rather than claimed)."""
-    if cfg.learner.require_exact is not None:
-        return bool(cfg.learner.require_exact)
+    if exp_cfg.learner.require_exact is not None:
+        return bool(exp_cfg.learner.require_exact)
     backend = backend or jax.default_backend()
-    return backend == "cpu" and cfg.rollout.kernels == "invariant" and replay_impl == "invariant"
+    return (backend == "cpu" and exp_cfg.rollout.kernels == "invariant"
+            and replay_impl == "invariant")
 
 
-def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformation:
+def make_optimizer(exp_cfg: ExperimentConfig, params) -> optax.GradientTransformation:
     """AdamW + global-norm clipping + learning-rate schedule, the exit gate's update zeroed
     unless `learner.train_gate` (DESIGN.md: exit decisions are replayed, never re-decided) or
     the learner is `expected`, whose log-probs train the gate through the exit distribution
     (as HF Ouro's forward with labels does)."""
-    o = cfg.optim
-    total = max(1, cfg.run.grpo_steps * cfg.learner.ppo_epochs * cfg.learner.minibatches)
+    o = exp_cfg.optim
+    total = max(1, exp_cfg.run.grpo_steps * exp_cfg.learner.ppo_epochs
+                * exp_cfg.learner.minibatches)
     if o.lr_schedule == "constant":
         lr = optax.constant_schedule(o.learning_rate)
     elif o.lr_schedule == "cosine":
@@ -110,7 +93,7 @@ def make_optimizer(cfg: ExperimentConfig, params) -> optax.GradientTransformatio
     parts.append(optax.adamw(lr, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                              weight_decay=o.weight_decay))
     train = optax.chain(*parts)
-    gate_trains = cfg.learner.train_gate or cfg.learner.logprob_method == "expected"
+    gate_trains = exp_cfg.learner.train_gate or exp_cfg.learner.logprob_method == "expected"
     labels = {k: jax.tree.map(lambda _: "frozen" if (k == "early_exit_gate"
                                                       and not gate_trains)
                               else "train", v) for k, v in params.items()}
@@ -136,20 +119,21 @@ class GRPOLearner:
     """Holds the policy parameters, the optimizer state and the frozen reference; `step(i)` runs
     one GRPO step and returns its metrics (a flat dict of floats).
 
-    RNG state: `rng_key` is the run's typed PRNG key, `jax.random.key(cfg.run.seed)`; every
+    RNG state: `rng_key` is the run's typed PRNG key, `jax.random.key(exp_cfg.run.seed)`; every
     sampled token's key is `fold_in`-derived from its data (= `jax.random.PRNGKey(seed)`), the
     GRPO step, the prompt's global id, the sample and the position
     (`looprl.sampling.processing.row_keys`), so (rng_key, step) is the whole RNG state and the
     data stream's state is `data_position`. `train_state(next_step)` / `restore_train_state`
     are what a training checkpoint stores and restores (exact resume)."""
 
-    def __init__(self, cfg: ExperimentConfig, model_cfg: OuroConfig, params, task, tokenizer,
+    def __init__(self, exp_cfg: ExperimentConfig, model_cfg: OuroConfig, params, task, tokenizer,
                  ref_params=None, mesh=None):
-        """`mesh`: a `jax.sharding.Mesh`; default `cfg.mesh` over every visible device when
+        """`mesh`: a `jax.sharding.Mesh`; default `exp_cfg.mesh` over every visible device when
         there are several (one device: no mesh, the unsharded programs)."""
-        self.cfg, self.model_cfg, self.task, self.tokenizer = cfg, model_cfg, task, tokenizer
+        self.exp_cfg, self.model_cfg = exp_cfg, model_cfg
+        self.task, self.tokenizer = task, tokenizer
         if mesh is None and jax.device_count() > 1:
-            mesh = ml.make_mesh(cfg.mesh)
+            mesh = ml.make_mesh(exp_cfg.mesh)
         self.mesh = mesh if ml.is_sharded(mesh) else None
         self.params = jax.tree.map(lambda a: np.asarray(a, np.float32)
                                    if not isinstance(a, jax.Array) else a.astype(jnp.float32),
@@ -158,17 +142,17 @@ class GRPOLearner:
             jax.tree.map(jnp.asarray, self.params)
         self.ref_params = self.params if ref_params is None else \
             ml.place_params(ref_params, self.mesh)
-        self.opt = make_optimizer(cfg, self.params)
+        self.opt = make_optimizer(exp_cfg, self.params)
         self.opt_state = self.opt.init(self.params)
         self.data_position = 0
         self.last_token_abs_delta = None  # per-token |learner - sampler| of the last step
-        self.rng_key = jax.random.key(cfg.run.seed)
-        self.scfg = sampling_config(cfg)
-        r, g, lc = cfg.rollout, cfg.grpo, cfg.learner
-        self.replay_impl = resolve_replay_impl(cfg)
-        self.require_exact = resolve_require_exact(cfg, self.replay_impl)
+        self.rng_key = jax.random.key(exp_cfg.run.seed)
+        self.scfg = sampling_config(exp_cfg)
+        r, g, lc = exp_cfg.rollout, exp_cfg.grpo, exp_cfg.learner
+        self.replay_impl = resolve_replay_impl(exp_cfg)
+        self.require_exact = resolve_require_exact(exp_cfg, self.replay_impl)
         self.spec = LossSpec(
-            cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=cfg.model.compute_dtype,
+            cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=exp_cfg.model.compute_dtype,
             temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
             method=lc.logprob_method, eps_low=g.eps_low, eps_high=g.eps_high,
             loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens, kl_beta=g.kl_beta,
@@ -194,7 +178,7 @@ class GRPOLearner:
         mine = np.asarray(jax.random.key_data(self.rng_key))
         if not np.array_equal(stored, mine):
             raise CheckpointError(f"checkpoint run key {stored.tolist()} is not this run's "
-                                  f"{mine.tolist()} (run.seed {self.cfg.run.seed}): another "
+                                  f"{mine.tolist()} (run.seed {self.exp_cfg.run.seed}): another "
                                   f"seed")
         self.params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
         self.opt_state = jax.tree.map(jnp.asarray, state["opt_state"])
@@ -242,7 +226,7 @@ class GRPOLearner:
         """(full, processed) log-probs `[B, S]` of the learner's method at the current
         parameters (before any update of this step): replay's for `hybrid` (its value), the
         method's own pass otherwise."""
-        method = self.cfg.learner.logprob_method
+        method = self.exp_cfg.learner.logprob_method
         if method == "hybrid":
             if replay_lpp is None:
                 _, replay_lpp = batch_logprobs(self.model_cfg, self.params, batch, "replay",
@@ -254,21 +238,21 @@ class GRPOLearner:
         """The PPO ratio's old log-probs `[B, S]` fp32 (`learner.old_logprobs`): the rollout's
         recorded ones, or the learner's own at the rollout's parameters (`recompute`); the
         processed ones when top-k/top-p truncation is on."""
-        if self.cfg.learner.old_logprobs == "recompute":
+        if self.exp_cfg.learner.old_logprobs == "recompute":
             return np.asarray(own_lpp if self.spec.truncated else own_lp, np.float32)
         return np.asarray(batch.logprob_processed_BxS if self.spec.truncated
                           else batch.logprob_BxS, np.float32)
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
-        cfg, spec = self.cfg, self.spec
-        N, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+        exp_cfg, spec = self.exp_cfg, self.spec
+        N, G = exp_cfg.rollout.prompts_per_step, exp_cfg.rollout.group_size
         t0 = time.perf_counter()
         problems = self.task.train_problems(N, self.data_position)
         self.data_position += N
         prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
         batch = generate(self.model_cfg, self.params, prompts, self.scfg, group_size=G,
-                         seed=cfg.run.seed, step=step, prompt_indices=[p.id for p in problems],
+                         seed=exp_cfg.run.seed, step=step, prompt_indices=[p.id for p in problems],
                          mesh=self.mesh)
         self._check_handoff(batch, step)
         rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch, G)
@@ -276,14 +260,14 @@ class GRPOLearner:
 
         t1 = time.perf_counter()
         adv = grpo.group_advantages(jnp.asarray(rewards.reshape(N, G)),
-                                    scale_by_std=cfg.grpo.scale_adv_by_std,
-                                    std_floor=cfg.grpo.adv_std_floor)
+                                    scale_by_std=exp_cfg.grpo.scale_adv_by_std,
+                                    std_floor=exp_cfg.grpo.adv_std_floor)
         adv_B = np.asarray(adv.advantages_NxG).reshape(-1)
         emit = np.asarray(batch.exit_loop_BxS) > 0
         recorded = np.asarray(batch.logprob_BxS)
         # measurements at the sampler's parameters (the first update of this rollout batch)
         forced = self.replay_impl == "forced"
-        every = cfg.learner.replay_check_every
+        every = exp_cfg.learner.replay_check_every
         checked = every > 0 and step % every == 0
         replay_exact = None  # measured only on check steps, never recorded vs recorded
         if not checked:  # at the sampler's own parameters the replay value is the recorded one
@@ -300,12 +284,12 @@ class GRPOLearner:
         if self.require_exact and replay_exact is not None and replay_exact < 1.0:
             raise TrainingError(f"GRPO step {step}: replay_exact_fraction {replay_exact:.4f} < 1"
                                 f" (replay_impl {self.replay_impl}, rollout.kernels "
-                                f"{cfg.rollout.kernels}): the learner does not reproduce the "
+                                f"{exp_cfg.rollout.kernels}): the learner does not reproduce the "
                                 f"sampler's log-probs; stopping before any update (check the "
                                 f"backend with `looprl verify`, or set "
                                 f"learner.require_exact=false to train anyway)")
         stock_diff = float("nan")
-        if cfg.learner.measure_stock:
+        if exp_cfg.learner.measure_stock:
             stock_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "stock",
                                          mesh=self.mesh)
             stock_diff = float(np.max(np.abs(stock_lp - recorded)[emit], initial=0.0))
@@ -318,8 +302,9 @@ class GRPOLearner:
         # the learner's own log-probs at the sampler's parameters: its mismatch with the
         # sampler, and with learner.old_logprobs=recompute the PPO ratio's old log-probs
         own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp)
-        mismatch = mismatch_stats(own_lp, recorded, emit, cfg.grpo.eps_low, cfg.grpo.eps_high)
-        if not checked and cfg.learner.logprob_method == "hybrid":  # own = recorded: unmeasured
+        mismatch = mismatch_stats(own_lp, recorded, emit, exp_cfg.grpo.eps_low,
+                                  exp_cfg.grpo.eps_high)
+        if not checked and exp_cfg.learner.logprob_method == "hybrid":  # own = recorded: unmeasured
             mismatch = {k: None for k in mismatch}
         self.last_token_abs_delta = np.abs(np.asarray(own_lp, np.float32)[emit]
                                            - recorded.astype(np.float32)[emit])
@@ -348,17 +333,17 @@ class GRPOLearner:
         B = arrays["tokens"].shape[0]
         stats_acc: dict[str, list[float]] = {}
         grad_norms, losses = [], []
-        mb_rows = B // cfg.learner.minibatches
-        micro = cfg.learner.microbatch_size or mb_rows
-        for epoch in range(cfg.learner.ppo_epochs):
-            for m in range(cfg.learner.minibatches):
+        mb_rows = B // exp_cfg.learner.minibatches
+        micro = exp_cfg.learner.microbatch_size or mb_rows
+        for epoch in range(exp_cfg.learner.ppo_epochs):
+            for m in range(exp_cfg.learner.minibatches):
                 if hybrid_forced and (epoch or m):  # the sampler re-run at the updated params
                     arrays["replay_lp"], arrays["replay_lpp"] = forced_replay_logprobs(
                         self.model_cfg, self.params, batch, mesh=self.mesh)
                 rows = np.arange(m * mb_rows, (m + 1) * mb_rows)
                 mask = arrays["exit_loop"][rows] > 0
-                norm = grpo.loss_normalizer(jnp.asarray(mask), cfg.grpo.loss_agg,
-                                            cfg.rollout.max_new_tokens)
+                norm = grpo.loss_normalizer(jnp.asarray(mask), exp_cfg.grpo.loss_agg,
+                                            exp_cfg.rollout.max_new_tokens)
                 gate_norm = jnp.float32(max(1, int(mask.sum()) * (self.model_cfg.T - 1)))
                 grads_sum, loss_sum = None, 0.0
                 for u in range(0, mb_rows, micro):

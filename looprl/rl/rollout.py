@@ -1,5 +1,6 @@
 """The rollout side of a GRPO step: the run's `SamplingConfig`, rewards of a rollout batch, and
-the per-step rollout figures (mean exit loop, `rollout_sha256`, bit-equal fractions).
+the per-step rollout figures (mean exit loop, `rollout_sha256`; bit-equal fractions are
+`looprl.learner.mismatch`'s).
 
 Everything here reads a `RolloutBatch` (`looprl.sampling.schedule`) that the sampler returned;
 nothing samples or differentiates.
@@ -14,17 +15,12 @@ from looprl.config import ExperimentConfig
 from looprl.sampling.sampler import SamplingConfig
 
 
-def sampling_config(cfg: ExperimentConfig, *, greedy: bool = False) -> SamplingConfig:
-    """The rollout's (or, with `greedy`, the evaluation's) `SamplingConfig`."""
-    r = cfg.rollout
-    return SamplingConfig(max_new_tokens=r.max_new_tokens,
-                          temperature=0.0 if greedy else r.temperature,
-                          top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
-                          exit_threshold=r.exit_threshold, fixed_depth=r.fixed_exit_loop,
-                          kv_policy=r.kv_policy, deferred_max_pending=r.deferred_max_pending,
-                          stop_ids=(2,), compute_dtype=cfg.model.compute_dtype,
-                          prompt_len_multiple=r.prompt_len_multiple, kernels=r.kernels,
-                          noise_keying=r.noise_keying)
+def sampling_config(exp_cfg: ExperimentConfig, *, greedy: bool = False,
+                    **overrides) -> SamplingConfig:
+    """The rollout's (or, with `greedy`, the evaluation's) `SamplingConfig`
+    (`SamplingConfig.from_rollout_config` of the run's rollout section and compute dtype)."""
+    return SamplingConfig.from_rollout_config(exp_cfg.rollout, exp_cfg.model.compute_dtype,
+                                              greedy=greedy, **overrides)
 
 
 def completion_rewards(task, tokenizer, problems, batch, group_size: int):
@@ -58,11 +54,3 @@ def rollout_sha256(batch) -> str:
             raise TypeError(f"rollout array of dtype {a.dtype}, expected {dt}")
         h.update(a.astype(dt, copy=False).tobytes())
     return h.hexdigest()
-
-
-def bits_equal_fraction(a, b, mask) -> float:
-    """Fraction of masked entries whose fp32 bits are equal."""
-    a, b, m = np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(mask, bool)
-    if not m.any():
-        return 1.0
-    return float(np.mean(a[m].view(np.uint32) == b[m].view(np.uint32)))

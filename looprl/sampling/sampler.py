@@ -70,6 +70,41 @@ class SamplingConfig:
     row_compaction: bool = True  # each decode loop runs only the rows that need it, gathered
     #                              into a sub-batch of a size from `policies.row_menu` (issue 18)
 
+    @classmethod
+    def from_rollout_config(cls, rollout, compute_dtype: str, *, greedy: bool = False,
+                            stop_ids: tuple[int, ...] = (2,), **overrides) -> "SamplingConfig":
+        """The sampler settings of an experiment's `rollout` section (`looprl.config.
+        RolloutConfig`) at the model's `compute_dtype`: the one mapping from the experiment
+        config (the trainer's rollouts, the run's evaluations, what checkpoints record).
+        `greedy`: temperature 0 and untruncated (the held-out evaluation). `overrides` replace
+        fields (e.g. `exit_threshold=` for an evaluation at another q)."""
+        kw = dict(max_new_tokens=rollout.max_new_tokens,
+                  temperature=0.0 if greedy else rollout.temperature,
+                  top_k=0 if greedy else rollout.top_k, top_p=1.0 if greedy else rollout.top_p,
+                  exit_threshold=rollout.exit_threshold, fixed_depth=rollout.fixed_depth,
+                  kv_policy=rollout.kv_policy, deferred_max_pending=rollout.deferred_max_pending,
+                  stop_ids=tuple(stop_ids), compute_dtype=compute_dtype,
+                  prompt_len_multiple=rollout.prompt_len_multiple, kernels=rollout.kernels,
+                  noise_keying=rollout.noise_keying)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
+    def from_schedule(cls, schedule, **overrides) -> "SamplingConfig":
+        """The settings a recorded rollout was sampled with, from its `Schedule`: what re-running
+        it (forced mode) needs. The cache length is the recorded S (`max_seq_len`) and
+        `max_new_tokens` = S - P; q is 1.0 when the schedule records a fixed depth instead.
+        `prompt_len_multiple` is not recorded (the forced re-run takes the recorded layout)."""
+        kw = dict(max_new_tokens=schedule.seq_len - schedule.prompt_len,
+                  temperature=schedule.temperature, top_k=schedule.top_k, top_p=schedule.top_p,
+                  exit_threshold=(1.0 if schedule.exit_threshold is None
+                                  else schedule.exit_threshold),
+                  fixed_depth=schedule.fixed_depth, kv_policy=schedule.kv_policy,
+                  deferred_max_pending=schedule.deferred_max_pending,
+                  stop_ids=tuple(schedule.stop_ids), compute_dtype=schedule.compute_dtype,
+                  max_seq_len=schedule.seq_len, kernels=schedule.kernels,
+                  noise_keying=schedule.noise_keying)
+        return cls(**{**kw, **overrides})
+
     def validate(self, T: int) -> None:
         """Raises SamplingError naming the bad field."""
         policies.check_policy(self.kv_policy)

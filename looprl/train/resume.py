@@ -103,10 +103,10 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
 
 
 def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
-                             tokenizer_json: str | None, cfg: ExperimentConfig,
+                             tokenizer_json: str | None, exp_cfg: ExperimentConfig,
                              extra_meta: dict[str, Any] | None = None) -> tuple[Path, str]:
     """Write `step_dir(run_dir, step)` from `learner` (after `step` GRPO steps), append to the
-    index, then keep only the newest `cfg.run.keep_checkpoints` complete checkpoints (and remove
+    index, then keep only the newest `exp_cfg.run.keep_checkpoints` complete checkpoints (and remove
     leftovers of interrupted writes). An existing (e.g. incomplete) directory of that step is
     replaced. `extra_meta`: more meta entries (the run's task, prompt style, stop ids and
     evaluation settings). Returns (dir, params_sha256)."""
@@ -119,7 +119,7 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
         extra_meta={**(extra_meta or {}), "stage": "grpo", "step": step, "params_sha256": sha,
                     "train_state_sha256": train_state_sha256(state)},
         train_state=state, overwrite=True,
-        extra_files={CONFIG_IN_CHECKPOINT: to_json(cfg) + "\n"})
+        extra_files={CONFIG_IN_CHECKPOINT: to_json(exp_cfg) + "\n"})
     if not is_main_process():  # every process wrote its shards; process 0 keeps the index
         return path, sha
     with (run_dir / CHECKPOINTS_DIR / INDEX_FILE).open("a") as f:
@@ -128,7 +128,7 @@ def save_training_checkpoint(run_dir: str | Path, step: int, learner, model_cfg,
     for d in root.iterdir():
         if _LEFTOVER_RE.match(d.name):
             shutil.rmtree(d, ignore_errors=True)
-    for _, old in complete_checkpoints(run_dir)[:-cfg.run.keep_checkpoints]:
+    for _, old in complete_checkpoints(run_dir)[:-exp_cfg.run.keep_checkpoints]:
         shutil.rmtree(old)
     return path, sha
 

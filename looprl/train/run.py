@@ -71,16 +71,16 @@ from looprl.train.warm_start import warm_start
 EVAL_BEFORE_FILE = "eval_before.json"
 
 
-def _prepare_out_dir(cfg: ExperimentConfig) -> Path:
-    out = Path(cfg.run.out_dir)
-    if cfg.run.resume is not None:
-        run_dir = Path(cfg.run.resume)
+def _prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
+    out = Path(exp_cfg.run.out_dir)
+    if exp_cfg.run.resume is not None:
+        run_dir = Path(exp_cfg.run.resume)
         if out.resolve() != run_dir.resolve():
             raise ConfigError(f"config key 'run.out_dir': a resumed run continues in place, so "
-                              f"out_dir must be the resumed directory {cfg.run.resume!r}, found "
-                              f"{cfg.run.out_dir!r}")
+                              f"out_dir must be the resumed directory {exp_cfg.run.resume!r}, "
+                              f"found {exp_cfg.run.out_dir!r}")
         if not (run_dir / "config.json").is_file():
-            raise ConfigError(f"config key 'run.resume': {cfg.run.resume!r} is not a run "
+            raise ConfigError(f"config key 'run.resume': {exp_cfg.run.resume!r} is not a run "
                               f"directory (no config.json)")
         return run_dir.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -102,33 +102,33 @@ class _Start:
     before_q1: dict[str, Any] | None
 
 
-def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bool,
+def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bool,
                  say, ckpt_meta: dict[str, Any], bars: bool) -> _Start:
     """A new run: load or initialise the model, warm-start it, record the reference policy
     (`warm_start/` or `reference.json`) and evaluate it before GRPO."""
     ckpt_tokenizer = None
-    if cfg.model.checkpoint:
-        params, mcfg, ckpt_tokenizer, _ = load_model_checkpoint(
-            Path(cfg.model.checkpoint).resolve())
-        say(f"loaded {cfg.model.checkpoint}")
-        note = shape_note(cfg.model, mcfg)
+    if exp_cfg.model.checkpoint:
+        params, model_cfg, ckpt_tokenizer, _ = load_model_checkpoint(
+            Path(exp_cfg.model.checkpoint).resolve())
+        say(f"loaded {exp_cfg.model.checkpoint}")
+        note = shape_note(exp_cfg.model, model_cfg)
         if note and main:
             print(f"looprl train: {note}", file=sys.stderr, flush=True)
     else:
-        mcfg = from_model_section(cfg.model)
-        params = init_params(mcfg, cfg.run.seed)
-    tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, cfg.model.checkpoint)
-    if mcfg.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model vocab {mcfg.vocab_size} < tokenizer vocab "
+        model_cfg = from_model_section(exp_cfg.model)
+        params = init_params(model_cfg, exp_cfg.run.seed)
+    tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, exp_cfg.model.checkpoint)
+    if model_cfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model vocab {model_cfg.vocab_size} < tokenizer vocab "
                           f"{tokenizer.vocab_size}")
 
-    ws = cfg.warm_start
+    ws = exp_cfg.warm_start
     report: dict[str, Any] = {"enabled": ws.enabled}
     if ws.enabled:
         plateau_set = eval_set[:ws.eval_problems]
 
         def eval_fn(p):
-            return evaluate(mcfg, p, warm_task, tokenizer, cfg, plateau_set)["accuracy"]
+            return evaluate(model_cfg, p, warm_task, tokenizer, exp_cfg, plateau_set)["accuracy"]
 
         bar = progress_bar(bars, ws.max_steps + ws.gate_steps, "warm start", "step")
 
@@ -141,8 +141,8 @@ def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bo
                     say(warm_start_line(d))
 
         params, report = warm_start(
-            mcfg, params, warm_task, tokenizer, steps=ws.max_steps, batch_size=ws.batch_size,
-            learning_rate=ws.learning_rate, seed=cfg.run.seed, gate_steps=ws.gate_steps,
+            model_cfg, params, warm_task, tokenizer, steps=ws.max_steps, batch_size=ws.batch_size,
+            learning_rate=ws.learning_rate, seed=exp_cfg.run.seed, gate_steps=ws.gate_steps,
             gate_learning_rate=ws.gate_learning_rate, entropy_beta=ws.entropy_beta,
             eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
             plateau_last_fraction=ws.plateau_last_fraction,
@@ -156,35 +156,35 @@ def _fresh_start(cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bo
     if main:
         (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
     params = jax.tree.map(np.asarray, params)
-    if ws.enabled or not cfg.model.checkpoint:
-        save_model_checkpoint(out / "warm_start", params, mcfg, tokenizer.to_json(),
+    if ws.enabled or not exp_cfg.model.checkpoint:
+        save_model_checkpoint(out / "warm_start", params, model_cfg, tokenizer.to_json(),
                               extra_meta={"stage": "warm_start",
                                           "params_sha256": params_sha256(params), **ckpt_meta})
     elif main:  # the reference policy is the given checkpoint: point at it, do not copy GBs
         (out / REFERENCE_FILE).write_text(json.dumps(
-            {"checkpoint": str(Path(cfg.model.checkpoint).resolve()),
+            {"checkpoint": str(Path(exp_cfg.model.checkpoint).resolve()),
              "params_sha256": params_sha256(params)}, indent=2) + "\n")
 
-    before = evaluate_and_say("eval before GRPO", bars, say, mcfg, params, warm_task, tokenizer,
-                              cfg, eval_set)
+    before = evaluate_and_say("eval before GRPO", bars, say, model_cfg, params, warm_task,
+                              tokenizer, exp_cfg, eval_set)
     before_q1 = None
-    if cfg.rollout.exit_threshold < 1.0:
-        before_q1 = evaluate_and_say("eval before GRPO at q=1.0", bars, say, mcfg, params,
-                                     warm_task, tokenizer, cfg, eval_set, exit_threshold=1.0)
+    if exp_cfg.rollout.exit_threshold < 1.0:
+        before_q1 = evaluate_and_say("eval before GRPO at q=1.0", bars, say, model_cfg, params,
+                                     warm_task, tokenizer, exp_cfg, eval_set, exit_threshold=1.0)
     if main:
         (out / EVAL_BEFORE_FILE).write_text(json.dumps(
             {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
-    return _Start(params, mcfg, tokenizer, report, before, before_q1)
+    return _Start(params, model_cfg, tokenizer, report, before, before_q1)
 
 
 def _resumed_start(out: Path, warm_task) -> _Start:
     """A resumed run: the reference params, warm-start report and first evaluation are on
     disk."""
-    params, mcfg, ckpt_tokenizer, ref_dir = load_reference(out)
+    params, model_cfg, ckpt_tokenizer, ref_dir = load_reference(out)
     tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, str(ref_dir))
     report = json.loads((out / "warm_start_curve.json").read_text())
     saved_eval = json.loads((out / EVAL_BEFORE_FILE).read_text())
-    return _Start(params, mcfg, tokenizer, report, saved_eval["eval_before"],
+    return _Start(params, model_cfg, tokenizer, report, saved_eval["eval_before"],
                   saved_eval["eval_before_q1"])
 
 
@@ -207,7 +207,7 @@ def _restore(learner, resume_from: list[tuple[int, Path]], out: Path, say):
     return 0, None
 
 
-def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, start: int,
+def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_json: str, start: int,
                n_steps: int, resumed: bool, main: bool, quiet: bool,
                ckpt_meta: dict[str, Any], eval_fn=None) -> dict[str, Any] | None:
     """GRPO steps `start..n_steps-1`: metrics rows, TensorBoard, progress bar, checkpoints.
@@ -221,11 +221,11 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
         _truncate_jsonl(metrics_path, start, inclusive=False)
         _truncate_jsonl(out / "checkpoints" / "index.jsonl", start, inclusive=True)
     writer = None
-    if cfg.run.tensorboard and main:
+    if exp_cfg.run.tensorboard and main:
         from tensorboardX import SummaryWriter
         writer = SummaryWriter(str(out / "tb"), purge_step=start if start else None)
     bar = None
-    if cfg.run.progress_bar and not quiet and main:
+    if exp_cfg.run.progress_bar and not quiet and main:
         from tqdm import tqdm
         bar = tqdm(total=n_steps, initial=start, desc="GRPO", unit="step")
     preempted = None
@@ -239,7 +239,7 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                         (out / "failure.json").write_text(json.dumps(
                             {"step": step, "error": str(e)}, indent=2) + "\n")
                     raise
-                every = cfg.eval.eval_every_steps
+                every = exp_cfg.eval.eval_every_steps
                 if eval_fn is not None and every and (step + 1) % every == 0:
                     m["eval_accuracy"] = eval_fn(jax.tree.map(to_host, learner.params))
                 if step == 0 and main and learner.last_token_abs_delta is not None:
@@ -259,10 +259,10 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
                                     exact="-" if exact is None else f"{exact:.2f}",
                                     exit=f"{m['mean_exit_loop']:.2f}")
                 done = step + 1
-                if (done % cfg.run.checkpoint_every_steps == 0 or done == n_steps
+                if (done % exp_cfg.run.checkpoint_every_steps == 0 or done == n_steps
                         or sigterm.received):
-                    path, _ = save_training_checkpoint(out, done, learner, mcfg, tok_json, cfg,
-                                                       extra_meta=ckpt_meta)
+                    path, _ = save_training_checkpoint(out, done, learner, model_cfg, tok_json,
+                                                       exp_cfg, extra_meta=ckpt_meta)
                 if sigterm.received and done < n_steps:
                     preempted = {"preempted_at_step": done, "checkpoint": str(path),
                                  "signal": signal.Signals(sigterm.received).name,
@@ -280,51 +280,51 @@ def _grpo_loop(cfg: ExperimentConfig, out: Path, learner, mcfg, tok_json: str, s
     return preempted
 
 
-def train(cfg: ExperimentConfig, *, quiet: bool = False,
+def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
           t_start: float | None = None) -> dict[str, Any]:
     """Run the whole experiment; returns the summary dict (also written to summary.json).
     `t_start`: when the command started (`time.time()`), for `wall_s`; default now."""
     t_start = time.time() if t_start is None else t_start
-    out = _prepare_out_dir(cfg)
+    out = _prepare_out_dir(exp_cfg)
     main = is_main_process()  # only process 0 writes logs, metrics and reports (issue 7)
     say = (lambda *a: None) if quiet or not main else (lambda *a: print(*a, flush=True))
     resume_from: list[tuple[int, Path]] = []  # complete training checkpoints, newest first
-    if cfg.run.resume is not None and not checkpoint_candidates(out):
-        _restart_interrupted_start(out, cfg, main, say)
-    elif cfg.run.resume is not None:
+    if exp_cfg.run.resume is not None and not checkpoint_candidates(out):
+        _restart_interrupted_start(out, exp_cfg, main, say)
+    elif exp_cfg.run.resume is not None:
         resume_from = resume_candidates(out, say)
-        cfg = load_resume_point(resume_from[0][1], cfg, say)
+        exp_cfg = load_resume_point(resume_from[0][1], exp_cfg, say)
     sync("looprl-out-dir")  # every process checked out_dir before process 0 writes into it
     if not resume_from and main:
-        save_json(without_run_control(cfg), out / "config.json")
-    warm_task, rl_task = build_tasks(cfg)
-    eval_set = warm_task.eval_problems(cfg.eval.eval_problems)
-    ckpt_meta = checkpoint_task_meta(cfg, warm_task, len(eval_set))
+        save_json(without_run_control(exp_cfg), out / "config.json")
+    warm_task, rl_task = build_tasks(exp_cfg)
+    eval_set = warm_task.eval_problems(exp_cfg.eval.eval_problems)
+    ckpt_meta = checkpoint_task_meta(exp_cfg, warm_task, len(eval_set))
     begin = (_resumed_start(out, warm_task) if resume_from
-             else _fresh_start(cfg, out, warm_task, eval_set, main, say, ckpt_meta,
-                               bars=cfg.run.progress_bar and not quiet and main))
-    mcfg, tokenizer, before = begin.model_cfg, begin.tokenizer, begin.before
+             else _fresh_start(exp_cfg, out, warm_task, eval_set, main, say, ckpt_meta,
+                               bars=exp_cfg.run.progress_bar and not quiet and main))
+    model_cfg, tokenizer, before = begin.model_cfg, begin.tokenizer, begin.before
 
-    learner = GRPOLearner(cfg, mcfg, begin.params, rl_task, tokenizer)
+    learner = GRPOLearner(exp_cfg, model_cfg, begin.params, rl_task, tokenizer)
     start, resume_at = _restore(learner, resume_from, out, say)
-    n_steps = cfg.run.grpo_steps if cfg.run.stop_after is None else min(cfg.run.grpo_steps,
-                                                                         cfg.run.stop_after)
+    run = exp_cfg.run
+    n_steps = run.grpo_steps if run.stop_after is None else min(run.grpo_steps, run.stop_after)
     if n_steps < start:
         raise ConfigError(f"config keys 'run.grpo_steps'/'run.stop_after': the run resumes at "
                           f"GRPO step {start}, past the requested end {n_steps}")
     if resume_at is not None:
         if main:
             # only once the resumption is known to be valid
-            save_json(without_run_control(cfg), out / "config.json")
+            save_json(without_run_control(exp_cfg), out / "config.json")
         if start == n_steps:
             say(f"nothing to run: the run is at GRPO step {start}, the requested end "
-                f"(run.grpo_steps={cfg.run.grpo_steps}, run.stop_after={cfg.run.stop_after}); "
+                f"(run.grpo_steps={run.grpo_steps}, run.stop_after={run.stop_after}); "
                 f"pass stop_after=none or a larger grpo_steps to continue")
     tok_json = tokenizer.to_json()
-    preempted = _grpo_loop(
-        cfg, out, learner, mcfg, tok_json, start, n_steps, resume_at is not None, main, quiet,
-        ckpt_meta,
-        eval_fn=lambda p: evaluate(mcfg, p, warm_task, tokenizer, cfg, eval_set)["accuracy"])
+    preempted = _grpo_loop(exp_cfg, out, learner, model_cfg, tok_json, start, n_steps,
+                           resume_at is not None, main, quiet, ckpt_meta,
+                           eval_fn=lambda p: evaluate(model_cfg, p, warm_task, tokenizer, exp_cfg,
+                                                      eval_set)["accuracy"])
     if preempted is not None:
         say(f"{preempted['signal']}: stopped after GRPO step {preempted['preempted_at_step']}, "
             f"checkpoint {preempted['checkpoint']}; continue with: looprl train CONFIG "
@@ -332,13 +332,14 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
         return preempted
     if main:
         (out / "preempted.json").unlink(missing_ok=True)
-    if n_steps == start == 0 and cfg.run.stop_after == 0:  # warm start only, resumable
-        save_training_checkpoint(out, 0, learner, mcfg, tok_json, cfg, extra_meta=ckpt_meta)
+    if n_steps == start == 0 and exp_cfg.run.stop_after == 0:  # warm start only, resumable
+        save_training_checkpoint(out, 0, learner, model_cfg, tok_json, exp_cfg,
+                                 extra_meta=ckpt_meta)
     params = jax.tree.map(to_host, learner.params)
     # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
     after = before if n_steps == 0 else evaluate_and_say(
-        "eval after GRPO", cfg.run.progress_bar and not quiet and main, say, mcfg, params,
-        warm_task, tokenizer, cfg, eval_set)
+        "eval after GRPO", exp_cfg.run.progress_bar and not quiet and main, say, model_cfg, params,
+        warm_task, tokenizer, exp_cfg, eval_set)
     replay = replay_record(out / "metrics.jsonl") if main else {}
     if replay.get("inexact_replay_steps"):
         print(f"looprl train: warning: {replay['inexact_replay_steps']} of "
@@ -347,7 +348,7 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
               file=sys.stderr, flush=True)
     elif replay.get("replay_steps"):
         say(f"replay exact at all {replay['replay_steps']} GRPO steps")
-    save_model_checkpoint(out / "checkpoint", params, mcfg, tok_json,
+    save_model_checkpoint(out / "checkpoint", params, model_cfg, tok_json,
                           extra_meta={"stage": "grpo", "grpo_steps": n_steps, **ckpt_meta},
                           overwrite=True)
     report = begin.warm_start_report
@@ -355,19 +356,19 @@ def train(cfg: ExperimentConfig, *, quiet: bool = False,
                "eval_accuracy_after": after["accuracy"],
                "eval_problems": len(eval_set), "grpo_steps": n_steps,
                "resumed_from_step": None if resume_at is None else start,
-               "complete": n_steps == cfg.run.grpo_steps, "stop_after": cfg.run.stop_after,
+               "complete": n_steps == exp_cfg.run.grpo_steps, "stop_after": exp_cfg.run.stop_after,
                "params_sha256": params_sha256(params),
                "replay_exact_steps": replay_exact_steps(out / "metrics.jsonl", n_steps)
                if main else None,
                "wall_s": time.time() - t_start,
                "eval_before": before, "eval_after": after, "eval_before_q1": begin.before_q1,
-               "exit_threshold": cfg.rollout.exit_threshold,
+               "exit_threshold": exp_cfg.rollout.exit_threshold,
                "warm_start_steps": report.get("stage1_steps"),
                "warm_start_plateaued": report.get("plateaued"),
-               "seed": cfg.run.seed,
+               "seed": exp_cfg.run.seed,
                "replay_exact_fraction_min": replay.get("replay_exact_fraction_min"),
                "inexact_replay_steps": replay.get("inexact_replay_steps"),
-               "model_config": mcfg.to_dict(), "num_params": mcfg.num_params}
+               "model_config": model_cfg.to_dict(), "num_params": model_cfg.num_params}
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -378,7 +379,7 @@ _START_OUTPUTS = ("warm_start", REFERENCE_FILE, "warm_start_curve.json", EVAL_BE
                   "metrics.jsonl", "tb", "checkpoints", "preempted.json", "failure.json")
 
 
-def _restart_interrupted_start(out: Path, cfg: ExperimentConfig, main: bool, say) -> None:
+def _restart_interrupted_start(out: Path, exp_cfg: ExperimentConfig, main: bool, say) -> None:
     """`resume=` of a run stopped before its first training checkpoint: check the config
     against the run's `config.json` (as a resume would), then remove the partial outputs so the
     start (warm start, evaluation before GRPO) runs again from its beginning. Raises
@@ -387,7 +388,7 @@ def _restart_interrupted_start(out: Path, cfg: ExperimentConfig, main: bool, say
         raise ConfigError(f"config key 'run.resume': {str(out)!r} finished (summary.json) "
                           f"without a GRPO training checkpoint (run.grpo_steps=0), so there is "
                           f"nothing to resume")
-    check_resume_config(load_json(out / "config.json"), cfg, str(out / "config.json"))
+    check_resume_config(load_json(out / "config.json"), exp_cfg, str(out / "config.json"))
     say(f"resume: {out} stopped before its first training checkpoint; running its start (warm "
         f"start, evaluation before GRPO) again from the beginning")
     if not main:

@@ -13,7 +13,7 @@ from looprl.tasks import get_task
 from looprl.tokenizer import tokenizer_from_json
 
 
-def build_tasks(cfg: ExperimentConfig):
+def build_tasks(exp_cfg: ExperimentConfig):
     """(warm-start task, GRPO task) sharing one held-out set (same seed and eval knobs).
 
     `task.name` `arithmetic` (tiny models; its own character tokenizer) or `gsm8k` (real Ouro
@@ -21,13 +21,13 @@ def build_tasks(cfg: ExperimentConfig):
     Raises ConfigError for an unknown task, a GSM8K run without `model.checkpoint` or with
     `warm_start.enabled`, or bad task knobs.
     """
-    t = cfg.task
+    t = exp_cfg.task
     if t.name == "gsm8k":
-        if not cfg.model.checkpoint:
+        if not exp_cfg.model.checkpoint:
             raise ConfigError("config key 'model.checkpoint': task 'gsm8k' has no tokenizer of its "
                               "own, so it needs a converted Ouro checkpoint (looprl convert --hf "
                               "DIR --out CKPT), e.g. model.checkpoint=/path/to/ouro-1.4b-looprl")
-        if cfg.warm_start.enabled:
+        if exp_cfg.warm_start.enabled:
             raise ConfigError("config key 'warm_start.enabled': the supervised warm start is for "
                               "tiny models; task 'gsm8k' starts from model.checkpoint, set "
                               "warm_start.enabled=false")
@@ -68,16 +68,16 @@ def run_tokenizer(task, checkpoint_tokenizer_json: str | None, checkpoint: str |
     return tokenizer_from_json(checkpoint_tokenizer_json)
 
 
-def checkpoint_task_meta(cfg: ExperimentConfig, task, eval_problems: int) -> dict[str, Any]:
+def checkpoint_task_meta(exp_cfg: ExperimentConfig, task, eval_problems: int) -> dict[str, Any]:
     """What a run's checkpoints record so that `looprl generate` and `looprl eval` default to
     the run's framing and evaluation: `task` ({"name", "config"}: `get_task(name, **config)`
     rebuilds the evaluated task), `prompt_style`, `stop_ids`, and `eval` (the held-out
     evaluation's problem count, batch size, seed and greedy `SamplingConfig` fields)."""
-    scfg = sampling_config(cfg, greedy=True)
+    scfg = sampling_config(exp_cfg, greedy=True)
     return {"task": {"name": task.name, "config": task.config()},
             "prompt_style": task.prompt_style, "stop_ids": list(scfg.stop_ids),
-            "eval": {"problems": eval_problems, "batch_size": cfg.eval.eval_batch_size,
-                     "seed": cfg.run.seed, "max_new_tokens": scfg.max_new_tokens,
+            "eval": {"problems": eval_problems, "batch_size": exp_cfg.eval.eval_batch_size,
+                     "seed": exp_cfg.run.seed, "max_new_tokens": scfg.max_new_tokens,
                      "exit_threshold": scfg.exit_threshold, "fixed_depth": scfg.fixed_depth,
                      "kv_policy": scfg.kv_policy,
                      "deferred_max_pending": scfg.deferred_max_pending,

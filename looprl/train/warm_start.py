@@ -28,41 +28,30 @@ import numpy as np
 import optax
 
 from looprl.model.config import OuroConfig
-from looprl.model.layers import stack_pass
-from looprl.model.looped import Layout, cast_weights, embed, exit_distribution
+from looprl.model.looped import (cast_weights, exit_distribution, gate_logits, next_token_targets,
+                                 teacher_forced_loops)
 from looprl.rl.grpo import exit_stage1_loss, gate_stage2_loss
 from looprl.tokenizer import END_OF_TURN_ID, PAD_ID
 
 _SEQ_BUCKET = 16
 
 
-def loop_outputs(cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None, stock: bool = True):
+def loop_outputs(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None, stock: bool = True):
     """Every loop's logits `[T, B, S, V]` fp32 and gate logits `[T, B, S]` fp32 (not lambda:
-    the stage-II loss takes log-sigmoids of the logit, exact where lambda saturates)."""
-    B, S = tokens_BxS.shape
-    pad_B = jnp.zeros((B,), jnp.int32) if pad_B is None else pad_B
-    positions = Layout(pad_B).positions(S)
-    dt = w["embed_tokens"].dtype
-    shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, dt)
-    write = jnp.ones((B, S), bool)
-    h = embed(w, tokens_BxS)
-    logits, gates = [], []
-    g = w["early_exit_gate"]
-    for _ in range(cfg.total_ut_steps):
-        h, _, _ = stack_pass(cfg, w, h, positions, jnp.arange(S), pad_B, zeros, zeros, write, 0,
-                             stock)
-        logits.append(jnp.einsum("bsd,dv->bsv", h, w["lm_head"],
-                                 preferred_element_type=jnp.float32))
-        gates.append(jnp.einsum("bsd,d->bs", h.astype(jnp.float32), g["kernel"][:, 0])
-                     + g["bias"][0])
-    return jnp.stack(logits), jnp.stack(gates)
+    the stage-II loss takes log-sigmoids of the logit, exact where lambda saturates), from the
+    unrolled `teacher_forced_loops` (the form this warm start always had: the main job's
+    parameters depend on its bits)."""
+    def readout(h, d):
+        return (jnp.einsum("bsd,dv->bsv", h, w["lm_head"], preferred_element_type=jnp.float32),
+                gate_logits(w, h))
+
+    return teacher_forced_loops(model_cfg, w, tokens_BxS, pad_B, readout=readout, stock=stock,
+                                unroll=True)
 
 
 def per_loop_ce(logits_TxBxSxV, tokens_BxS):
     """Cross-entropy `[T, B, S]` fp32 of tokens[:, i + 1] at position i (0 at the last one)."""
-    B, S = tokens_BxS.shape
-    target = jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros((B, 1), tokens_BxS.dtype)], axis=1)
+    target = next_token_targets(tokens_BxS)
     logp = jax.nn.log_softmax(logits_TxBxSxV.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp, target[None, :, :, None], axis=-1)[..., 0]
 

@@ -58,14 +58,20 @@ import optax
 
 from looprl.distributed.mesh import make_mesh
 from looprl.errors import ScheduleError
-from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs, sequence_logprobs
+from looprl.learner.logprobs import METHODS as LEARNER_METHODS
+from looprl.learner.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
+                                     sequence_logprobs)
+from looprl.learner.mismatch import compare_logprobs
 from looprl.model.kernels import KERNEL_VERSION
+from looprl.sampling.policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
 
 DTYPES = ("float32", "bfloat16")
-POLICIES = ("dense", "deferred", "copy")
-METHODS = ("replay", "dense", "stock")
+POLICIES = KV_POLICIES
+# the learner's schedule-aware methods but `hybrid`, whose value is replay's and whose gradient
+# is dense's: ("replay", "dense", "stock")
+METHODS = tuple(m for m in LEARNER_METHODS if m != "hybrid" and m not in SCHEDULE_UNAWARE)
 STOCK_TOLERANCE_FP32 = 1e-4
 
 
@@ -105,25 +111,6 @@ class VerifyOptions:
                     warm_start_gate_steps=100, small_batch_weights=("random", "trained"))
         base.update(kw)
         return cls(**base)
-
-
-# --- environment --------------------------------------------------------------------------------
-
-
-# --- comparisons --------------------------------------------------------------------------------
-
-def compare_logprobs(lp_BxS, ref_BxS, mask_BxS) -> dict[str, float]:
-    """Exact-bit fraction (fp32 bits as uint32), max/mean |delta| and mean k3 KL over `mask`."""
-    lp = np.asarray(lp_BxS, np.float32)[mask_BxS]
-    ref = np.asarray(ref_BxS, np.float32)[mask_BxS]
-    exact = lp.view(np.uint32) == ref.view(np.uint32)
-    diff = np.abs(lp.astype(np.float64) - ref.astype(np.float64))
-    x = ref.astype(np.float64) - lp.astype(np.float64)  # k3 of KL(learner || sampler)
-    k3 = np.expm1(x) - x
-    n = max(int(lp.size), 1)
-    return {"exact_fraction": float(exact.sum() / n),
-            "max_abs_diff": float(np.max(diff, initial=0.0)),
-            "mean_abs_diff": float(diff.sum() / n), "k3_kl": float(k3.sum() / n)}
 
 
 # --- the learner side of a cell -----------------------------------------------------------------
@@ -383,11 +370,3 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
             f"its cells run on {n}")
     return _cell_group(cfg, params, params_u, rb, weights=weights, opts=opts, n_devices=n,
                        log=log, notes=notes)
-
-
-# --- report -------------------------------------------------------------------------------------
-
-
-# --- CLI ----------------------------------------------------------------------------------------
-
-

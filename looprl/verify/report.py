@@ -1,58 +1,11 @@
-"""The report of `looprl verify` (DESIGN.md §5-§6): the environment the bits hold for, the
-summary verdict, `report.json` and `report.md`.
+"""The report of `looprl verify` (DESIGN.md §5-§6): the summary verdict, `report.json` and
+`report.md` (the environment the bits hold for is `looprl.determinism.environment`).
 """
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 from pathlib import Path
 from typing import Any
-
-import jax
-import jaxlib
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_commit() -> dict[str, Any]:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10).stdout
-        return {"git_commit": head or None, "git_dirty": bool(dirty.strip())}
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-
-
-def environment() -> dict[str, Any]:
-    """What the bits depend on (DESIGN.md §5): build, backend, CPU/device, threads, flags, commit."""
-    dev = jax.devices()[0]
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    return {
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
-        "backend": jax.default_backend(), "device_kind": dev.device_kind,
-        "device_count": jax.device_count(), "cpu_model": _cpu_model(),
-        "cpu_count": os.cpu_count(), "cpu_affinity": affinity,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "intra_op_threads": 1 if "xla_cpu_multi_thread_eigen=false" in
-        os.environ.get("XLA_FLAGS", "") else affinity,
-        "platform": platform.platform(), **_git_commit(),
-    }
 
 
 def summarize(cells: list[dict]) -> dict[str, Any]:

@@ -126,3 +126,14 @@ def test_attention_does_not_depend_on_the_left_padding(dtype):
                 jnp.asarray(mask[None]))
         outs.append(np.asarray(out.astype(jnp.float32)).view(np.uint32))
     assert np.array_equal(outs[0], outs[1])
+
+
+def test_repeat_kv_heads_gives_head_h_the_kv_head_h_over_the_group_size():
+    k = jnp.arange(2 * 3 * 2 * 4, dtype=jnp.float32).reshape(2, 3, 2, 4)  # J = 2 kv heads
+    kr, vr = kn.repeat_kv_heads(k, -k, 4)
+    assert kr.shape == (2, 3, 4, 4)
+    for h in range(4):
+        np.testing.assert_array_equal(np.asarray(kr[:, :, h]), np.asarray(k[:, :, h // 2]))
+        np.testing.assert_array_equal(np.asarray(vr[:, :, h]), -np.asarray(k[:, :, h // 2]))
+    same_k, _ = kn.repeat_kv_heads(k, k, 2)
+    assert same_k is k

@@ -45,3 +45,11 @@ def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
     save_model_checkpoint(ckpt, params, CFG, build_char_tokenizer().to_json())
     assert main(["verify", "--rollout", str(path), "--checkpoint", str(ckpt),
                  "--out", str(tmp_path / "rep")]) == 2
+
+
+def test_verify_compares_the_learner_methods_but_hybrid_and_the_schedule_unaware_ones():
+    from looprl.learner.logprobs import METHODS as LEARNER
+    from looprl.sampling.policies import KV_POLICIES
+    from looprl.verify import matrix
+    assert matrix.METHODS == ("replay", "dense", "stock")
+    assert set(matrix.METHODS) < set(LEARNER) and matrix.POLICIES == KV_POLICIES
