@@ -40,7 +40,7 @@ from looprl.model.config import from_model_section
 from looprl.train.warm_start import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
-WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 4
+WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 2
 POLICIES = ("dense", "deferred", "copy")
 MAX_NEW = 128  # rollout.max_new_tokens: the rollout a real share of the step (issue 18)
 

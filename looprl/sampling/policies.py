@@ -43,19 +43,22 @@ def auto_max_pending(local_rows: int) -> int:
 
 
 def row_menu(local_rows: int) -> tuple[int, ...]:
-    """Sub-batch sizes of row compaction (issue 18) for `local_rows` rows per device: the
-    multiples of 8 of the form 2^k or 3 * 2^k (8, 16, 24, 32, 48, 64, 96, ...) below
-    `local_rows`, then `local_rows` itself; `(local_rows,)` up to 8 rows.
+    """Sub-batch sizes of row compaction (issue 18) for `local_rows` rows per device: 16, 24,
+    32, 48, 64, 96, ... (2^k and 3 * 2^(k-1)) below `local_rows`, then `local_rows` itself;
+    `(local_rows,)` up to 16 rows.
 
-    A loop runs n rows as the smallest size >= n, so a loop does at most 1.5x the rows it needs
-    (2x below 16), and 2 log2(rows / 8) + 1 sizes bound the compiled shapes (10 at 256 rows).
-    Multiples of 8 are the kernels' row quantum (`looprl.model.kernels.ROW_QUANTUM`)."""
+    A loop runs n rows as the smallest size >= n, so it does at most 1.5x the rows it needs
+    (and 16 rows at the least); a loop no row needs runs nothing. The sizes bound the compiled
+    shapes (9 at 256 rows; every size is one more copy of the loop in the decode program).
+    Below 16 rows a smaller sub-batch saves less than its gather and its compile time cost, so
+    small batches keep one size: the whole batch, in place. All sizes from 16 on are multiples
+    of the kernels' row quantum (`looprl.model.kernels.ROW_QUANTUM` = 8)."""
     n = max(int(local_rows), 1)
     sizes = {n}
-    k = 8
+    k = 16
     while k < n:
         sizes.add(k)
-        if k >= 16 and k * 3 // 2 < n:
+        if k * 3 // 2 < n:
             sizes.add(k * 3 // 2)
         k *= 2
     return tuple(sorted(sizes))

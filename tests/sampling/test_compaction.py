@@ -23,7 +23,7 @@ CFG = preset("tiny", vocab_size=32, hidden_size=64, intermediate_size=128, num_h
 T = CFG.total_ut_steps
 PROMPTS = [[5, 9, 3, 7, 11], [4, 6], [8, 12, 13, 14, 15, 16, 17], [20], [1, 2, 3],
            [30, 29, 28, 27], [7], [9, 9]]
-G = 3  # 24 rows: menu (8, 16, 24)
+G = 3  # 24 rows: menu (16, 24): a gathered sub-batch of 16 and the whole batch in place
 ARRAYS = ("tokens_BxS", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS", "flush_BxS",
           "completion_len_B")
 
@@ -36,7 +36,7 @@ def params():
 
 
 def _scfg(policy, dtype):
-    return SamplingConfig(max_new_tokens=14, temperature=1.0, exit_threshold=0.5,
+    return SamplingConfig(max_new_tokens=10, temperature=1.0, exit_threshold=0.5,
                           kv_policy=policy, compute_dtype=dtype, stop_ids=(),
                           deferred_max_pending=3)
 
@@ -48,11 +48,11 @@ def _raw(x):
 
 def test_row_menu_sizes():
     assert row_menu(1) == (1,)
-    assert row_menu(8) == (8,)
-    assert row_menu(9) == (8, 9)
-    assert row_menu(24) == (8, 16, 24)
-    assert row_menu(100) == (8, 16, 24, 32, 48, 64, 96, 100)
-    assert row_menu(256) == (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert row_menu(16) == (16,)
+    assert row_menu(17) == (16, 17)
+    assert row_menu(24) == (16, 24)
+    assert row_menu(100) == (16, 24, 32, 48, 64, 96, 100)
+    assert row_menu(256) == (16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_compacted_rollout_equals_the_uncompacted_one_bit_for_bit(rollouts, poli
     a, b = rollouts[policy, dtype]
     for k in ARRAYS:
         assert np.array_equal(_raw(getattr(a, k)), _raw(getattr(b, k))), k
-    assert a.schedule.row_menu == (8, 16, 24) and b.schedule.row_menu == ()
+    assert a.schedule.row_menu == (16, 24) and b.schedule.row_menu == ()
     assert b.loop_rows is None and a.loop_rows.shape == (1, a.schedule.seq_len, T, 2)
 
 
@@ -108,7 +108,7 @@ def test_deferred_runs_rows_without_pending_work_on_their_own_position(rollouts)
     lr = a.loop_rows[0, P:S - 1]
     assert (lr[:, 0, 0] == 24).all() and not lr[:, 0, 1].any()
     assert lr[:, 1:, 1].sum() > 0 and lr[:, 1:, 0].sum() > 0
-    assert set(np.unique(lr)) <= {0, 8, 16, 24}
+    assert set(np.unique(lr)) <= {0, 16, 24}
 
 
 @pytest.mark.parametrize("policy", ["deferred", "copy"])
@@ -128,7 +128,7 @@ def test_forced_rerun_on_other_rows_per_device_uses_their_menu(params, rollouts)
     as_if_sharded = dataclasses.replace(a, schedule=dataclasses.replace(a.schedule,
                                                                         row_menu=(4,)))
     f = generate(CFG, params, [], _scfg("deferred", "float32"), forced=as_if_sharded)
-    assert f.schedule.row_menu == (8, 16, 24)
+    assert f.schedule.row_menu == (16, 24)
     assert np.array_equal(_raw(f.logprob_BxS), _raw(a.logprob_BxS))
 
 

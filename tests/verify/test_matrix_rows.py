@@ -18,6 +18,7 @@ CFG = preset("tiny", vocab_size=64, num_layers=1)
 PROMPTS = [[1, 5, 6, 7, 2, 1], [1, 9, 2, 1], [1, 8, 8, 9, 10, 2, 1]]
 
 
+@pytest.mark.slow  # ~200 s on 2 cores: a whole matrix; `looprl verify --quick` runs these cells too
 def test_small_batches_are_cells_of_their_own_and_replay_exactly():
     opts = VerifyOptions(n_prompts=2, group_size=2, max_new_tokens=6, small_batches=(1, 3),
                          small_batch_weights=("random",),
