@@ -11,8 +11,8 @@ current position (plus, under `deferred`, the pending window) loop by loop in a
 `lax.while_loop` that stops as soon as every row of the batch is done with the step, so early
 exit saves sequential depth; and each loop runs only the rows that still need it (row
 compaction, issue 18: a sub-batch whose size comes from `policies.row_menu`, recorded in
-`RolloutBatch.loop_rows`), so early exit saves work at RL batch sizes too. All matmuls and attention use the batch-invariant kernels of
-`looprl.model.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
+`RolloutBatch.loop_rows`), so early exit saves work at RL batch sizes too. All matmuls and
+attention use the batch-invariant kernels of `looprl.model.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
 
 `forced` mode re-runs a recorded rollout (its tokens, exit loops and flushes) at other parameters:
 the sampler "in forced mode" of the reproducibility matrix.
@@ -171,26 +171,43 @@ class _Static:
     row_menu: tuple[int, ...] = ()  # sub-batch sizes of row compaction; () = off
 
 
-def _loop_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
-               active_BxC):
-    """Loop d for every row over the chunk [w0, w0 + C): positions in `active_BxC` compute
-    their loop-d KV and hidden state, the others keep theirs."""
-    layout_C = w0 + jnp.arange(C)
-    positions = jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1)
+def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_slots, v_slots,
+                 active_BxC, depth_win):
+    """Loop d over the chunk [w0, w0 + C) for the rows given (all, or a gathered sub-batch):
+    positions in `active_BxC` compute their loop-d KV and hidden state, the others keep theirs.
+    Returns the chunk's windows: (k, v `[L, rows, C, Hkv, K]`, h `[rows, C, D]`, depth)."""
+    h_new, k_m, v_m = stack_pass(st.cfg, w, h_win, positions, w0 + jnp.arange(C), pad_B,
+                                 k_slots, v_slots, active_BxC, w0, st.scfg.kernels == "stock")
+    return (jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2),
+            jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2),
+            jnp.where(active_BxC[..., None], h_new, h_win), jnp.where(active_BxC, d, depth_win))
+
+
+def _chunk_windows(s: DecodeState, positions_BxS, d, w0, C: int):
+    """The loop-d KV slots `[L, B, S, Hkv, K]` and the chunk's windows of the state."""
     k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
     v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
-    h_in = jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1)
-    depth_win = jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1)
-    h_new, k_slots, v_slots = stack_pass(st.cfg, w, h_in, positions, layout_C, rows.pad_B,
-                                         k_slots, v_slots, active_BxC, w0,
-                                         st.scfg.kernels == "stock")
-    return s._replace(
-        k_cache=jax.lax.dynamic_update_index_in_dim(s.k_cache, k_slots, d - 1, 0),
-        v_cache=jax.lax.dynamic_update_index_in_dim(s.v_cache, v_slots, d - 1, 0),
-        h_BxSxD=jax.lax.dynamic_update_slice_in_dim(
-            s.h_BxSxD, jnp.where(active_BxC[..., None], h_new, h_in), w0, 1),
-        depth_BxS=jax.lax.dynamic_update_slice_in_dim(
-            s.depth_BxS, jnp.where(active_BxC, d, depth_win), w0, 1))
+    return (k_slots, v_slots, jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1),
+            jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1),
+            jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1))
+
+
+def _put_windows(s: DecodeState, d, w0, k_w, v_w, h_w, depth_w) -> DecodeState:
+    """Write the chunk's windows back: loop d's KV slots at [w0, w0 + C), h and depth."""
+    put = lambda cache, win: jax.lax.dynamic_update_slice(  # noqa: E731
+        cache, win[None].astype(cache.dtype), (d - 1, 0, 0, w0, 0, 0))
+    return s._replace(k_cache=put(s.k_cache, k_w), v_cache=put(s.v_cache, v_w),
+                      h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_w, w0, 1),
+                      depth_BxS=jax.lax.dynamic_update_slice_in_dim(s.depth_BxS, depth_w, w0,
+                                                                    1))
+
+
+def _loop_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
+               active_BxC):
+    """Loop d for every row over the chunk [w0, w0 + C) (the prefill; compaction off)."""
+    k_slots, v_slots, h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
+    return _put_windows(s, d, w0, *_window_pass(st, w, d, w0, C, h_win, positions, rows.pad_B,
+                                                k_slots, v_slots, active_BxC, depth_win))
 
 
 def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
@@ -200,9 +217,9 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     The n = sum(run_B) rows are gathered, in row order, into a sub-batch of M rows, M the
     smallest size of `st.row_menu` >= n (the menu bounds the compiled shapes; n = 0 runs
     nothing); the M - n filler rows compute nothing (no active position) and are dropped on the
-    way back. M = B runs the rows in place, without the gather. Only the chunk's window of the loop-d KV slots, hidden states and depths is
-    scattered back. The kernels are row-invariant (`looprl.model.kernels`), so a row's bits
-    are those it gets in the full batch. Returns (state, M) with M an int32 scalar."""
+    way back. M = B runs the rows in place, without the gather. Only the chunk's window of the
+    loop-d KV slots, hidden states and depths is scattered back. The kernels are row-invariant
+    (`looprl.model.kernels`), so a row's bits are those it gets in the full batch. Returns (state, M) with M an int32 scalar."""
     B = run_B.shape[0]
     if st.row_menu[-1] != B:  # every count n <= B must have a size: the menu ends at B
         raise SamplingError(f"row menu {st.row_menu} does not end at the {B} rows per device")
@@ -210,24 +227,13 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     n = jnp.sum(run_B, dtype=jnp.int32)
     which = jnp.where(n > 0, 1 + jnp.searchsorted(menu, n, side="left"), 0)
     order = jnp.argsort(~run_B, stable=True)  # the running rows first, in row order
-    layout_C = w0 + jnp.arange(C)
-    k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
-    v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
-    h_win = jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1)
-    depth_win = jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1)
+    k_slots, v_slots, h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
     k_win = jax.lax.dynamic_slice_in_dim(k_slots, w0, C, axis=2)  # L, B, C, Hkv, K
     v_win = jax.lax.dynamic_slice_in_dim(v_slots, w0, C, axis=2)
-    positions = jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1)
-
-    stock = st.scfg.kernels == "stock"
 
     def whole_batch(_):  # M = B: every row in place (rows not in run_B have nothing active)
-        h_new, k_m, v_m = stack_pass(st.cfg, w, h_win, positions, layout_C, rows.pad_B,
-                                     k_slots, v_slots, active_BxC, w0, stock)
-        return (jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2),
-                jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2),
-                jnp.where(active_BxC[..., None], h_new, h_win),
-                jnp.where(active_BxC, d, depth_win))
+        return _window_pass(st, w, d, w0, C, h_win, positions, rows.pad_B, k_slots, v_slots,
+                            active_BxC, depth_win)
 
     def run(M):
         if M == B:
@@ -237,25 +243,17 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
             idx = order[:M]
             back = jnp.where(jnp.arange(M) < n, idx, B)  # filler rows: dropped (index B)
             act = active_BxC[idx] & (jnp.arange(M) < n)[:, None]
-            h_in = h_win[idx]
-            h_new, k_m, v_m = stack_pass(st.cfg, w, h_in, positions[idx], layout_C,
-                                         rows.pad_B[idx], k_slots[:, idx], v_slots[:, idx],
-                                         act, w0, stock)
-            k_m = jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2)
-            v_m = jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2)
+            k_m, v_m, h_m, depth_m = _window_pass(st, w, d, w0, C, h_win[idx], positions[idx],
+                                                  rows.pad_B[idx], k_slots[:, idx],
+                                                  v_slots[:, idx], act, depth_win[idx])
             return (k_win.at[:, back].set(k_m, mode="drop"),
                     v_win.at[:, back].set(v_m, mode="drop"),
-                    h_win.at[back].set(jnp.where(act[..., None], h_new, h_in), mode="drop"),
-                    depth_win.at[back].set(jnp.where(act, d, depth_win[idx]), mode="drop"))
+                    h_win.at[back].set(h_m, mode="drop"),
+                    depth_win.at[back].set(depth_m, mode="drop"))
         return branch
 
     branches = [lambda _: (k_win, v_win, h_win, depth_win)] + [run(M) for M in st.row_menu]
-    k_w, v_w, h_w, depth_w = jax.lax.switch(which, branches, None)
-    put = lambda cache, win: jax.lax.dynamic_update_slice(  # noqa: E731
-        cache, win[None].astype(cache.dtype), (d - 1, 0, 0, w0, 0, 0))
-    s = s._replace(k_cache=put(s.k_cache, k_w), v_cache=put(s.v_cache, v_w),
-                   h_BxSxD=jax.lax.dynamic_update_slice_in_dim(s.h_BxSxD, h_w, w0, 1),
-                   depth_BxS=jax.lax.dynamic_update_slice_in_dim(s.depth_BxS, depth_w, w0, 1))
+    s = _put_windows(s, d, w0, *jax.lax.switch(which, branches, None))
     sizes = jnp.asarray((0,) + st.row_menu, jnp.int32)
     return s, sizes[which]
 
@@ -528,11 +526,10 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
                                 f"{scfg.deferred_max_pending}, but the rollout was sampled with "
                                 f"{rec}")
         scfg = dataclasses.replace(scfg, deferred_max_pending=rec)
+    local_rows = -(-tokens.shape[0] // (mesh.size if mesh is not None else 1))
     if scfg.deferred_max_pending is None:  # resolved here, recorded in the schedule
-        local_rows = -(-tokens.shape[0] // (mesh.size if mesh is not None else 1))
         scfg = dataclasses.replace(scfg, deferred_max_pending=policies.auto_max_pending(
             local_rows))
-    local_rows = -(-tokens.shape[0] // (mesh.size if mesh is not None else 1))
     menu = policies.row_menu(local_rows) if scfg.row_compaction else ()
     if forced is not None and sched.row_menu and sched.row_menu[-1] == local_rows:
         menu = tuple(sched.row_menu)  # the recorded compaction, on the recorded rows per device
