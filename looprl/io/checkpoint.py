@@ -62,14 +62,32 @@ PARAMS_DIR = "params"
 TRAIN_STATE_DIR = "train_state"
 
 
+# OCDBT data files of at most 64 MiB: tensorstore holds a data file's bytes until it is
+# written, so its default (2 GiB) cost a second copy of a 1.6 GB tree on every save (issue 19).
+OCDBT_DATA_FILE_BYTES = 64 << 20
+
+
 def _checkpointer():
+    """A synchronous orbax PyTree checkpointer that writes numpy leaves without first
+    deep-copying them (orbax's default guards asynchronous saves against later mutation; ours
+    return only after the bytes are written, so the copy would only double the peak)."""
     import orbax.checkpoint as ocp
-    return ocp.PyTreeCheckpointer()
+    th = ocp.type_handlers
+    handlers = [(np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False))]
+    handlers += [(t, th.get_type_handler(t)) for t in (int, float, bytes, np.number, jax.Array,
+                                                        str)]
+    registry = th.create_type_handler_registry(*handlers)
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+
+
+def _save_tree(directory: Path, tree) -> None:
+    import orbax.checkpoint as ocp
+    _checkpointer().save(directory, args=ocp.args.PyTreeSave(
+        tree, ocdbt_target_data_file_size=OCDBT_DATA_FILE_BYTES))
 
 
 def _to_numpy(tree, dtype=None):
-    return jax.tree.map(lambda a: np.asarray(a) if dtype is None else np.asarray(a).astype(dtype),
-                        tree)
+    return jax.tree.map(lambda a: np.asarray(a, dtype=dtype), tree)
 
 
 def _abs(path: str | Path) -> Path:
@@ -85,7 +103,7 @@ def _to_saveable(tree, dtype=None):
     def one(a):
         if isinstance(a, jax.Array) and not a.is_fully_replicated:
             return a if dtype is None else a.astype(dtype)
-        return np.asarray(a) if dtype is None else np.asarray(a).astype(dtype)
+        return np.asarray(a, dtype=dtype)  # no copy when it already has the dtype
     return jax.tree.map(one, tree)
 
 
@@ -93,17 +111,36 @@ def _restore(directory: Path, shardings=None):
     """Restore an orbax PyTree as numpy (default) or, with `shardings` (a tree of
     `jax.sharding.Sharding` matching the stored tree), as global jax arrays placed so. Restore
     arguments are always explicit, so a tree written on N devices restores on any M (orbax's
-    default would reuse the writer's device shardings)."""
+    default would reuse the writer's device shardings).
+
+    Numpy trees are restored one leaf at a time (a partial restore per leaf): tensorstore's read
+    holds about a second copy of what it reads, so a whole-tree read peaked at ~1.8x the tree,
+    a leaf-by-leaf read at the tree plus ~1 leaf."""
     import orbax.checkpoint as ocp
 
     ckptr = _checkpointer()
     stored = ckptr.metadata(directory)
     stored = getattr(getattr(stored, "item_metadata", stored), "tree", stored)
-    if shardings is None:
-        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
-    else:
+    if shardings is not None:
         args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), stored, shardings)
-    return ckptr.restore(directory, restore_args=args)
+        return ckptr.restore(directory, restore_args=args)
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(stored)[0]]
+    if not paths or not all(isinstance(k, jax.tree_util.DictKey) for p in paths for k in p):
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
+        return ckptr.restore(directory, restore_args=args)
+    out: dict = {}
+    for path in paths:
+        item = args = None
+        for k in reversed(path):
+            item = {k.key: 0 if item is None else item}
+            args = {k.key: ocp.RestoreArgs(restore_type=np.ndarray) if args is None else args}
+        got = ckptr.restore(directory, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True))
+        src, dst = got, out
+        for k in path[:-1]:
+            src, dst = src[k.key], dst.setdefault(k.key, {})
+        dst[path[-1].key] = src[path[-1].key]
+    return out
 
 
 def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroConfig,
@@ -138,7 +175,7 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     extra_meta = dict(extra_meta or {})
     if "params_sha256" not in extra_meta:  # every checkpoint records it (checked on load)
         extra_meta["params_sha256"] = params_sha256(
-            jax.tree.map(lambda a: to_host(a).astype(np.float32), params))
+            jax.tree.map(lambda a: np.asarray(to_host(a), np.float32), params))
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,12 +192,11 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     else:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        ckptr = _checkpointer()
-        ckptr.save(tmp / PARAMS_DIR, _to_saveable(params, np.float32))
+        _save_tree(tmp / PARAMS_DIR, _to_saveable(params, np.float32))
         records = None
         if train_state is not None:
             flat, records = flatten_train_state(train_state)
-            ckptr.save(tmp / TRAIN_STATE_DIR, flat)
+            _save_tree(tmp / TRAIN_STATE_DIR, flat)
         if main:
             _finish_checkpoint(path, tmp, cfg, tokenizer_json, extra_meta, extra_files,
                                train_state is not None, records)
@@ -412,7 +448,7 @@ def params_sha256(params: dict[str, Any]) -> str:
         flat.append((name, np.asarray(leaf)))
     h = hashlib.sha256()
     for name, a in sorted(flat, key=lambda x: x[0]):
-        a = np.ascontiguousarray(a)
+        a = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))
         h.update(f"{name}|{a.dtype.name}|{','.join(map(str, a.shape))}|".encode())
-        h.update(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+        h.update(a.reshape(-1).view(np.uint8).data)  # the bytes, not a copy of them
     return h.hexdigest()

@@ -12,10 +12,13 @@ looprl convention (`looprl.model.looped.param_dict`): `embed_tokens` `[V, D]`,
 `early_exit_gate.kernel` `[D, 1]`, `.bias` `[1]`, `lm_head` `[D, V]`.
 
 Safetensors files are parsed here with numpy (8-byte little-endian header length, JSON header,
-raw little-endian data) because `safetensors.numpy` cannot load BF16; writing goes through
-`safetensors.numpy.save_file`, which does write BF16 from `ml_dtypes.bfloat16` arrays. F32, BF16
-and F16 tensors are read; widening to fp32 is exact, so export back to the source dtype is
-bit-identical.
+raw little-endian data) because `safetensors.numpy` cannot load BF16, and written here too,
+because `safetensors.numpy.save_file` needs every tensor in memory at once. Both directions
+stream (issue 19): a tensor is read from its byte range when it is converted and dropped after,
+straight into the preallocated fp32 leaf it belongs to, and an export writes the header (known
+from the shapes) and then one tensor at a time. Peak host memory is the fp32 tree plus one
+tensor, never two trees. F32, BF16 and F16 tensors are read; widening to fp32 is exact, so
+export back to the source dtype is bit-identical.
 
 Every malformed input raises `CheckpointError` naming the file or tensor and the expected and
 found values; writers build into a temporary sibling directory and rename it into place, so a
@@ -33,7 +36,6 @@ from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 from looprl.errors import CheckpointError
 from looprl.model.config import OuroConfig
@@ -92,10 +94,32 @@ def hf_tensor_shapes(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
 
 
 # --- safetensors I/O ----------------------------------------------------------------------
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Read every tensor of one safetensors file as read-only numpy arrays (memory-mapped).
+class TensorEntry(NamedTuple):
+    """Where one tensor of a safetensors file lies: `path`, numpy `dtype`, `shape` and the
+    absolute byte `offset` of its data."""
+    path: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
 
-    Returns: `{name: array}` in the file's dtypes (float32, ml_dtypes.bfloat16 or float16).
+    def read(self) -> np.ndarray:
+        """The tensor as an owned numpy array (one read of its byte range; nothing mapped).
+        Raises CheckpointError naming the file and tensor when the read fails or is short."""
+        count = int(np.prod(self.shape, dtype=np.int64))
+        try:
+            a = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor at byte {self.offset}: "
+                                  f"{e}") from e
+        if a.size != count:
+            raise CheckpointError(f"{self.path}: short read at byte {self.offset}: {a.size} of "
+                                  f"{count} values (the file changed while it was read?)")
+        return a.reshape(self.shape)
+
+
+def safetensors_index(path: str | Path) -> dict[str, TensorEntry]:
+    """Parse and check one safetensors file's header: `{name: TensorEntry}`, no data read.
+
     Raises: CheckpointError naming the file (and tensor) when the file is missing, truncated,
       has a malformed header, an unsupported dtype, or a byte range that disagrees with the
       tensor's shape.
@@ -120,7 +144,6 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: malformed safetensors header (not a JSON object)")
     body_size = size - 8 - n_header
-    raw = np.memmap(path, dtype=np.uint8, mode="r") if body_size else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -141,24 +164,81 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
         if end > body_size:
             raise CheckpointError(f"{path}: truncated safetensors file: tensor {name!r} ends at "
                                   f"byte {end} of the data, file has {body_size} data bytes")
-        start = 8 + n_header + begin
-        out[name] = raw[start:start + n_bytes].view(dt).reshape(shape)
+        out[name] = TensorEntry(path, dt, shape, 8 + n_header + begin)
     return out
 
 
-def read_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """All tensors of an HF directory: `model.safetensors`, else the sharded index.
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as read-only numpy arrays (memory-mapped views).
 
-    Returns: (`{name: array}` in the file dtypes, `{name: file path it came from}`).
+    Returns: `{name: array}` in the file's dtypes (float32, ml_dtypes.bfloat16 or float16).
+    Raises: CheckpointError as `safetensors_index`.
+    """
+    index = safetensors_index(path)
+    if not index:
+        return {}
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, e in index.items():
+        n_bytes = int(np.prod(e.shape, dtype=np.int64)) * e.dtype.itemsize
+        out[name] = raw[e.offset:e.offset + n_bytes].view(e.dtype).reshape(e.shape)
+    return out
+
+
+def write_safetensors(path: str | Path, shapes: dict[str, tuple[tuple[int, ...], str]],
+                      tensors, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file one tensor at a time (the format of the `safetensors` library:
+    8-byte little-endian header length, JSON header padded with spaces to 8 bytes, raw
+    little-endian data in header order).
+
+    Args:
+      shapes: `{name: (shape, dtype name)}` in the order the data is written.
+      tensors: an iterable of `(name, array)` in that same order; each array is written and
+        then dropped by the caller's generator, so at most one is held here.
+      metadata: the header's `__metadata__` (str -> str).
+    Raises: CheckpointError naming the tensor when one arrives out of order or with another
+      shape or dtype than `shapes` says.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, (shape, dt_name) in shapes.items():
+        dt = _NAME_TO_NP[dt_name]
+        n_bytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        tag = next(t for t, d in _ST_TO_NP.items() if d == dt)
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n_bytes]}
+        offset += n_bytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    names = iter(shapes)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, a in tensors:
+            want = next(names, None)
+            shape, dt_name = shapes.get(name, (None, None))
+            if name != want or tuple(a.shape) != tuple(shape) or a.dtype != _NAME_TO_NP[dt_name]:
+                raise CheckpointError(f"{path}: tensor {name!r} ({a.dtype}{list(a.shape)}) does "
+                                      f"not match the header's next entry {want!r} "
+                                      f"({dt_name}{list(shape) if shape else None})")
+            a = np.ascontiguousarray(a)
+            f.write(a.reshape(-1).view(np.uint8).data)
+        if next(names, None) is not None:
+            raise CheckpointError(f"{path}: fewer tensors written than the header lists")
+
+
+def hf_tensor_index(hf_dir: str | Path) -> dict[str, TensorEntry]:
+    """Where every tensor of an HF directory lies: `model.safetensors`, else the sharded index.
+    Reads headers only.
+
+    Returns: `{name: TensorEntry}` (its `path` is the file the tensor came from).
     Raises: CheckpointError for a missing directory/file, a shard the index lists that is
       missing, a tensor the index maps to a shard that lacks it, a tensor in two files, or any
-      `read_safetensors` error.
+      `safetensors_index` error.
     """
     hf_dir = Path(hf_dir)
     single, index = hf_dir / SAFETENSORS_FILE, hf_dir / SAFETENSORS_INDEX
     if single.exists():
-        tensors = read_safetensors(single)
-        return tensors, {n: str(single) for n in tensors}
+        return safetensors_index(single)
     if not index.exists():
         raise CheckpointError(f"{hf_dir}: neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX} "
                               f"found")
@@ -167,33 +247,51 @@ def read_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: cannot read the shard index (needs a 'weight_map'): "
                               f"{e!r}") from e
-    tensors: dict[str, np.ndarray] = {}
-    origin: dict[str, str] = {}
+    entries: dict[str, TensorEntry] = {}
     for shard in sorted(set(weight_map.values())):
         shard_path = hf_dir / shard
         if not shard_path.exists():
             names = sorted(n for n, s in weight_map.items() if s == shard)
             raise CheckpointError(f"{index}: shard {shard!r} is listed (for {len(names)} "
                                   f"tensors, e.g. {names[0]!r}) but {shard_path} is missing")
-        for name, arr in read_safetensors(shard_path).items():
-            if name in tensors:
-                raise CheckpointError(f"{shard_path}: tensor {name!r} also in {origin[name]}")
-            tensors[name], origin[name] = arr, str(shard_path)
+        for name, entry in safetensors_index(shard_path).items():
+            if name in entries:
+                raise CheckpointError(f"{shard_path}: tensor {name!r} also in "
+                                      f"{entries[name].path}")
+            entries[name] = entry
     for name, shard in weight_map.items():
-        if name not in tensors:
+        if name not in entries:
             raise CheckpointError(f"{index}: tensor {name!r} is mapped to {shard!r}, which "
                                   f"does not hold it")
-    return tensors, origin
+    return entries
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of an HF directory as memory-mapped views (`hf_tensor_index`).
+
+    Returns: (`{name: array}` in the file dtypes, `{name: file path it came from}`).
+    Raises: CheckpointError as `hf_tensor_index`.
+    """
+    entries = hf_tensor_index(hf_dir)
+    views: dict[str, dict[str, np.ndarray]] = {}
+    for path in sorted({e.path for e in entries.values()}):
+        views[str(path)] = read_safetensors(path)
+    return ({n: views[str(e.path)][n] for n, e in entries.items()},
+            {n: str(e.path) for n, e in entries.items()})
 
 
 # --- HF state dict <-> looprl params --------------------------------------------------------
-def params_from_hf_state(state: dict[str, np.ndarray], cfg: OuroConfig,
+def params_from_hf_state(state: dict[str, np.ndarray | TensorEntry], cfg: OuroConfig,
                          source: str = "HF state dict", origin: dict[str, str] | None = None
                          ) -> dict[str, Any]:
     """Map an HF state dict onto the looprl parameter dict, in fp32 (exact widening).
 
+    Each leaf is allocated once in fp32 and filled tensor by tensor (a `TensorEntry` is read
+    when its turn comes and dropped after), so the peak is the fp32 tree plus one tensor.
+
     Args:
-      state: `{hf_name: array}` (numpy; float32 / bfloat16 / float16), HF shapes `[out, in]`.
+      state: `{hf_name: array or TensorEntry}` (float32 / bfloat16 / float16), HF shapes
+        `[out, in]`.
       cfg: the architecture the tensors must match.
       source: where the tensors came from, for messages; origin: per-tensor file.
     Returns: nested dict of fp32 numpy arrays (see module docstring for shapes).
@@ -224,26 +322,37 @@ def params_from_hf_state(state: dict[str, np.ndarray], cfg: OuroConfig,
                                   f"{list(state[n].shape)}, expected {list(shape)}")
         dtype_name(state[n].dtype)  # F32 / BF16 / F16 only
 
-    def f32(name):
-        return np.asarray(state[name]).astype(np.float32)
+    def read(name):
+        x = state[name]
+        return x.read() if isinstance(x, TensorEntry) else np.asarray(x)
 
-    layers = {}
-    for key in LAYER_KEYS:
-        per = [f32(_hf_layer_name(i, key)) for i in range(cfg.num_layers)]
-        layers[key] = np.stack([w.T for w in per] if key not in _NORMS else per)
+    def stacked(names, transpose):
+        """`[len(names), ...]` fp32, filled one tensor at a time (the widening is exact)."""
+        shape = tuple(state[names[0]].shape)
+        out = np.empty((len(names), *(shape[::-1] if transpose else shape)), np.float32)
+        for i, name in enumerate(names):
+            w = read(name)
+            out[i] = w.T if transpose else w
+        return out
+
+    def single(name, transpose=False):
+        return stacked([name], transpose)[0]
+
+    layers = {key: stacked([_hf_layer_name(i, key) for i in range(cfg.num_layers)],
+                           transpose=key not in _NORMS) for key in LAYER_KEYS}
     return {
-        "embed_tokens": f32("model.embed_tokens.weight"),
+        "embed_tokens": single("model.embed_tokens.weight"),
         "layers": layers,
-        "norm": f32("model.norm.weight"),
-        "early_exit_gate": {"kernel": np.ascontiguousarray(f32("model.early_exit_gate.weight").T),
-                            "bias": f32("model.early_exit_gate.bias")},
-        "lm_head": np.ascontiguousarray(f32("lm_head.weight").T),
+        "norm": single("model.norm.weight"),
+        "early_exit_gate": {"kernel": single("model.early_exit_gate.weight", transpose=True),
+                            "bias": single("model.early_exit_gate.bias")},
+        "lm_head": single("lm_head.weight", transpose=True),
     }
 
 
-def hf_state_from_params(params: dict[str, Any], cfg: OuroConfig,
-                         dtype: str | dict[str, str] = "float32") -> dict[str, np.ndarray]:
-    """The inverse of `params_from_hf_state`: `{hf_name: contiguous numpy array}`.
+def hf_tensors(params: dict[str, Any], cfg: OuroConfig, dtype: str | dict[str, str] = "float32"):
+    """The inverse of `params_from_hf_state`, one tensor at a time: yields `(hf_name, C-contiguous
+    numpy array)` in `hf_tensor_shapes(cfg)` order, each made only when it is asked for.
 
     Args:
       params: looprl parameter dict (numpy or jax arrays, any float dtype).
@@ -251,24 +360,31 @@ def hf_state_from_params(params: dict[str, Any], cfg: OuroConfig,
         (a mixed-dtype source's own dtypes). Narrowing rounds to nearest even; values that
         came from that dtype are reproduced bit for bit.
     """
-    def cast(name, a):
-        dt = _NAME_TO_NP[dtype[name] if isinstance(dtype, dict) else dtype_name(dtype)]
-        return np.ascontiguousarray(np.asarray(a).astype(dt))
+    def cast(name, a, transpose=False):
+        a = np.asarray(a)
+        return name, (a.T if transpose else a).astype(_NAME_TO_NP[hf_dtype(dtype, name)],
+                                                      order="C")
 
-    layers = params["layers"]
-    out = {"model.embed_tokens.weight": cast("model.embed_tokens.weight", params["embed_tokens"])}
+    layers, gate = params["layers"], params["early_exit_gate"]
+    yield cast("model.embed_tokens.weight", params["embed_tokens"])
     for i in range(cfg.num_layers):
         for key in LAYER_KEYS:
-            w = np.asarray(layers[key][i])
-            name = _hf_layer_name(i, key)
-            out[name] = cast(name, w if key in _NORMS else w.T)
-    gate = params["early_exit_gate"]
-    out["model.norm.weight"] = cast("model.norm.weight", params["norm"])
-    out["model.early_exit_gate.weight"] = cast("model.early_exit_gate.weight",
-                                               np.asarray(gate["kernel"]).T)
-    out["model.early_exit_gate.bias"] = cast("model.early_exit_gate.bias", gate["bias"])
-    out["lm_head.weight"] = cast("lm_head.weight", np.asarray(params["lm_head"]).T)
-    return out
+            yield cast(_hf_layer_name(i, key), layers[key][i], transpose=key not in _NORMS)
+    yield cast("model.norm.weight", params["norm"])
+    yield cast("model.early_exit_gate.weight", gate["kernel"], transpose=True)
+    yield cast("model.early_exit_gate.bias", gate["bias"])
+    yield cast("lm_head.weight", params["lm_head"], transpose=True)
+
+
+def hf_dtype(dtype: str | dict[str, str], name: str) -> str:
+    """The dtype name tensor `name` is written in: `dtype` itself, or its entry for `name`."""
+    return dtype_name(dtype[name] if isinstance(dtype, dict) else dtype)
+
+
+def hf_state_from_params(params: dict[str, Any], cfg: OuroConfig,
+                         dtype: str | dict[str, str] = "float32") -> dict[str, np.ndarray]:
+    """`{hf_name: contiguous numpy array}`: every tensor of `hf_tensors` at once."""
+    return dict(hf_tensors(params, cfg, dtype))
 
 
 # --- directories ------------------------------------------------------------------------------
@@ -300,9 +416,10 @@ def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None) -> HFCh
     if not cfg_path.exists():
         raise CheckpointError(f"{cfg_path}: missing (an HF directory needs config.json)")
     cfg = OuroConfig.from_hf_config(cfg_path, token_ids=token_ids)
-    state, origin = read_hf_state_dict(hf_dir)
-    params = params_from_hf_state(state, cfg, source=str(hf_dir), origin=origin)
-    source_dtypes = {n: dtype_name(a.dtype) for n, a in state.items()}
+    entries = hf_tensor_index(hf_dir)
+    params = params_from_hf_state(entries, cfg, source=str(hf_dir),
+                                  origin={n: str(e.path) for n, e in entries.items()})
+    source_dtypes = {n: dtype_name(e.dtype) for n, e in entries.items()}
     counts: dict[str, int] = {}
     for d in source_dtypes.values():
         counts[d] = counts.get(d, 0) + 1
@@ -347,19 +464,20 @@ def save_hf(params: dict[str, Any], cfg: OuroConfig, out_dir: str | Path,
             dtype: str | dict[str, str] = "float32", tokenizer_json: str | None = None) -> Path:
     """Write `config.json` + `model.safetensors` (+ `tokenizer.json` if given) into `out_dir`.
 
-    Tensors are written in `dtype` (a name, or `{hf_name: name}` to restore a mixed source);
+    Tensors are written in `dtype` (a name, or `{hf_name: name}` to restore a mixed source),
+    one at a time (`write_safetensors`: the host holds `params` plus one tensor);
     `config.json` records it as `torch_dtype`. Written atomically: built in a temporary
     sibling directory and renamed; an existing non-empty `out_dir` is a CheckpointError.
     """
     out_dir = Path(out_dir)
-    tensors = hf_state_from_params(params, cfg, dtype)
+    shapes = {n: (shape, hf_dtype(dtype, n)) for n, shape in hf_tensor_shapes(cfg).items()}
     tmp = _atomic_dir(out_dir)
     try:
         hf_cfg = cfg.to_hf_config()
-        hf_cfg["torch_dtype"] = (dtype_name(dtype) if not isinstance(dtype, dict)
-                                 else dtype_name(tensors["model.embed_tokens.weight"].dtype))
+        hf_cfg["torch_dtype"] = hf_dtype(dtype, "model.embed_tokens.weight")
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
+        write_safetensors(tmp / SAFETENSORS_FILE, shapes, hf_tensors(params, cfg, dtype),
+                          metadata={"format": "pt"})
         if tokenizer_json is not None:
             (tmp / "tokenizer.json").write_text(tokenizer_json)
         _commit_dir(tmp, out_dir)

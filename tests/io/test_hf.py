@@ -273,3 +273,51 @@ def test_invalid_tokenizer_refused_before_writing(tmp_path, capsys):
                  "--tokenizer", str(bad)]) == 2
     assert "tok.json: not a valid HF tokenizers JSON" in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
+
+
+# --- streaming I/O (issue 19) ----------------------------------------------------------------
+def test_streamed_safetensors_file_is_read_by_the_safetensors_library(tmp_path):
+    """`save_hf` writes its file one tensor at a time with our writer; the library's readers
+    (numpy for F32, torch for BF16) read every tensor back to the same bits."""
+    import torch
+    from safetensors.numpy import load_file as np_load_file
+    from safetensors.torch import load_file as torch_load_file
+
+    params = random_params(CFG, seed=3)
+    for dtype in ("float32", "bfloat16"):
+        d = hf.save_hf(params, CFG, tmp_path / dtype, dtype)
+        want = hf.hf_state_from_params(params, CFG, dtype)
+        if dtype == "float32":
+            got = np_load_file(str(d / hf.SAFETENSORS_FILE))
+            assert_same_bits(want, got)
+        else:
+            got = torch_load_file(str(d / hf.SAFETENSORS_FILE))
+            assert sorted(got) == sorted(want)
+            for n, t in got.items():
+                assert t.dtype == torch.bfloat16, n
+                assert np.array_equal(t.view(torch.int16).numpy().view(np.uint16), bits(want[n]))
+        assert list(hf.safetensors_index(d / hf.SAFETENSORS_FILE)) == list(hf.hf_tensor_shapes(CFG))
+
+
+def test_streamed_writer_refuses_a_tensor_out_of_order(tmp_path):
+    shapes = {"a": ((2, 3), "float32"), "b": ((4,), "bfloat16")}
+    tensors = [("b", np.zeros(4, ml_dtypes.bfloat16)), ("a", np.zeros((2, 3), np.float32))]
+    with pytest.raises(CheckpointError, match="tensor 'b'.*next entry 'a'"):
+        hf.write_safetensors(tmp_path / "x.safetensors", shapes, iter(tensors))
+    with pytest.raises(CheckpointError, match="fewer tensors"):
+        hf.write_safetensors(tmp_path / "y.safetensors", shapes, iter(tensors[1:]))
+
+
+def test_tensor_entry_reads_its_own_bytes_and_names_a_short_read(tmp_path):
+    state = hf.hf_state_from_params(random_params(CFG), CFG, "bfloat16")
+    d = write_state(tmp_path / "src", state)
+    index = hf.hf_tensor_index(d)
+    for n, e in index.items():
+        a = e.read()
+        assert a.flags.writeable and a.dtype == state[n].dtype  # its own copy, not a read-only map
+        assert np.array_equal(bits(a), bits(state[n])), n
+    e = index["lm_head.weight"]
+    with open(e.path, "r+b") as f:  # the file shrinks after its header was read
+        f.truncate(e.offset + 10)
+    with pytest.raises(CheckpointError, match="short read"):
+        e.read()
