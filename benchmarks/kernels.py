@@ -4,10 +4,11 @@ the Ouro-1.4B widths (hidden 2048, MLP 5632, vocabulary 49152, exit gate [2048, 
 For every weight shape, fp32 and bf16 (lm_head with fp32 output, as lm_logits), and M in
 {1, 2, 3, 5, 7, 8, 16, 256, 300, 1000, 4096} rows, both jitted functions run interleaved
 (invariant, stock, invariant, stock, ... after one warm-up call each) in the same process; a
-figure is median(invariant seconds) / median(stock seconds), lower is better. The lm_head is
-timed up to M = 1000 (at 4096 one call is ~10 s on one core); its 4096-row memory is still
-measured. Peak memory = temp + output bytes of `compile().memory_analysis()`. XLA runs with
-looprl's flags and one intra-op thread (`--xla_cpu_multi_thread_eigen=false`, recorded).
+figure is median(invariant CPU seconds) / median(stock CPU seconds) (`time.process_time`, see
+`_interleaved`), lower is better. The lm_head is timed up to M = 1000 (at 4096 one call is
+~10 s on one core); its 4096-row memory is still measured. Peak memory = temp + output
+bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one intra-op thread
+(`--xla_cpu_multi_thread_eigen=false`, recorded).
 
 Run: `python benchmarks/kernels.py` (no arguments; about 7-8 minutes on 2 shared CPU cores). The
 last line is a JSON object with `matmul_vs_stock_large_1p4b` (worst ratio at M >= 256),
@@ -93,14 +94,17 @@ def _peak_bytes(fn, *args) -> int:
 
 
 def _interleaved(fns: dict, repeats: int) -> dict:
-    """Median seconds of each zero-argument callable in `fns` (name -> fn, already compiled)
-    over `repeats` rounds that call every fn once in turn, so load changes hit all alike."""
+    """Median CPU seconds of this process (`time.process_time`, every thread) of each
+    zero-argument callable in `fns` (name -> fn, already compiled) over `repeats` rounds that
+    call every fn once in turn. XLA runs one intra-op thread here, so on a quiet machine CPU
+    seconds are wall seconds; on a shared one they do not count the time other processes
+    held the core (wall-clock pairs moved by 1.6x between two loaded runs)."""
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(time.process_time() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -219,7 +223,7 @@ def main() -> dict:
         "figures": figures, "peak_mem_vs_stock_M4096": {k: round(v, 3) for k, v in mem.items()},
         "kernels_file": kn.__file__, "threads": 1, "xla_flags": env["xla_flags"], "cpu_model": env["cpu_model"],
         "jax": env["jax"], "git_commit": env["git_commit"],
-        "seconds": round(time.perf_counter() - t_start, 1),
+        "clock": "process_time", "seconds": round(time.perf_counter() - t_start, 1),
     }
 
 

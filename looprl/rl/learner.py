@@ -100,10 +100,19 @@ def make_optimizer(exp_cfg: ExperimentConfig, params) -> optax.GradientTransform
     return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
 
 
-@functools.partial(jax.jit, static_argnames=("opt",))
+@functools.partial(jax.jit, static_argnames=("opt",),
+                   donate_argnames=("params", "opt_state"))
 def _apply(params, opt_state, grads, *, opt):
+    """One optax update, in place: the old parameters and moments are donated, so an
+    update needs no second copy of the train state (issue 19's trainer budget)."""
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+
+@functools.partial(jax.jit, donate_argnames=("total",))
+def _accumulate(total, grads):
+    """`total + grads` leaf by leaf, written into `total`'s buffers (donated)."""
+    return jax.tree.map(jnp.add, total, grads)
 
 
 def nonfinite_leaves(tree) -> list[str]:
@@ -135,12 +144,17 @@ class GRPOLearner:
         if mesh is None and jax.device_count() > 1:
             mesh = ml.make_mesh(exp_cfg.mesh)
         self.mesh = mesh if ml.is_sharded(mesh) else None
+        # the learner's own buffers (updates donate them): a caller's jax arrays are copied
         self.params = jax.tree.map(lambda a: np.asarray(a, np.float32)
-                                   if not isinstance(a, jax.Array) else a.astype(jnp.float32),
-                                   params)
+                                   if not isinstance(a, jax.Array)
+                                   else jnp.array(a, jnp.float32, copy=True), params)
         self.params = ml.place_params(self.params, self.mesh) if self.mesh is not None else \
             jax.tree.map(jnp.asarray, self.params)
-        self.ref_params = self.params if ref_params is None else \
+        # The frozen reference (default: the starting policy) has buffers of its own, since
+        # `_apply` donates the policy's. `_params_at_ref`: no update applied yet, so the
+        # reference pass would repeat the replay pass and is skipped.
+        self._params_at_ref = ref_params is None
+        self.ref_params = jax.tree.map(jnp.copy, self.params) if ref_params is None else \
             ml.place_params(ref_params, self.mesh)
         self.opt = make_optimizer(exp_cfg, self.params)
         self.opt_state = self.opt.init(self.params)
@@ -186,6 +200,7 @@ class GRPOLearner:
             self.params = ml.place_params(self.params, self.mesh)
             self.opt_state = ml.place_params(self.opt_state, self.mesh)
         self.data_position = int(state["data_position"])
+        self._params_at_ref = False
         return int(state["step"])
 
     # --- the mesh -----------------------------------------------------------------------------
@@ -294,7 +309,7 @@ class GRPOLearner:
                                          mesh=self.mesh)
             stock_diff = float(np.max(np.abs(stock_lp - recorded)[emit], initial=0.0))
         ref_lp = replay_lp
-        if self.ref_params is not self.params:
+        if not self._params_at_ref:
             ref_lp, _ = batch_logprobs(self.model_cfg, self.ref_params, batch, "replay",
                                        mesh=self.mesh)
         x = (ref_lp - recorded)[emit]
@@ -351,8 +366,7 @@ class GRPOLearner:
                     mb = {k: v[:, r] if k in LOOP_KEYS else v[r] for k, v in arrays.items()}
                     loss, stats, grads = self._loss_and_grad(mb, norm, gate_norm)
                     loss_sum += float(loss)
-                    grads_sum = grads if grads_sum is None else jax.tree.map(jnp.add, grads_sum,
-                                                                             grads)
+                    grads_sum = grads if grads_sum is None else _accumulate(grads_sum, grads)
                     n_tok = float(stats["tokens"])
                     for k, v in stats.items():
                         if k not in ("tokens", "ratio_min", "ratio_max"):
@@ -369,6 +383,7 @@ class GRPOLearner:
                                         f"written")
                 self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state,
                                                             grads_sum, opt=self.opt)
+                self._params_at_ref = False
                 grad_norms.append(float(gnorm))
                 losses.append(loss_sum)
         jax.block_until_ready(self.params)
