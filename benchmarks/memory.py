@@ -1,7 +1,9 @@
 """Peak host memory of convert, generate, eval and one GRPO step at Ouro-1.4B width (issue 19).
 
-No arguments. Writes a random HF checkpoint (bf16 safetensors, `looprl.io.hf.save_hf`) of 4
-layers at Ouro-1.4B width (hidden 2048, MLP 5632, 16 heads, vocab 49152: 403 M parameters, 1.6
+No arguments (`--layers N` for another depth: `--layers 24 --skip-train` is the whole
+Ouro-1.4B, 1.43 B parameters, 2.9 GB of bf16 safetensors and a 5.7 GB checkpoint on disk; its
+train step would need ~34 GB). Writes a random HF
+checkpoint (bf16 safetensors, `looprl.io.hf.save_hf`) of 4 layers at Ouro-1.4B width (hidden 2048, MLP 5632, 16 heads, vocab 49152: 403 M parameters, 1.6
 GB in fp32) with a byte-level BPE tokenizer (as tests/tiny_ouro.py builds one) into a temporary
 directory, then runs each step in its own process and reads that process's peak RSS
 (`os.wait4` rusage, `ru_maxrss`):
@@ -30,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path("/work/shared/data/gsm8k")
 if not DATA.is_dir():
     DATA = ROOT.parent / "shared" / "data" / "gsm8k"
-THREADS = 2
 
 
 def tokenizer_json() -> str:
@@ -48,14 +49,14 @@ def tokenizer_json() -> str:
     return tok.to_str()
 
 
-def write_checkpoint(out: Path) -> None:
-    """Run in a child process (`--write DIR`): the random 4-layer HF checkpoint."""
+def write_checkpoint(out: Path, layers: int) -> None:
+    """Run in a child process (`--write DIR LAYERS`): the random HF checkpoint."""
     import numpy as np
 
     from looprl.io import hf
     from looprl.model.config import preset
     from looprl.model.looped import expected_param_shapes
-    cfg = preset("ouro-1.4b", num_layers=4)
+    cfg = preset("ouro-1.4b", num_layers=layers)
     rng = np.random.default_rng(0)
     import jax
     params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32) * 0.02,
@@ -83,12 +84,21 @@ def measure(name: str, argv: list[str], env) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--write":
-        write_checkpoint(Path(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--write":
+        write_checkpoint(Path(sys.argv[2]), int(sys.argv[3]))
         return
+    args = sys.argv[1:]
+    skip_train = "--skip-train" in args
+    args = [a for a in args if a != "--skip-train"]
+    layers = 4
+    if len(args) == 2 and args[0] == "--layers" and args[1].isdigit():
+        layers = int(args[1])
+    elif args:
+        sys.exit("usage: python benchmarks/memory.py [--layers N] [--skip-train]  (default: 4 "
+                 "layers, every step)")
     from looprl.config import LearnerConfig
     from looprl.model.config import preset
-    cfg = preset("ouro-1.4b", num_layers=4)
+    cfg = preset("ouro-1.4b", num_layers=layers)
     param_bytes = 4 * cfg.num_params
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # this tree's looprl in every child
     py = [sys.executable]
@@ -96,17 +106,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="looprl-memory-") as tmp:
         tmp = Path(tmp)
         hf_dir, ckpt = tmp / "hf", tmp / "ckpt"
-        measure("write", py + [__file__, "--write", str(hf_dir)], env)
+        measure("write", py + [__file__, "--write", str(hf_dir), str(layers)], env)
         cli = py + ["-m", "looprl.cli"]
         res = {}
         res["convert"] = measure("convert", cli + ["convert", "--hf", str(hf_dir), "--out",
                                                    str(ckpt)], env)
-        res["generate"] = measure("generate", cli + [
-            "generate", "--checkpoint", str(ckpt), "--prompt", "How many clips?",
-            "--max-new-tokens", "8", "--json"], env)
+        res["convert_to_hf"] = measure("convert_to_hf", cli + [
+            "convert", "--checkpoint", str(ckpt), "--to-hf", str(tmp / "hf_back")], env)
+        for dtype, key in (("float32", "generate"), ("bfloat16", "generate_bf16")):
+            res[key] = measure(key, cli + [
+                "generate", "--checkpoint", str(ckpt), "--prompt", "How many clips?",
+                "--max-new-tokens", "8", "--dtype", dtype, "--json"], env)
         res["eval"] = measure("eval", cli + [
             "eval", "--checkpoint", str(ckpt), "--task", "gsm8k", "--limit", "2",
             "--max-new-tokens", "8", "--data-dir", str(DATA), "--out", str(tmp / "eval")], env)
+        if skip_train:
+            return _report(res, cfg, layers, param_bytes, t_start)
         extra = (["learner.require_exact=false"] if "require_exact" in
                  {f.name for f in dataclasses.fields(LearnerConfig)} else [])
         res["train_step"] = measure("train_step", cli + [
@@ -116,7 +131,11 @@ def main() -> None:
             "learner.measure_stock=false", "grpo.kl_beta=0",  # one learner pass fewer each
             "microbatch_size=4", "eval.eval_problems=2", "eval_batch_size=2",
             "tensorboard=false", "progress_bar=false", *extra], env)
-    figures = {"benchmark": "memory", "threads": THREADS, "num_params": cfg.num_params,
+    _report(res, cfg, layers, param_bytes, t_start)
+
+
+def _report(res: dict, cfg, layers: int, param_bytes: int, t_start: float) -> None:
+    figures = {"benchmark": "memory", "layers": layers, "num_params": cfg.num_params,
                "fp32_param_bytes": param_bytes}
     for k, r in res.items():
         figures[f"{k}_rss_per_param_byte"] = round(r["peak_rss"] / param_bytes, 3)

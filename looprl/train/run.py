@@ -306,6 +306,7 @@ def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
     model_cfg, tokenizer, before = begin.model_cfg, begin.tokenizer, begin.before
 
     learner = GRPOLearner(exp_cfg, model_cfg, begin.params, rl_task, tokenizer)
+    begin.params = None  # the learner holds its own copy and the reference: free the host tree
     start, resume_at = _restore(learner, resume_from, out, say)
     run = exp_cfg.run
     n_steps = run.grpo_steps if run.stop_after is None else min(run.grpo_steps, run.stop_after)
