@@ -1,21 +1,25 @@
 """Peak host memory of convert, generate, eval and one GRPO step at Ouro-1.4B width (issue 19).
 
-No arguments (`--layers N` for another depth: `--layers 24 --skip-train` is the whole
-Ouro-1.4B, 1.43 B parameters, 2.9 GB of bf16 safetensors and a 5.7 GB checkpoint on disk; its
-train step would need ~34 GB). Writes a random HF
-checkpoint (bf16 safetensors, `looprl.io.hf.save_hf`) of 4 layers at Ouro-1.4B width (hidden 2048, MLP 5632, 16 heads, vocab 49152: 403 M parameters, 1.6
+No arguments: writes a random HF checkpoint (bf16 safetensors, `looprl.io.hf.save_hf`) of 4
+layers at Ouro-1.4B width (hidden 2048, MLP 5632, 16 heads, vocab 49152: 407 M parameters, 1.6
 GB in fp32) with a byte-level BPE tokenizer (as tests/tiny_ouro.py builds one) into a temporary
 directory, then runs each step in its own process and reads that process's peak RSS
 (`os.wait4` rusage, `ru_maxrss`):
-  convert   `looprl convert --hf DIR --out CKPT`
-  generate  `looprl generate --checkpoint CKPT --prompt ... --max-new-tokens 8`
-  eval      `looprl eval --task gsm8k --limit 2 --max-new-tokens 8` (/work/shared/data/gsm8k)
-  train     `looprl train experiments/ouro_1p4b_gsm8k_grpo.py`, one minimal GRPO step
-            (2 prompts x 4 samples, 6 new tokens, 2 eval problems; learner.require_exact=false
-            where the key exists, so an inexact step still measures)
-Each figure is reported as peak bytes / fp32 parameter bytes. The last line is one JSON object:
-{"benchmark": "memory", "convert_rss_per_param_byte", "generate_rss_per_param_byte",
-"eval_rss_per_param_byte", "train_step_rss_per_param_byte", ...}.
+  convert        `looprl convert --hf DIR --out CKPT`
+  convert_to_hf  `looprl convert --checkpoint CKPT --to-hf DIR2` (bf16, the source's dtype)
+  generate       `looprl generate --checkpoint CKPT --prompt ... --max-new-tokens 8` (fp32)
+  generate_bf16  the same with `--dtype bfloat16`
+  eval           `looprl eval --task gsm8k --limit 2 --max-new-tokens 8` (../shared/data/gsm8k)
+  train_step     `looprl train experiments/ouro_1p4b_gsm8k_grpo.py`, one minimal GRPO step
+                 (1 prompt x 4 samples, 6 new tokens, 2 eval problems, bf16 compute, no stock
+                 or KL pass; learner.require_exact=false, so an inexact step still measures)
+`--layers N` measures another depth, and `--skip-train` leaves the train step out:
+`--layers 24 --skip-train` is the whole Ouro-1.4B (1.43 B parameters; 2.9 GB of safetensors and
+a 5.7 GB checkpoint on disk; its train step would need ~40 GB, see README "Memory").
+Each figure is peak bytes / fp32 parameter bytes. The last line is one JSON object:
+{"benchmark": "memory", "layers", "num_params", "fp32_param_bytes", "<step>_rss_per_param_byte",
+"<step>_peak_rss" (bytes), "<step>_wall_s", "<step>_rc" for each step, "wall_s"}. About 280 s
+on 2 CPU cores (4 layers); 24 layers without the train step about 350 s.
 """
 from __future__ import annotations
 
