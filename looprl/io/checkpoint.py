@@ -62,8 +62,8 @@ PARAMS_DIR = "params"
 TRAIN_STATE_DIR = "train_state"
 
 
-# OCDBT data files of at most 64 MiB: tensorstore holds a data file's bytes until it is
-# written, so its default (2 GiB) cost a second copy of a 1.6 GB tree on every save (issue 19).
+# OCDBT data files of <= 64 MiB: tensorstore holds a data file's bytes until it is written,
+# so its default (2 GiB) cost a second copy of a 1.6 GB tree on every save (issue 19).
 OCDBT_DATA_FILE_BYTES = 64 << 20
 
 
@@ -74,20 +74,20 @@ def _checkpointer():
     import orbax.checkpoint as ocp
     th = ocp.type_handlers
     handlers = [(np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False))]
-    handlers += [(t, th.get_type_handler(t)) for t in (int, float, bytes, np.number, jax.Array,
-                                                        str)]
-    registry = th.create_type_handler_registry(*handlers)
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
+    handlers += [(t, th.get_type_handler(t)) for t in (int, float, bytes, np.number,
+                                                        jax.Array, str)]
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+        type_handler_registry=th.create_type_handler_registry(*handlers)))
 
 
 def _save_tree(directory: Path, tree) -> None:
     import orbax.checkpoint as ocp
-    _checkpointer().save(directory, args=ocp.args.PyTreeSave(
-        tree, ocdbt_target_data_file_size=OCDBT_DATA_FILE_BYTES))
+    _checkpointer().save(directory, args=ocp.args.PyTreeSave(tree,
+                         ocdbt_target_data_file_size=OCDBT_DATA_FILE_BYTES))
 
 
 def _to_numpy(tree, dtype=None):
-    return jax.tree.map(lambda a: np.asarray(a, dtype=dtype), tree)
+    return jax.tree.map(lambda a: np.asarray(a, dtype=dtype), tree)  # no copy if it has dtype
 
 
 def _abs(path: str | Path) -> Path:
@@ -111,11 +111,8 @@ def _restore(directory: Path, shardings=None):
     """Restore an orbax PyTree as numpy (default) or, with `shardings` (a tree of
     `jax.sharding.Sharding` matching the stored tree), as global jax arrays placed so. Restore
     arguments are always explicit, so a tree written on N devices restores on any M (orbax's
-    default would reuse the writer's device shardings).
-
-    Numpy trees are restored one leaf at a time (a partial restore per leaf): tensorstore's read
-    holds about a second copy of what it reads, so a whole-tree read peaked at ~1.8x the tree,
-    a leaf-by-leaf read at the tree plus ~1 leaf."""
+    default would reuse the writer's device shardings). Numpy trees are restored leaf by leaf
+    (tensorstore's read holds a second copy of what it reads: the tree plus ~1 leaf, not ~1.8x)."""
     import orbax.checkpoint as ocp
 
     ckptr = _checkpointer()
@@ -129,14 +126,12 @@ def _restore(directory: Path, shardings=None):
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
         return ckptr.restore(directory, restore_args=args)
     out: dict = {}
-    for path in paths:
-        item = args = None
+    for path in paths:  # a one-leaf tree along `path`: a partial restore of that leaf
+        item, args = 0, ocp.RestoreArgs(restore_type=np.ndarray)
         for k in reversed(path):
-            item = {k.key: 0 if item is None else item}
-            args = {k.key: ocp.RestoreArgs(restore_type=np.ndarray) if args is None else args}
-        got = ckptr.restore(directory, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=args, partial_restore=True))
-        src, dst = got, out
+            item, args = {k.key: item}, {k.key: args}
+        src, dst = ckptr.restore(directory, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True)), out
         for k in path[:-1]:
             src, dst = src[k.key], dst.setdefault(k.key, {})
         dst[path[-1].key] = src[path[-1].key]
@@ -179,8 +174,6 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     if path.exists() and not overwrite and (not path.is_dir() or any(path.iterdir())):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
-
-
     multi = jax.process_count() > 1
     main = jax.process_index() == 0
     if multi:  # every process writes its own shards into one directory (a name all of them
@@ -298,6 +291,8 @@ def _check_params_digest(path: Path, params, meta: dict[str, Any]) -> None:
         raise CheckpointError(f"{path / PARAMS_DIR}: damaged parameters: params_sha256 {found} "
                               f"differs from {recorded} recorded in {META_FILE} when it was "
                               f"saved")
+
+
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """`looprl_meta.json` of a checkpoint, after checking the directory is a complete one.
 

@@ -237,11 +237,14 @@ class GRPOLearner:
                   ml.put_global(np.float32(gate_norm), rep))
 
     # --- the learner's own log-probs -------------------------------------------------------------
-    def _learner_logprobs(self, batch, replay_lp, replay_lpp):
+    def _learner_logprobs(self, batch, replay_lp, replay_lpp, stock=None):
         """(full, processed) log-probs `[B, S]` of the learner's method at the current
         parameters (before any update of this step): replay's for `hybrid` (its value), the
+        `stock` pass already run for `stock_max_abs_diff` when there is one (`stock`), the
         method's own pass otherwise."""
         method = self.exp_cfg.learner.logprob_method
+        if method == "stock" and stock is not None:
+            return stock
         if method == "hybrid":
             if replay_lpp is None:
                 _, replay_lpp = batch_logprobs(self.model_cfg, self.params, batch, "replay",
@@ -303,11 +306,10 @@ class GRPOLearner:
                                 f"sampler's log-probs; stopping before any update (check the "
                                 f"backend with `looprl verify`, or set "
                                 f"learner.require_exact=false to train anyway)")
-        stock_diff = float("nan")
+        stock_diff, stock = float("nan"), None
         if exp_cfg.learner.measure_stock:
-            stock_lp, _ = batch_logprobs(self.model_cfg, self.params, batch, "stock",
-                                         mesh=self.mesh)
-            stock_diff = float(np.max(np.abs(stock_lp - recorded)[emit], initial=0.0))
+            stock = batch_logprobs(self.model_cfg, self.params, batch, "stock", mesh=self.mesh)
+            stock_diff = float(np.max(np.abs(stock[0] - recorded)[emit], initial=0.0))
         ref_lp = replay_lp
         if not self._params_at_ref:
             ref_lp, _ = batch_logprobs(self.model_cfg, self.ref_params, batch, "replay",
@@ -316,7 +318,7 @@ class GRPOLearner:
         kl_ref = float(np.mean(np.expm1(x) - x)) if x.size else 0.0
         # the learner's own log-probs at the sampler's parameters: its mismatch with the
         # sampler, and with learner.old_logprobs=recompute the PPO ratio's old log-probs
-        own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp)
+        own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp, stock)
         mismatch = mismatch_stats(own_lp, recorded, emit, exp_cfg.grpo.eps_low,
                                   exp_cfg.grpo.eps_high)
         if not checked and exp_cfg.learner.logprob_method == "hybrid":  # own = recorded: unmeasured
