@@ -38,7 +38,7 @@ from looprl.io.safetensors_file import (
     _NAME_TO_NP,
     TensorEntry,
     dtype_name,
-    read_safetensors,
+    mapped_views,
     safetensors_index,
     write_safetensors,
 )
@@ -126,11 +126,10 @@ def read_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[
     Raises: CheckpointError as `hf_tensor_index`.
     """
     entries = hf_tensor_index(hf_dir)
-    views: dict[str, dict[str, np.ndarray]] = {}
+    state: dict[str, np.ndarray] = {}
     for path in sorted({e.path for e in entries.values()}):
-        views[str(path)] = read_safetensors(path)
-    return ({n: views[str(e.path)][n] for n, e in entries.items()},
-            {n: str(e.path) for n, e in entries.items()})
+        state.update(mapped_views(path, {n: e for n, e in entries.items() if e.path == path}))
+    return ({n: state[n] for n in entries}, {n: str(e.path) for n, e in entries.items()})
 
 
 # --- HF state dict <-> looprl params --------------------------------------------------------
@@ -146,13 +145,15 @@ def params_from_hf_state(state: dict[str, np.ndarray | TensorEntry], cfg: OuroCo
       state: `{hf_name: array or TensorEntry}` (float32 / bfloat16 / float16), HF shapes
         `[out, in]`.
       cfg: the architecture the tensors must match.
-      source: where the tensors came from, for messages; origin: per-tensor file.
+      source: where the tensors came from, for messages; origin: per-tensor file (default:
+        each `TensorEntry`'s own path).
     Returns: nested dict of fp32 numpy arrays (see module docstring for shapes).
     Raises: CheckpointError naming the tensor (and file) for a missing tensor (including
       `lm_head.weight`: Ouro's head is untied and is never invented), an unexpected tensor, or
       a wrong shape (expected vs found).
     """
-    origin = origin or {}
+    if origin is None:
+        origin = {n: str(x.path) for n, x in state.items() if isinstance(x, TensorEntry)}
     expected = hf_tensor_shapes(cfg)
     missing = [n for n in expected if n not in state]
     if missing:
@@ -270,8 +271,7 @@ def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None) -> HFCh
         raise CheckpointError(f"{cfg_path}: missing (an HF directory needs config.json)")
     cfg = OuroConfig.from_hf_config(cfg_path, token_ids=token_ids)
     entries = hf_tensor_index(hf_dir)
-    params = params_from_hf_state(entries, cfg, source=str(hf_dir),
-                                  origin={n: str(e.path) for n, e in entries.items()})
+    params = params_from_hf_state(entries, cfg, source=str(hf_dir))
     source_dtypes = {n: dtype_name(e.dtype) for n, e in entries.items()}
     counts: dict[str, int] = {}
     for d in source_dtypes.values():

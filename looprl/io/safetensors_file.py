@@ -121,7 +121,12 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     Returns: `{name: array}` in the file's dtypes (float32, ml_dtypes.bfloat16 or float16).
     Raises: CheckpointError as `safetensors_index`.
     """
-    index = safetensors_index(path)
+    return mapped_views(path, safetensors_index(path))
+
+
+def mapped_views(path: str | Path, index: dict[str, TensorEntry]) -> dict[str, np.ndarray]:
+    """`{name: read-only memory-mapped view}` of the tensors `index` (a `safetensors_index`
+    of `path`, or part of one) locates; the header is not read again."""
     if not index:
         return {}
     raw = np.memmap(path, dtype=np.uint8, mode="r")
