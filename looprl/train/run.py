@@ -90,6 +90,13 @@ def _prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
     return out.resolve()   # absolute: orbax refuses relative checkpoint paths
 
 
+def _eval_params(learner: GRPOLearner):
+    """The parameters evaluation samples with: the learner's own device arrays on one device
+    (a host round trip would copy the tree twice), whole host arrays on a mesh (evaluation
+    runs the one-device program)."""
+    return learner.params if learner.mesh is None else jax.tree.map(to_host, learner.params)
+
+
 @dataclasses.dataclass
 class _Start:
     """What GRPO starts from: the reference policy, its tokenizer, the warm-start report and
@@ -241,7 +248,7 @@ def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_jso
                     raise
                 every = exp_cfg.eval.eval_every_steps
                 if eval_fn is not None and every and (step + 1) % every == 0:
-                    m["eval_accuracy"] = eval_fn(jax.tree.map(to_host, learner.params))
+                    m["eval_accuracy"] = eval_fn(_eval_params(learner))
                 if step == 0 and main and learner.last_token_abs_delta is not None:
                     np.save(out / "mismatch_step0.npy", learner.last_token_abs_delta)
                 f.write(json.dumps(m) + "\n")
@@ -339,8 +346,8 @@ def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
     params = jax.tree.map(to_host, learner.params)
     # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
     after = before if n_steps == 0 else evaluate_and_say(
-        "eval after GRPO", exp_cfg.run.progress_bar and not quiet and main, say, model_cfg, params,
-        warm_task, tokenizer, exp_cfg, eval_set)
+        "eval after GRPO", exp_cfg.run.progress_bar and not quiet and main, say, model_cfg,
+        _eval_params(learner), warm_task, tokenizer, exp_cfg, eval_set)
     replay = replay_record(out / "metrics.jsonl") if main else {}
     if replay.get("inexact_replay_steps"):
         print(f"looprl train: warning: {replay['inexact_replay_steps']} of "
