@@ -263,3 +263,29 @@ def without_run_control(cfg: ExperimentConfig) -> ExperimentConfig:
     fresh run with another out_dir, or `resume=`)."""
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=None,
                                                             stop_after=None))
+
+
+def prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
+    """The run directory, absolute: `run.resume`'s (checked to be a run directory and to equal
+    `run.out_dir`) or a new or empty `run.out_dir`, created.
+
+    Raises:
+      ConfigError: out_dir differs from the resumed directory, the resumed directory has no
+        config.json, or a fresh run's out_dir is not empty.
+    """
+    out = Path(exp_cfg.run.out_dir)
+    if exp_cfg.run.resume is not None:
+        run_dir = Path(exp_cfg.run.resume)
+        if out.resolve() != run_dir.resolve():
+            raise ConfigError(f"config key 'run.out_dir': a resumed run continues in place, so "
+                              f"out_dir must be the resumed directory {exp_cfg.run.resume!r}, "
+                              f"found {exp_cfg.run.out_dir!r}")
+        if not (run_dir / "config.json").is_file():
+            raise ConfigError(f"config key 'run.resume': {exp_cfg.run.resume!r} is not a run "
+                              f"directory (no config.json)")
+        return run_dir.resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
+                          f"needs an empty or new directory (or resume={str(out)!r})")
+    out.mkdir(parents=True, exist_ok=True)
+    return out.resolve()   # absolute: orbax refuses relative checkpoint paths

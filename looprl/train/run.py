@@ -60,6 +60,7 @@ from looprl.model.looped import init_params
 from looprl.rl.evaluation import evaluate
 from looprl.rl.learner import GRPOLearner
 from looprl.train.resume import (REFERENCE_FILE, without_run_control, check_resume_config,
+                                 prepare_out_dir,
                                  checkpoint_candidates, load_reference, load_resume_point,
                                  restore_training_checkpoint, resume_candidates,
                                  save_training_checkpoint)
@@ -69,25 +70,6 @@ from looprl.train.setup import build_tasks, checkpoint_task_meta, run_tokenizer
 from looprl.train.warm_start import warm_start
 
 EVAL_BEFORE_FILE = "eval_before.json"
-
-
-def _prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
-    out = Path(exp_cfg.run.out_dir)
-    if exp_cfg.run.resume is not None:
-        run_dir = Path(exp_cfg.run.resume)
-        if out.resolve() != run_dir.resolve():
-            raise ConfigError(f"config key 'run.out_dir': a resumed run continues in place, so "
-                              f"out_dir must be the resumed directory {exp_cfg.run.resume!r}, "
-                              f"found {exp_cfg.run.out_dir!r}")
-        if not (run_dir / "config.json").is_file():
-            raise ConfigError(f"config key 'run.resume': {exp_cfg.run.resume!r} is not a run "
-                              f"directory (no config.json)")
-        return run_dir.resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
-                          f"needs an empty or new directory (or resume={str(out)!r})")
-    out.mkdir(parents=True, exist_ok=True)
-    return out.resolve()   # absolute: orbax refuses relative checkpoint paths
 
 
 def _eval_params(learner: GRPOLearner):
@@ -292,7 +274,7 @@ def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
     """Run the whole experiment; returns the summary dict (also written to summary.json).
     `t_start`: when the command started (`time.time()`), for `wall_s`; default now."""
     t_start = time.time() if t_start is None else t_start
-    out = _prepare_out_dir(exp_cfg)
+    out = prepare_out_dir(exp_cfg)
     main = is_main_process()  # only process 0 writes logs, metrics and reports (issue 7)
     say = (lambda *a: None) if quiet or not main else (lambda *a: print(*a, flush=True))
     resume_from: list[tuple[int, Path]] = []  # complete training checkpoints, newest first
