@@ -34,7 +34,6 @@ names the array. Paths are made absolute here (orbax refuses relative ones).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -49,8 +48,9 @@ import numpy as np
 from looprl.distributed.mesh import param_shardings, to_host
 from looprl.distributed.multihost import sync
 from looprl.errors import CheckpointError, ConfigError
-from looprl.model.config import OuroConfig
+from looprl.io.digest import ParamsSha256, file_sha256, leaf_path_name, params_sha256
 from looprl.io.train_state import flatten_train_state, tree_like_template
+from looprl.model.config import OuroConfig
 from looprl.model.looped import check_param_tree, expected_param_shapes
 
 FORMAT = "looprl-checkpoint"
@@ -107,12 +107,14 @@ def _to_saveable(tree, dtype=None):
     return jax.tree.map(one, tree)
 
 
-def _restore(directory: Path, shardings=None):
+def _restore(directory: Path, shardings=None, leaf_fn=None):
     """Restore an orbax PyTree as numpy (default) or, with `shardings` (a tree of
     `jax.sharding.Sharding` matching the stored tree), as global jax arrays placed so. Restore
     arguments are always explicit, so a tree written on N devices restores on any M (orbax's
     default would reuse the writer's device shardings). Numpy trees are restored leaf by leaf
-    (tensorstore's read holds a second copy of what it reads: the tree plus ~1 leaf, not ~1.8x)."""
+    (tensorstore's read holds a second copy of what it reads: the tree plus ~1 leaf, not ~1.8x),
+    in sorted path-name order; `leaf_fn(keys, leaf)` (numpy trees only) replaces each leaf as
+    it arrives."""
     import orbax.checkpoint as ocp
 
     ckptr = _checkpointer()
@@ -121,7 +123,8 @@ def _restore(directory: Path, shardings=None):
     if shardings is not None:
         args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), stored, shardings)
         return ckptr.restore(directory, restore_args=args)
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(stored)[0]]
+    paths = sorted((p for p, _ in jax.tree_util.tree_flatten_with_path(stored)[0]),
+                   key=leaf_path_name)
     if not paths or not all(isinstance(k, jax.tree_util.DictKey) for p in paths for k in p):
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
         return ckptr.restore(directory, restore_args=args)
@@ -134,7 +137,8 @@ def _restore(directory: Path, shardings=None):
             item=item, restore_args=args, partial_restore=True)), out
         for k in path[:-1]:
             src, dst = src[k.key], dst.setdefault(k.key, {})
-        dst[path[-1].key] = src[path[-1].key]
+        leaf = src[path[-1].key]
+        dst[path[-1].key] = leaf if leaf_fn is None else leaf_fn(tuple(k.key for k in path), leaf)
     return out
 
 
@@ -247,17 +251,9 @@ def _synced_manifest(root: Path) -> tuple[dict[str, int], dict[str, str]]:
             _fsync(p)
             rel = p.relative_to(root).as_posix()
             files[rel] = p.stat().st_size
-            digests[rel] = _file_sha256(p)
+            digests[rel] = file_sha256(p)
         _fsync(Path(dirpath))
     return dict(sorted(files.items())), dict(sorted(digests.items()))
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool = False
@@ -270,23 +266,23 @@ def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool
     for rel, recorded in (meta.get("file_sha256") or {}).items():
         if rel.startswith(TRAIN_STATE_DIR + "/") != train_state:
             continue
-        found = _file_sha256(path / rel)
+        found = file_sha256(path / rel)
         if found != recorded:
             raise CheckpointError(f"{path / rel}: damaged checkpoint file: SHA-256 {found} "
                                   f"differs from {recorded} recorded in {META_FILE} when it was "
                                   f"saved")
 
 
-def _check_params_digest(path: Path, params, meta: dict[str, Any]) -> None:
-    """`params_sha256` of the restored tree against the recorded one; a checkpoint that
-    records no digest at all loads with a one-line warning on stderr."""
+def _check_params_digest(path: Path, params, meta: dict[str, Any], found=None) -> None:
+    """`params_sha256` of the restored tree (or `found`, streamed as it was read) against the
+    recorded one; a checkpoint that records no digest at all loads with a warning on stderr."""
     recorded = meta.get("params_sha256")
     if recorded is None:
         if not meta.get("file_sha256"):
             print(f"looprl: warning: {path}: written before checkpoints recorded digests; its "
                   f"bytes cannot be checked for damage", file=sys.stderr, flush=True)
         return
-    found = params_sha256(params)
+    found = found or params_sha256(params)
     if found != recorded:
         raise CheckpointError(f"{path / PARAMS_DIR}: damaged parameters: params_sha256 {found} "
                               f"differs from {recorded} recorded in {META_FILE} when it was "
@@ -334,14 +330,18 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def load_model_checkpoint(path: str | Path, mesh=None
+def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
                           ) -> tuple[dict[str, Any], OuroConfig, str | None, dict[str, Any]]:
     """Read a looprl checkpoint (model or training): (params, cfg, tokenizer_json, meta).
 
     params: nested dict of fp32 numpy arrays in the `param_dict` layout, checked against cfg
     (shapes) and fp32 (a stored array of another dtype is refused, never cast); with a `mesh`,
     global jax arrays with `looprl.distributed.mesh.param_shardings` (each process reads only
-    its shards). Either way from a checkpoint written on any device count.
+    its shards). Either way from a checkpoint written on any device count. With `leaf_fn`
+    (`leaf_fn(keys, fp32 numpy leaf) -> array`, not with a mesh), each leaf as it is read (in
+    sorted path order, after its dtype check and once its bytes are in the digest) is replaced
+    by what `leaf_fn` returns, so the fp32 tree never exists at once (issue 19: bf16 sampling
+    weights, `looprl.sampling.resident`).
     tokenizer_json: the stored `tokenizer.json` text, or None. meta: `looprl_meta.json`.
     `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, a
     param mismatch (naming the array), or a file or parameter digest that differs from the one
@@ -355,25 +355,38 @@ def load_model_checkpoint(path: str | Path, mesh=None
                                    source=str(path / CONFIG_FILE))
     except (OSError, json.JSONDecodeError, ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from e
+    sha = ParamsSha256()
+
+    def streamed(keys, leaf):
+        _require_fp32(path, keys, leaf)
+        sha.update(leaf_path_name(keys), leaf)
+        return leaf_fn(keys, leaf)
+
     try:
         shardings = None
         if mesh is not None:
             shardings = param_shardings(expected_param_shapes(cfg), mesh)
-        params = _restore(path / PARAMS_DIR, shardings)
+        params = _restore(path / PARAMS_DIR, shardings, leaf_fn and streamed)
+    except CheckpointError:
+        raise
     except Exception as e:  # orbax raises several types for a damaged directory
         raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore parameters: {e}") from e
-    if mesh is None:
+    if mesh is None and leaf_fn is None:
         params = _to_numpy(params)
     check_param_tree(params, cfg, source=f"{path / PARAMS_DIR}")
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if leaf.dtype != np.float32:
-            raise CheckpointError(f"{path / PARAMS_DIR}: parameter {jax.tree_util.keystr(key_path)}"
-                                  f" stored as {leaf.dtype.name}, expected float32 (fp32 master "
-                                  f"weights)")
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if not leaf_fn else ():
+        _require_fp32(path, [k.key for k in key_path], leaf)
     if mesh is None:  # sharded: the file digests above covered every byte
-        _check_params_digest(path, params, meta)
+        _check_params_digest(path, params, meta, sha.hexdigest() if leaf_fn else None)
     tokenizer_json = (path / TOKENIZER_FILE).read_text() if meta.get("has_tokenizer") else None
     return params, cfg, tokenizer_json, meta
+
+
+def _require_fp32(path: Path, keys, leaf) -> None:
+    if leaf.dtype != np.float32:
+        raise CheckpointError(f"{path / PARAMS_DIR}: parameter {''.join(f'[{k!r}]' for k in keys)}"
+                              f" stored as {leaf.dtype.name}, expected float32 (fp32 master "
+                              f"weights)")
 
 
 def load_train_state(path: str | Path, template: Any = None) -> Any:
@@ -431,19 +444,3 @@ def load_train_state(path: str | Path, template: Any = None) -> Any:
             d[last] = leaf
         return out
     return tree_like_template(stored, template, where=str(path / TRAIN_STATE_DIR))
-
-
-def params_sha256(params: dict[str, Any]) -> str:
-    """SHA-256 (hex) of a parameter tree (DESIGN.md §5): leaves in sorted path order, each fed as
-    `path|dtype|shape|` (path `/`-joined keys, dtype numpy name, shape comma-joined) followed by
-    its little-endian bytes."""
-    flat = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        flat.append((name, np.asarray(leaf)))
-    h = hashlib.sha256()
-    for name, a in sorted(flat, key=lambda x: x[0]):
-        a = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))
-        h.update(f"{name}|{a.dtype.name}|{','.join(map(str, a.shape))}|".encode())
-        h.update(a.reshape(-1).view(np.uint8).data)  # the bytes, not a copy of them
-    return h.hexdigest()

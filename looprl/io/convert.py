@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from looprl.errors import CheckpointError
 from looprl.io.checkpoint import load_model_checkpoint, save_model_checkpoint
-from looprl.io.hf import load_hf, read_hf, save_hf
+from looprl.io.hf import read_hf, save_hf
 
 
 def _read_tokenizer(path: str | Path) -> str:
@@ -73,14 +73,15 @@ def checkpoint_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str | N
             "cfg": cfg}
 
 
-def load_any_checkpoint(path: str):
+def load_any_checkpoint(path: str, leaf_fn=None):
     """(params fp32 dict, OuroConfig, tokenizer json or None, meta) from a looprl checkpoint or
-    an HF directory. Raises CheckpointError naming the path when it is neither."""
+    an HF directory. `leaf_fn(keys, fp32 leaf) -> array` replaces each leaf as it is read
+    (`load_model_checkpoint`, `read_hf`), so the fp32 tree never exists at once. Raises
+    CheckpointError naming the path when it is neither."""
     p = Path(path)
     if (p / "config.json").exists() and not (p / "looprl_meta.json").exists():
-        model = load_hf(p, dtype="float32")
-        tok = (p / "tokenizer.json").read_text() if (p / "tokenizer.json").exists() else None
-        return model.weights(), model.cfg, tok, {"source": "hf"}
+        ckpt = read_hf(p, leaf_fn=leaf_fn)
+        return ckpt.params, ckpt.cfg, ckpt.tokenizer_json, {"source": "hf"}
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint directory")
-    return load_model_checkpoint(p)
+    return load_model_checkpoint(p, leaf_fn=leaf_fn)

@@ -134,8 +134,8 @@ def read_hf_state_dict(hf_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[
 
 # --- HF state dict <-> looprl params --------------------------------------------------------
 def params_from_hf_state(state: dict[str, np.ndarray | TensorEntry], cfg: OuroConfig,
-                         source: str = "HF state dict", origin: dict[str, str] | None = None
-                         ) -> dict[str, Any]:
+                         source: str = "HF state dict", origin: dict[str, str] | None = None,
+                         leaf_fn=None) -> dict[str, Any]:
     """Map an HF state dict onto the looprl parameter dict, in fp32 (exact widening).
 
     Each leaf is allocated once in fp32 and filled tensor by tensor (a `TensorEntry` is read
@@ -147,7 +147,10 @@ def params_from_hf_state(state: dict[str, np.ndarray | TensorEntry], cfg: OuroCo
       cfg: the architecture the tensors must match.
       source: where the tensors came from, for messages; origin: per-tensor file (default:
         each `TensorEntry`'s own path).
-    Returns: nested dict of fp32 numpy arrays (see module docstring for shapes).
+      leaf_fn: `leaf_fn(keys, fp32 leaf) -> array` replaces each leaf once it is filled (so the
+        fp32 tree never exists at once: `looprl.sampling.resident`'s bf16 weights).
+    Returns: nested dict of fp32 numpy arrays (see module docstring for shapes), or of what
+      `leaf_fn` returned.
     Raises: CheckpointError naming the tensor (and file) for a missing tensor (including
       `lm_head.weight`: Ouro's head is untied and is never invented), an unexpected tensor, or
       a wrong shape (expected vs found).
@@ -192,15 +195,21 @@ def params_from_hf_state(state: dict[str, np.ndarray | TensorEntry], cfg: OuroCo
     def single(name, transpose=False):
         return stacked([name], transpose)[0]
 
-    layers = {key: stacked([_hf_layer_name(i, key) for i in range(cfg.num_layers)],
-                           transpose=key not in _NORMS) for key in LAYER_KEYS}
+    def done(keys, leaf):
+        return leaf if leaf_fn is None else leaf_fn(keys, leaf)
+
+    layers = {key: done(("layers", key), stacked(
+        [_hf_layer_name(i, key) for i in range(cfg.num_layers)], transpose=key not in _NORMS))
+        for key in LAYER_KEYS}
     return {
-        "embed_tokens": single("model.embed_tokens.weight"),
+        "embed_tokens": done(("embed_tokens",), single("model.embed_tokens.weight")),
         "layers": layers,
-        "norm": single("model.norm.weight"),
-        "early_exit_gate": {"kernel": single("model.early_exit_gate.weight", transpose=True),
-                            "bias": single("model.early_exit_gate.bias")},
-        "lm_head": single("lm_head.weight", transpose=True),
+        "norm": done(("norm",), single("model.norm.weight")),
+        "early_exit_gate": {
+            "kernel": done(("early_exit_gate", "kernel"),
+                           single("model.early_exit_gate.weight", transpose=True)),
+            "bias": done(("early_exit_gate", "bias"), single("model.early_exit_gate.bias"))},
+        "lm_head": done(("lm_head",), single("lm_head.weight", transpose=True)),
     }
 
 
@@ -256,10 +265,12 @@ class HFCheckpoint(NamedTuple):
     tokenizer_json: str | None
 
 
-def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None) -> HFCheckpoint:
+def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None,
+            leaf_fn=None) -> HFCheckpoint:
     """Read `config.json` + safetensors (single or sharded) of an HF Ouro directory.
 
-    `token_ids` overrides the config's bos/eos/pad ids (see `OuroConfig.from_hf_config`).
+    `token_ids` overrides the config's bos/eos/pad ids (see `OuroConfig.from_hf_config`);
+    `leaf_fn` replaces each fp32 leaf as it is filled (`params_from_hf_state`).
     Raises: CheckpointError (unknown `model_type`, missing/extra/misshapen tensor, truncated
       file, missing shard, ...), naming the file or tensor.
     """
@@ -271,7 +282,7 @@ def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None) -> HFCh
         raise CheckpointError(f"{cfg_path}: missing (an HF directory needs config.json)")
     cfg = OuroConfig.from_hf_config(cfg_path, token_ids=token_ids)
     entries = hf_tensor_index(hf_dir)
-    params = params_from_hf_state(entries, cfg, source=str(hf_dir))
+    params = params_from_hf_state(entries, cfg, source=str(hf_dir), leaf_fn=leaf_fn)
     source_dtypes = {n: dtype_name(e.dtype) for n, e in entries.items()}
     counts: dict[str, int] = {}
     for d in source_dtypes.values():
