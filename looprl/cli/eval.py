@@ -59,9 +59,8 @@ from looprl.cli.main import EVAL_TASKS
 from looprl.determinism import environment
 from looprl.errors import CheckpointError, ConfigError
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
-from looprl.io.convert import load_any_checkpoint
-from looprl.model.looped import device_params
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
+from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig
 from looprl.tasks import get_task, task_names
 from looprl.tasks.grading import extract_answer
@@ -176,12 +175,14 @@ def _check_args(args) -> None:
         raise ConfigError(f"--out: {str(out)!r} already holds results.json; choose a new directory")
 
 
-def _load(checkpoint: str):
-    """(params, OuroConfig, TextTokenizer) of a looprl checkpoint or HF directory."""
+def _load(checkpoint: str, dtype: str):
+    """(params, OuroConfig, TextTokenizer, fp32 master fingerprint) of a looprl checkpoint or HF
+    directory, the weights on the device in the compute `dtype` (`load_for_sampling`)."""
     path = Path(checkpoint).expanduser()
     if not path.exists():
         raise CheckpointError(f"{checkpoint}: no such checkpoint directory")
-    params, cfg, tok_json, _ = load_any_checkpoint(str(path.resolve()))  # orbax: absolute paths
+    # on the device once, for every batch; orbax wants absolute paths
+    params, cfg, tok_json, _, fingerprint = load_for_sampling(str(path.resolve()), dtype)
     if tok_json is None:
         raise CheckpointError(f"{checkpoint}: the checkpoint has no tokenizer.json (convert it "
                               f"with `looprl convert --hf DIR --out CKPT --tokenizer FILE`)")
@@ -189,18 +190,20 @@ def _load(checkpoint: str):
     if tok.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{checkpoint}: tokenizer.json has {tok.vocab_size} ids, the model's "
                               f"vocabulary only {cfg.vocab_size}")
-    return device_params(params), cfg, tok  # on the device once, for every batch
+    return params, cfg, tok, fingerprint
 
 
 def evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg, *, batch_size: int,
-                      seed: int = 0, progress=None) -> list[dict[str, Any]]:
+                      seed: int = 0, progress=None, master_fingerprint: str | None = None
+                      ) -> list[dict[str, Any]]:
     """`looprl.rl.evaluation.evaluate_problems` (one greedy completion per problem, graded), each
     row with `extracted`, the final answer `looprl.tasks.grading.extract_answer` finds (or
     None), after its completion; the task's raw reward is left out (`correct` says it)."""
     return [{"completion": r["completion"], "extracted": extract_answer(r["completion"]),
              **{k: r[k] for k in ("correct", "tokens", "truncated", "exit_loops")}}
             for r in generate_and_grade(model_cfg, params, task, tokenizer, problems, scfg,
-                                        batch_size=batch_size, seed=seed, progress=progress)]
+                                        batch_size=batch_size, seed=seed, progress=progress,
+                                        master_fingerprint=master_fingerprint)]
 
 
 def summarize(q: float, rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -260,7 +263,7 @@ def run(args) -> int:
     task = build_eval_task(st["task"], **st["task_kwargs"])
     held_out = task.eval_problems()
     problems = held_out[:st["limit"]] if st["limit"] else held_out
-    params, cfg, tok = _load(args.checkpoint)
+    params, cfg, tok, fingerprint = _load(args.checkpoint, st["compute_dtype"])
     out = Path(args.out).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +286,7 @@ def run(args) -> int:
         try:
             rows = evaluate_problems(cfg, params, task, tok, problems, scfg,
                                      batch_size=st["batch_size"], seed=st["seed"],
-                                     progress=bar.update)
+                                     progress=bar.update, master_fingerprint=fingerprint)
         finally:
             bar.close()
         per_q[q] = rows

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 from looprl.errors import CheckpointError, SamplingError
-from looprl.io.convert import load_any_checkpoint
-from looprl.model.looped import device_params
+from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tokenizer import chat_prompt, tokenizer_from_json
 
@@ -82,8 +81,8 @@ def run(args) -> int:
 
     check_args(args)
     q = 1.0 if args.exit_threshold is None else args.exit_threshold
-    params, cfg, tok_json, meta = load_any_checkpoint(args.checkpoint)
-    params = device_params(params)
+    # on the device in the compute dtype (bf16: 2 B per parameter, the fp32 master's fingerprint)
+    params, cfg, tok_json, meta, fingerprint = load_for_sampling(args.checkpoint, args.dtype)
     if tok_json is None:
         raise CheckpointError(f"{args.checkpoint}: no tokenizer.json (convert with --tokenizer)")
     tok = tokenizer_from_json(tok_json)
@@ -105,7 +104,8 @@ def run(args) -> int:
 
     timings: dict = {}
     batch = generate(cfg, params, [ids], scfg, group_size=args.num_samples, seed=args.seed,
-                     decode_steps_per_call=32, progress=progress, timings=timings)
+                     decode_steps_per_call=32, progress=progress, timings=timings,
+                     master_fingerprint=fingerprint)
     bar.close()
     P = batch.schedule.prompt_len
     samples = []

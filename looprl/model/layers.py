@@ -63,27 +63,60 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, 
     return y, k_BxSxJxK, v_BxSxJxK
 
 
+@jax.custom_jvp
+def layer_bits(a):
+    """A bf16 array as its uint16 bits (other dtypes unchanged), to be sliced per layer.
+
+    XLA CPU's float normalization computes a dynamic slice of a bf16 array in fp32: it widens
+    the whole operand first, and the widened stack, loop-invariant, is then hoisted out of the
+    layer loop as an fp32 copy of every layer (issue 19: `generate --dtype bfloat16` held more
+    than fp32 did). An integer slice moves the bits only, so the values are the same bits.
+    Not differentiable: differentiating through it raises (a bitcast's gradient would be a
+    silent zero), so only the sampler, which takes no gradient, uses it."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a
+
+
+@layer_bits.defjvp
+def _layer_bits_jvp(primals, tangents):
+    raise TypeError("layer_bits is not differentiable (the sampler's weight slicing); the "
+                    "learner's passes slice the compute-dtype weights directly")
+
+
+def _from_bits(a, dtype):
+    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
+
+
 def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_LxBxSxJxK,
-               v_LxBxSxJxK, write_BxC, w0, stock: bool = False):
+               v_LxBxSxJxK, write_BxC, w0, stock: bool = False, bits: bool = False):
     """One loop (ut step): all L shared layers, then the shared final norm (`model.norm`).
 
     Args:
-      w: compute-dtype weights (see `looprl.model.looped.cast_weights`).
+      w: `looprl.model.looped.cast_weights`' output: compute-dtype weights, the layer stacks as
+        stored (fp32 master or a compute-dtype copy), each layer cast to `w["norm"]`'s dtype in
+        the loop.
       x_BxCxD: the chunk's input hidden states (embeddings at loop 1, h(t-1) after).
       positions_BxC: RoPE positions (layout index minus the row's left padding).
       layout_C: layout indices of the chunk, `w0 + arange(C)`.
       k/v_LxBxSxJxK: this loop's KV slots for every layer.
+      bits: slice bf16 layer weights as their bits (`layer_bits`; the sampler's form: the
+        same values, without an fp32 copy of the stack on XLA CPU; not differentiable).
     Returns: (h_BxCxD normalised, k_LxBxSxJxK, v_LxBxSxJxK).
     """
     S = k_LxBxSxJxK.shape[2]
     cos, sin = kn.rope_cos_sin(positions_BxC, cfg.head_dim, cfg.rope_theta, x_BxCxD.dtype)
     mask = key_mask(layout_C, pad_B, S)
 
+    stack, dt = w["layers"], w["norm"].dtype
+    xs_layers = {k: layer_bits(v) for k, v in stack.items()} if bits else stack
+
     def body(x, xs):
         lw, k_slot, v_slot = xs
+        if bits:
+            lw = {k: _from_bits(v, stack[k].dtype) for k, v in lw.items()}
+        lw = {k: v.astype(dt) for k, v in lw.items()}  # this layer only (`cast_weights`)
         y, k_slot, v_slot = decoder_layer(cfg, lw, x, cos, sin, k_slot, v_slot, write_BxC, w0,
                                           mask, stock)
         return y, (k_slot, v_slot)
 
-    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, (w["layers"], k_LxBxSxJxK, v_LxBxSxJxK))
+    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, (xs_layers, k_LxBxSxJxK, v_LxBxSxJxK))
     return kn.rms_norm(out, w["norm"], cfg.rms_norm_eps, stock), k_new, v_new

@@ -122,10 +122,17 @@ def init_params(cfg: OuroConfig, seed: int = 0) -> dict:
 
 
 def cast_weights(params: dict, dtype) -> dict:
-    """Compute-dtype view of the fp32 master weights; the exit gate stays fp32 (DESIGN.md §2)."""
+    """Compute-dtype view of the fp32 master weights; the exit gate stays fp32 (DESIGN.md §2).
+
+    The layer stacks (`w["layers"]`) are passed on as stored: `layers.stack_pass` casts each
+    layer to the compute dtype (that of `w["norm"]`) inside its loop, the same values. A cast
+    stack would be a second copy of every layer (2 B per parameter in bf16), which XLA CPU also
+    widened to fp32 (4 B) before slicing it, and in a gradient pass a third, the bf16 gradient
+    of the stack (issue 19)."""
     dtype = jnp.dtype(dtype)
     out = jax.tree.map(lambda a: a.astype(dtype), {k: v for k, v in params.items()
-                                                   if k != "early_exit_gate"})
+                                                   if k not in ("early_exit_gate", "layers")})
+    out["layers"] = params["layers"]
     out["early_exit_gate"] = jax.tree.map(lambda a: a.astype(jnp.float32),
                                           params["early_exit_gate"])
     return out
@@ -309,6 +316,11 @@ def all_loop_outputs(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None) -> 
         model_cfg, w, tokens_BxS, pad_B, unroll=True,
         readout=lambda h, d: (lm_logits(w, h), exit_lambda(w, h)))
     return ModelOutput(logits, lams)
+
+
+# The key path of every parameter leaf, whatever the config (the `param_dict` layout)
+PARAM_PATHS = (("early_exit_gate", "bias"), ("early_exit_gate", "kernel"), ("embed_tokens",),
+               *(("layers", k) for k in sorted(LAYER_KEYS)), ("lm_head",), ("norm",))
 
 
 def expected_param_shapes(cfg: OuroConfig) -> dict[str, Any]:

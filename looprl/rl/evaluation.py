@@ -16,7 +16,8 @@ from looprl.sampling.sampler import SamplingConfig, generate
 
 def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
                       scfg: SamplingConfig, *, batch_size: int, seed: int = 0,
-                      progress=None) -> list[dict[str, Any]]:
+                      progress=None, master_fingerprint: str | None = None
+                      ) -> list[dict[str, Any]]:
     """Generate one completion per problem (in batches of `batch_size`, noise keyed by each
     problem's id) and grade it.
 
@@ -24,7 +25,8 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
     (`task.reward`), correct (reward == 1.0), tokens (completion tokens, the end of turn
     included), truncated (no end of turn within `scfg.max_new_tokens`), exit_loops (the exit
     loop of each completion token, DESIGN.md §3). `progress(n)` is called after each batch with
-    its number of problems.
+    its number of problems. `master_fingerprint`: for `params` held in the compute dtype
+    (`looprl.sampling.sampler.generate`).
     """
     if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
         params = jax.device_put(params)  # once for every batch (numpy trees: a copy per call)
@@ -33,7 +35,8 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
         chunk = problems[i:i + batch_size]
         prompts = [tokenizer.encode(task.format_prompt(p)) for p in chunk]
         batch = generate(model_cfg, params, prompts, scfg, group_size=1, seed=seed, step=0,
-                         prompt_indices=[p.id for p in chunk])
+                         prompt_indices=[p.id for p in chunk],
+                         master_fingerprint=master_fingerprint)
         P = batch.schedule.prompt_len
         toks = np.asarray(batch.tokens_BxS)
         exits = np.asarray(batch.exit_loop_BxS)

@@ -177,7 +177,7 @@ def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_slots
     positions in `active_BxC` compute their loop-d KV and hidden state, the others keep theirs.
     Returns the chunk's windows: (k, v `[L, rows, C, Hkv, K]`, h `[rows, C, D]`, depth)."""
     h_new, k_m, v_m = stack_pass(st.cfg, w, h_win, positions, w0 + jnp.arange(C), pad_B,
-                                 k_slots, v_slots, active_BxC, w0, st.scfg.kernels == "stock")
+                                 k_slots, v_slots, active_BxC, w0, st.scfg.kernels == "stock", bits=True)
     return (jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2),
             jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2),
             jnp.where(active_BxC[..., None], h_new, h_win), jnp.where(active_BxC, d, depth_win))
@@ -474,11 +474,13 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
              group_size: int = 1, seed: int = 0, step: int = 0,
              prompt_indices: list[int] | None = None, decode_steps_per_call: int | None = None,
              progress=None, forced: RolloutBatch | None = None, mesh=None,
-             timings: dict | None = None) -> RolloutBatch:
+             timings: dict | None = None, master_fingerprint: str | None = None) -> RolloutBatch:
     """Sample `group_size` completions for each prompt; returns a `RolloutBatch` with schedule.
 
     Args:
-      params: fp32 master parameter dict (`looprl.model.looped.param_dict`).
+      params: fp32 master parameter dict (`looprl.model.looped.param_dict`), or its copy in
+        the compute dtype (`looprl.sampling.resident.ComputeWeights`: the same bits, half the
+        memory in bf16), which needs `master_fingerprint`.
       prompts: token id lists (non-empty). Row b = prompt b // G, sample b % G.
       prompt_indices: each prompt's global index in its dataset (seeds its noise); default 0..n-1.
       decode_steps_per_call: decode steps per jitted call (progress granularity); default all.
@@ -490,10 +492,20 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
       timings: a dict to fill with wall seconds `prefill_s` (prefill, which emits the first new
         token; waits for it to finish) and `decode_s` (the decode steps, which emit the rest),
         and `decode_steps` (steps run), so decode throughput can be told from prefill.
-    Raises: SamplingError on bad input (see `SamplingConfig.validate`, `layout_prompts`).
+      master_fingerprint: `params_fingerprint` of the fp32 master when `params` is a
+        compute-dtype copy; the schedule records it (else the fingerprint of `params`).
+    Raises: SamplingError on bad input (see `SamplingConfig.validate`, `layout_prompts`), or
+      for weights held in a dtype other than fp32 without `master_fingerprint` or with another
+      compute dtype (their bits would not be the master's cast).
     """
     T = cfg.total_ut_steps
     scfg.validate(T)
+    held = jnp.dtype(params["layers"]["q_proj"].dtype)
+    if held != jnp.float32 and (held != jnp.dtype(scfg.compute_dtype)
+                                or master_fingerprint is None):
+        raise SamplingError(f"parameters held in {held.name}: sampling from them needs "
+                            f"compute_dtype {held.name} (found {jnp.dtype(scfg.compute_dtype).name})"
+                            f" and master_fingerprint, the fp32 master's (ComputeWeights)")
     if forced is not None:
         fb = forced.to_numpy()
         sched = fb.schedule
@@ -572,7 +584,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         prompt_len=int(P), seq_len=int(S), batch_size=int(tokens.shape[0]),
         total_ut_steps=T, compute_dtype=scfg.compute_dtype, temperature=float(scfg.temperature),
         top_k=int(scfg.top_k), top_p=float(scfg.top_p), seed=int(seed), step=int(step),
-        params_fingerprint=params_fingerprint(params),
+        params_fingerprint=master_fingerprint or params_fingerprint(params),
         devices=1 if mesh is None else int(mesh.size),
         backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
         row_tile=row_tile() if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,

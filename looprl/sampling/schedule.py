@@ -241,6 +241,41 @@ def params_fingerprint(params) -> str:
     return fp
 
 
+class FingerprintStream:
+    """`params_fingerprint` of a tree whose leaves arrive one at a time (a loader's order), so
+    the tree itself never has to exist at once: a sampler that holds its weights in bf16 still
+    records the fingerprint of the fp32 master they were cast from (issue 19).
+
+    `paths` are the tree's key paths (tuples of dict keys, e.g. `("layers", "q_proj")`), all of
+    them; `add(path, leaf)` digests one leaf (numpy or jax, any position in the order);
+    `hexdigest()` is the value `params_fingerprint` gives for the whole tree (the same sum of
+    the same per-leaf digests, each salted by its place in sorted path order). Raises
+    ValueError for a path not in `paths`, added twice, or missing at `hexdigest()`."""
+
+    def __init__(self, paths):
+        keyed = sorted((jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p)),
+                        tuple(p)) for p in paths)
+        self._salt = {p: np.uint32(i + 1) for i, (_, p) in enumerate(keyed)}
+        self._sum = np.zeros(2, np.uint64)
+        self._seen: set[tuple] = set()
+
+    def add(self, path, leaf) -> None:
+        path = tuple(path)
+        if path not in self._salt or path in self._seen:
+            raise ValueError(f"fingerprint stream: parameter {'/'.join(path)} "
+                             f"{'added twice' if path in self._seen else 'not in the tree'}")
+        self._seen.add(path)
+        self._sum += np.asarray(_tree_digest((jnp.asarray(leaf),), self._salt[path]), np.uint64)
+
+    def hexdigest(self) -> str:
+        missing = sorted("/".join(p) for p in self._salt if p not in self._seen)
+        if missing:
+            raise ValueError(f"fingerprint stream: {len(missing)} parameters never added "
+                             f"(first {missing[0]})")
+        a, b = (int(x) % 2**32 for x in self._sum)
+        return f"{a:08x}{b:08x}"
+
+
 # Digests of the last few parameter trees made of jax arrays (immutable), keyed by the leaves'
 # ids and checked through weak references, so a tree that was freed and whose ids were reused
 # is hashed again. Evaluation and verify sample many batches with the same parameters.

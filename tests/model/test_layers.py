@@ -1,0 +1,68 @@
+"""`layers.stack_pass`'s bit-sliced bf16 weights (issue 19): the same bits, no fp32 stack."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from looprl.model.config import preset
+from looprl.model.layers import layer_bits, stack_pass
+from looprl.model.looped import cast_weights, init_params
+
+CFG = preset("tiny", num_layers=4)
+
+
+def _pass(bits):
+    B, C, S = 2, 3, 8
+    Hkv, K = CFG.num_kv_heads, CFG.head_dim
+
+    def f(w, x):
+        kv = jnp.zeros((CFG.num_layers, B, S, Hkv, K), jnp.bfloat16)
+        pos = jnp.broadcast_to(jnp.arange(C), (B, C))
+        return stack_pass(CFG, w, x, pos, jnp.arange(C), jnp.zeros((B,), jnp.int32), kv, kv,
+                          jnp.ones((B, C), bool), 0, bits=bits)
+    w = cast_weights(init_params(CFG, 0), jnp.bfloat16)
+    w["layers"] = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w["layers"])  # bf16-resident
+    x = jax.random.normal(jax.random.key(0), (B, C, CFG.hidden_size)).astype(jnp.bfloat16)
+    return jax.jit(f), w, x
+
+
+def test_fp32_stacks_are_cast_per_layer_to_the_same_bits():
+    """`cast_weights` leaves the stacks fp32 and `stack_pass` casts each layer: the same bits as
+    a stack cast to bf16 beforehand, and no bf16 or fp32 copy of a whole stack in the program."""
+    f, w16, x = _pass(False)
+    w32 = cast_weights(init_params(CFG, 0), jnp.bfloat16)
+    assert w32["layers"]["up_proj"].dtype == jnp.float32
+    for a, b in zip(jax.tree.leaves(f(w16, x)), jax.tree.leaves(f(w32, x))):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    L, D, F = CFG.num_layers, CFG.hidden_size, CFG.intermediate_size
+    text = f.lower(w32, x).compile().as_text()
+    assert not re.search(rf"(f32|bf16)\[{L},({D},{F}|{F},{D})\]\S* (convert|fusion)", text)
+
+
+def test_bit_sliced_weights_give_the_same_bits():
+    f0, w, x = _pass(False)
+    f1, _, _ = _pass(True)
+    for a, b in zip(jax.tree.leaves(f0(w, x)), jax.tree.leaves(f1(w, x))):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_bit_sliced_weights_leave_no_fp32_copy_of_a_stack():
+    """XLA CPU slices bf16 in fp32: without `bits`, the compiled pass holds the MLP stack widened
+    to f32[L, D, F] (hoisted out of the layer loop); with it, no array of that shape exists."""
+    L, D, F = CFG.num_layers, CFG.hidden_size, CFG.intermediate_size
+    stack = re.compile(rf"f32\[{L},({D},{F}|{F},{D})\]")
+    texts = {}
+    for bits in (False, True):
+        f, w, x = _pass(bits)
+        texts[bits] = f.lower(w, x).compile().as_text()
+    if jax.default_backend() == "cpu":  # the probe sees the copy where XLA makes it
+        assert stack.search(texts[False])
+    assert not stack.search(texts[True])
+
+
+def test_layer_bits_refuses_a_gradient():
+    with pytest.raises(TypeError, match="not differentiable"):
+        jax.grad(lambda a: layer_bits(a.astype(jnp.bfloat16)).astype(jnp.float32).sum())(
+            jnp.ones(3))
