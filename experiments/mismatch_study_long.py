@@ -7,8 +7,8 @@ sums and GRPO trains and evaluates on 4-term sums.
     looprl train experiments/mismatch_study_long.py seed=0 out_dir=runs/mismatch/long/seed0
 
 Its variants are the fp32 learners under `deferred` KV (`hybrid`, `stock`, `full_depth` +
-recompute, with and without TIS, `expected` + recompute): the warm start alone needs about
-30 quiet minutes on 2 CPU cores, so the whole grid of the short study does not fit the 30
+recompute, with and without TIS, `expected` + recompute): the warm start alone took 18-25
+minutes per seed on 2 CPU cores, so the whole grid of the short study does not fit the 30
 minutes per seed its issue sets.
 """
 from mismatch_study import CONFIG as SHORT, SHARED_WARM_START  # noqa: F401

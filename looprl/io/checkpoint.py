@@ -347,6 +347,8 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     param mismatch (naming the array), or a file or parameter digest that differs from the one
     recorded at save (naming the file and both digests).
     """
+    if mesh is not None and leaf_fn is not None:
+        raise ValueError("load_model_checkpoint: leaf_fn is for one-device numpy loads, not a mesh")
     path = _abs(path)
     meta = read_checkpoint_meta(path)
     check_file_digests(path, meta)

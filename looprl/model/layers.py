@@ -79,7 +79,7 @@ def layer_bits(a):
 @layer_bits.defjvp
 def _layer_bits_jvp(primals, tangents):
     raise TypeError("layer_bits is not differentiable (the sampler's weight slicing); the "
-                    "learner's passes slice the compute-dtype weights directly")
+                    "learner's passes slice the fp32 master stacks (stack_pass bits=False)")
 
 
 def _from_bits(a, dtype):

@@ -76,7 +76,8 @@ def test_streamed_checkpoint_load_still_checks_the_params_digest(tmp_path):
         load_model_checkpoint(path, leaf_fn=ComputeWeights("bfloat16"))
 
 
-@pytest.mark.parametrize("kv_policy", ["dense", "deferred", "copy"])
+@pytest.mark.parametrize("kv_policy", [pytest.param("dense", marks=pytest.mark.slow), "deferred",
+                                       pytest.param("copy", marks=pytest.mark.slow)])
 def test_bf16_sampling_from_held_weights_gives_the_master_bits(kv_policy):
     master = _params(1)
     weights = ComputeWeights("bfloat16")
