@@ -5,7 +5,8 @@ master it came from.
 `looprl generate` / `looprl eval --dtype bfloat16` sample with `cast_weights(params, bf16)`.
 Holding the fp32 master for that costs 4 B per parameter that the sampler never reads;
 `ComputeWeights` holds 2 B instead, and the fp32 tree never exists at once (peak: the bf16 tree
-plus one fp32 leaf). The cast is the one `cast_weights` applies (an XLA convert of the same fp32
+plus the copies of the leaf being read: the loader's fp32 array, its device copy and its cast;
+about 5.6 GB at 1.43 B parameters, README "Memory"). The cast is the one `cast_weights` applies (an XLA convert of the same fp32
 values, the exit gate kept in fp32), so the sampler computes the same bits from either form, and
 the rollout records the master's fingerprint (`FingerprintStream`), so `looprl verify --rollout`
 and the learner check it against the fp32 checkpoint as before.

@@ -230,10 +230,8 @@ def params_fingerprint(params) -> str:
     if all(isinstance(x, jax.Array) for x in arrays):
         digest = _tree_digest(arrays, np.uint32(1))  # one program per tree layout
     else:  # numpy leaves: one leaf on the device at a time (one program per leaf shape)
-        digest = sum(np.asarray(_tree_digest((jnp.asarray(x),), np.uint32(i + 1)), np.uint64)
-                     for i, x in enumerate(arrays))
-    a, b = (int(x) % 2**32 for x in np.asarray(digest, np.uint64))
-    fp = f"{a:08x}{b:08x}"
+        digest = sum(_one_leaf_digest(x, i + 1) for i, x in enumerate(arrays))
+    fp = _hex(digest)
     if arrays and all(isinstance(x, jax.Array) for x in arrays):  # immutable: safe to remember
         if len(_FINGERPRINTS) >= 8:
             _FINGERPRINTS.pop(next(iter(_FINGERPRINTS)))
@@ -255,7 +253,7 @@ class FingerprintStream:
     def __init__(self, paths):
         keyed = sorted((jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p)),
                         tuple(p)) for p in paths)
-        self._salt = {p: np.uint32(i + 1) for i, (_, p) in enumerate(keyed)}
+        self._salt = {p: i + 1 for i, (_, p) in enumerate(keyed)}
         self._sum = np.zeros(2, np.uint64)
         self._seen: set[tuple] = set()
 
@@ -265,15 +263,26 @@ class FingerprintStream:
             raise ValueError(f"fingerprint stream: parameter {'/'.join(path)} "
                              f"{'added twice' if path in self._seen else 'not in the tree'}")
         self._seen.add(path)
-        self._sum += np.asarray(_tree_digest((jnp.asarray(leaf),), self._salt[path]), np.uint64)
+        self._sum += _one_leaf_digest(leaf, self._salt[path])
 
     def hexdigest(self) -> str:
         missing = sorted("/".join(p) for p in self._salt if p not in self._seen)
         if missing:
             raise ValueError(f"fingerprint stream: {len(missing)} parameters never added "
                              f"(first {missing[0]})")
-        a, b = (int(x) % 2**32 for x in self._sum)
-        return f"{a:08x}{b:08x}"
+        return _hex(self._sum)
+
+
+def _one_leaf_digest(leaf, salt) -> np.ndarray:
+    """uint64 [2]: one leaf's digest (numpy or jax, copied to the device alone) at `salt`, its
+    1-based place in sorted path order; sums of these, reduced mod 2**32, are the tree's."""
+    return np.asarray(_tree_digest((jnp.asarray(leaf),), np.uint32(salt)), np.uint64)
+
+
+def _hex(digest) -> str:
+    """The 16 hex digits of a two-stream digest (each reduced mod 2**32)."""
+    a, b = (int(x) % 2**32 for x in np.asarray(digest, np.uint64))
+    return f"{a:08x}{b:08x}"
 
 
 # Digests of the last few parameter trees made of jax arrays (immutable), keyed by the leaves'
