@@ -24,9 +24,10 @@ meta file, with a part it names missing, or with a file whose size differs from 
 CheckpointError.
 
 Every load checks the recorded digests (`check_file_digests`, then `params_sha256` of the
-restored tree), so bytes damaged in place (same size, which the manifest cannot see) are a
-CheckpointError naming the file and both digests, never a model that silently computes NaN. A
-checkpoint written before digests were recorded loads with a one-line warning on stderr.
+restored tree, except where the file digests already cover every byte: a sharded load, or a
+`leaf_fn` load that reads leaves in slabs), so bytes damaged in place (same size, which the
+manifest cannot see) are a CheckpointError naming the file and both digests, never a model
+that silently computes NaN. A checkpoint written before digests were recorded loads with a one-line warning on stderr.
 
 Restores never cast: parameters must be stored as fp32, and `load_train_state(path, template)`
 checks every array's name, shape and dtype against the template, raising a CheckpointError that
@@ -49,6 +50,8 @@ from looprl.distributed.mesh import param_shardings, to_host
 from looprl.distributed.multihost import sync
 from looprl.errors import CheckpointError, ConfigError
 from looprl.io.digest import ParamsSha256, file_sha256, leaf_path_name, params_sha256
+from looprl.io.orbax_tree import checkpointer, restore_tree, save_tree, to_saveable
+from looprl.io.slabs import LeafSlabs
 from looprl.io.train_state import flatten_train_state, tree_like_template
 from looprl.model.config import OuroConfig
 from looprl.model.looped import check_param_tree, expected_param_shapes
@@ -62,30 +65,6 @@ PARAMS_DIR = "params"
 TRAIN_STATE_DIR = "train_state"
 
 
-# OCDBT data files of <= 64 MiB: tensorstore holds a data file's bytes until it is written,
-# so its default (2 GiB) cost a second copy of a 1.6 GB tree on every save (issue 19).
-OCDBT_DATA_FILE_BYTES = 64 << 20
-
-
-def _checkpointer():
-    """A synchronous orbax PyTree checkpointer that writes numpy leaves without first
-    deep-copying them (orbax's default guards asynchronous saves against later mutation; ours
-    return only after the bytes are written, so the copy would only double the peak)."""
-    import orbax.checkpoint as ocp
-    th = ocp.type_handlers
-    handlers = [(np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False))]
-    handlers += [(t, th.get_type_handler(t)) for t in (int, float, bytes, np.number,
-                                                        jax.Array, str)]
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
-        type_handler_registry=th.create_type_handler_registry(*handlers)))
-
-
-def _save_tree(directory: Path, tree) -> None:
-    import orbax.checkpoint as ocp
-    _checkpointer().save(directory, args=ocp.args.PyTreeSave(tree,
-                         ocdbt_target_data_file_size=OCDBT_DATA_FILE_BYTES))
-
-
 def _to_numpy(tree, dtype=None):
     return jax.tree.map(lambda a: np.asarray(a, dtype=dtype), tree)  # no copy if it has dtype
 
@@ -93,53 +72,6 @@ def _to_numpy(tree, dtype=None):
 def _abs(path: str | Path) -> Path:
     """`path` made absolute (orbax refuses relative paths)."""
     return Path(os.path.abspath(Path(path).expanduser()))
-
-
-def _to_saveable(tree, dtype=None):
-    """Leaves as orbax writes them: a jax array sharded over devices stays one (every process
-    writes its own shards; needed across hosts, where no process holds the whole array), the
-    rest become numpy. On disk both are the same tensorstore arrays; `_restore` reads either
-    on any device count."""
-    def one(a):
-        if isinstance(a, jax.Array) and not a.is_fully_replicated:
-            return a if dtype is None else a.astype(dtype)
-        return np.asarray(a, dtype=dtype)  # no copy when it already has the dtype
-    return jax.tree.map(one, tree)
-
-
-def _restore(directory: Path, shardings=None, leaf_fn=None):
-    """Restore an orbax PyTree as numpy (default) or, with `shardings` (a tree of
-    `jax.sharding.Sharding` matching the stored tree), as global jax arrays placed so. Restore
-    arguments are always explicit, so a tree written on N devices restores on any M (orbax's
-    default would reuse the writer's device shardings). Numpy trees are restored leaf by leaf
-    (tensorstore's read holds a second copy of what it reads: the tree plus ~1 leaf, not ~1.8x),
-    in sorted path-name order; `leaf_fn(keys, leaf)` (numpy trees only) replaces each leaf as
-    it arrives."""
-    import orbax.checkpoint as ocp
-
-    ckptr = _checkpointer()
-    stored = ckptr.metadata(directory)
-    stored = getattr(getattr(stored, "item_metadata", stored), "tree", stored)
-    if shardings is not None:
-        args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), stored, shardings)
-        return ckptr.restore(directory, restore_args=args)
-    paths = sorted((p for p, _ in jax.tree_util.tree_flatten_with_path(stored)[0]),
-                   key=leaf_path_name)
-    if not paths or not all(isinstance(k, jax.tree_util.DictKey) for p in paths for k in p):
-        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
-        return ckptr.restore(directory, restore_args=args)
-    out: dict = {}
-    for path in paths:  # a one-leaf tree along `path`: a partial restore of that leaf
-        item, args = 0, ocp.RestoreArgs(restore_type=np.ndarray)
-        for k in reversed(path):
-            item, args = {k.key: item}, {k.key: args}
-        src, dst = ckptr.restore(directory, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=args, partial_restore=True)), out
-        for k in path[:-1]:
-            src, dst = src[k.key], dst.setdefault(k.key, {})
-        leaf = src[path[-1].key]
-        dst[path[-1].key] = leaf if leaf_fn is None else leaf_fn(tuple(k.key for k in path), leaf)
-    return out
 
 
 def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroConfig,
@@ -189,11 +121,11 @@ def save_model_checkpoint(path: str | Path, params: dict[str, Any], cfg: OuroCon
     else:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        _save_tree(tmp / PARAMS_DIR, _to_saveable(params, np.float32))
+        save_tree(tmp / PARAMS_DIR, to_saveable(params, np.float32))
         records = None
         if train_state is not None:
             flat, records = flatten_train_state(train_state)
-            _save_tree(tmp / TRAIN_STATE_DIR, flat)
+            save_tree(tmp / TRAIN_STATE_DIR, flat)
         if main:
             _finish_checkpoint(path, tmp, cfg, tokenizer_json, extra_meta, extra_files,
                                train_state is not None, records)
@@ -338,10 +270,12 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     (shapes) and fp32 (a stored array of another dtype is refused, never cast); with a `mesh`,
     global jax arrays with `looprl.distributed.mesh.param_shardings` (each process reads only
     its shards). Either way from a checkpoint written on any device count. With `leaf_fn`
-    (`leaf_fn(keys, fp32 numpy leaf) -> array`, not with a mesh), each leaf as it is read (in
-    sorted path order, after its dtype check and once its bytes are in the digest) is replaced
-    by what `leaf_fn` returns, so the fp32 tree never exists at once (issue 19: bf16 sampling
-    weights, `looprl.sampling.resident`).
+    (`leaf_fn(keys, looprl.io.slabs.LeafSlabs) -> array`, not with a mesh), each leaf, in
+    sorted path order and after its dtype check, is handed over as chunk-aligned fp32 slabs
+    and replaced by what `leaf_fn` returns, so neither the fp32 tree nor a whole fp32 leaf
+    exists at once (issue 19: bf16 sampling weights, `looprl.sampling.resident`); the file
+    digests then cover every byte (a checkpoint without them is read a whole leaf at a time
+    and checked by `params_sha256` as before).
     tokenizer_json: the stored `tokenizer.json` text, or None. meta: `looprl_meta.json`.
     `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, a
     param mismatch (naming the array), or a file or parameter digest that differs from the one
@@ -359,16 +293,19 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from e
     sha = ParamsSha256()
 
-    def streamed(keys, leaf):
-        _require_fp32(path, keys, leaf)
+    def streamed(keys, slabs):
+        _require_fp32(path, keys, slabs)
+        if meta.get("file_sha256"):  # the file digests above covered every byte
+            return leaf_fn(keys, slabs)
+        leaf = slabs.full()  # an older checkpoint: only the tree digest can check the bytes
         sha.update(leaf_path_name(keys), leaf)
-        return leaf_fn(keys, leaf)
+        return leaf_fn(keys, LeafSlabs.whole(leaf))
 
     try:
         shardings = None
         if mesh is not None:
             shardings = param_shardings(expected_param_shapes(cfg), mesh)
-        params = _restore(path / PARAMS_DIR, shardings, leaf_fn and streamed)
+        params = restore_tree(path / PARAMS_DIR, shardings, leaf_fn and streamed)
     except CheckpointError:
         raise
     except Exception as e:  # orbax raises several types for a damaged directory
@@ -378,7 +315,7 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     check_param_tree(params, cfg, source=f"{path / PARAMS_DIR}")
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if not leaf_fn else ():
         _require_fp32(path, [k.key for k in key_path], leaf)
-    if mesh is None:  # sharded: the file digests above covered every byte
+    if mesh is None and not (leaf_fn and meta.get("file_sha256")):  # else the file digests
         _check_params_digest(path, params, meta, sha.hexdigest() if leaf_fn else None)
     tokenizer_json = (path / TOKENIZER_FILE).read_text() if meta.get("has_tokenizer") else None
     return params, cfg, tokenizer_json, meta
@@ -419,7 +356,7 @@ def load_train_state(path: str | Path, template: Any = None) -> Any:
     check_file_digests(path, meta, train_state=True)
     keys = [f"leaf_{i:05d}" for i in range(len(records))]
     try:
-        flat = _checkpointer().restore(
+        flat = checkpointer().restore(
             path / TRAIN_STATE_DIR,
             restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in keys})
     except Exception as e:

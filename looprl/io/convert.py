@@ -75,8 +75,9 @@ def checkpoint_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str | N
 
 def load_any_checkpoint(path: str, leaf_fn=None):
     """(params fp32 dict, OuroConfig, tokenizer json or None, meta) from a looprl checkpoint or
-    an HF directory. `leaf_fn(keys, fp32 leaf) -> array` replaces each leaf as it is read
-    (`load_model_checkpoint`, `read_hf`), so the fp32 tree never exists at once. Raises
+    an HF directory. `leaf_fn(keys, LeafSlabs) -> array` replaces each leaf as it is read, in
+    fp32 slabs (`load_model_checkpoint`, `read_hf`), so the fp32 tree, and a whole fp32 layer
+    stack, never exist at once. Raises
     CheckpointError naming the path when it is neither."""
     p = Path(path)
     if (p / "config.json").exists() and not (p / "looprl_meta.json").exists():

@@ -42,6 +42,7 @@ from looprl.io.safetensors_file import (
     safetensors_index,
     write_safetensors,
 )
+from looprl.io.slabs import LeafSlabs
 from looprl.model.config import OuroConfig
 from looprl.model.layers import LAYER_KEYS
 from looprl.model.looped import model_from_params
@@ -147,8 +148,9 @@ def params_from_hf_state(state: dict[str, np.ndarray | TensorEntry], cfg: OuroCo
       cfg: the architecture the tensors must match.
       source: where the tensors came from, for messages; origin: per-tensor file (default:
         each `TensorEntry`'s own path).
-      leaf_fn: `leaf_fn(keys, fp32 leaf) -> array` replaces each leaf once it is filled (so the
-        fp32 tree never exists at once: `looprl.sampling.resident`'s bf16 weights).
+      leaf_fn: `leaf_fn(keys, LeafSlabs) -> array` replaces each leaf, given as its fp32 slabs
+        (one layer per slab for the layer stacks, one slab otherwise), so the fp32 tree, and a
+        fp32 layer stack, never exist at once (`looprl.sampling.resident`'s bf16 weights).
     Returns: nested dict of fp32 numpy arrays (see module docstring for shapes), or of what
       `leaf_fn` returned.
     Raises: CheckpointError naming the tensor (and file) for a missing tensor (including
@@ -192,24 +194,28 @@ def params_from_hf_state(state: dict[str, np.ndarray | TensorEntry], cfg: OuroCo
             out[i] = w.T if transpose else w
         return out
 
-    def single(name, transpose=False):
-        return stacked([name], transpose)[0]
+    def layer_stack(keys, names, transpose):  # with leaf_fn: one slab per layer
+        if leaf_fn is None:
+            return stacked(names, transpose)
+        shape = tuple(state[names[0]].shape)
+        return leaf_fn(keys, LeafSlabs.along((len(names), *(shape[::-1] if transpose else shape)),
+                                             0, 1, lambda i, j: stacked(names[i:j], transpose)))
 
-    def done(keys, leaf):
-        return leaf if leaf_fn is None else leaf_fn(keys, leaf)
+    def single(keys, name, transpose=False):
+        leaf = stacked([name], transpose)[0]
+        return leaf if leaf_fn is None else leaf_fn(keys, LeafSlabs.whole(leaf))
 
-    layers = {key: done(("layers", key), stacked(
-        [_hf_layer_name(i, key) for i in range(cfg.num_layers)], transpose=key not in _NORMS))
-        for key in LAYER_KEYS}
     return {
-        "embed_tokens": done(("embed_tokens",), single("model.embed_tokens.weight")),
-        "layers": layers,
-        "norm": done(("norm",), single("model.norm.weight")),
+        "embed_tokens": single(("embed_tokens",), "model.embed_tokens.weight"),
+        "layers": {key: layer_stack(("layers", key), [_hf_layer_name(i, key) for i in
+                                                      range(cfg.num_layers)], key not in _NORMS)
+                   for key in LAYER_KEYS},
+        "norm": single(("norm",), "model.norm.weight"),
         "early_exit_gate": {
-            "kernel": done(("early_exit_gate", "kernel"),
-                           single("model.early_exit_gate.weight", transpose=True)),
-            "bias": done(("early_exit_gate", "bias"), single("model.early_exit_gate.bias"))},
-        "lm_head": done(("lm_head",), single("lm_head.weight", transpose=True)),
+            "kernel": single(("early_exit_gate", "kernel"), "model.early_exit_gate.weight",
+                             transpose=True),
+            "bias": single(("early_exit_gate", "bias"), "model.early_exit_gate.bias")},
+        "lm_head": single(("lm_head",), "lm_head.weight", transpose=True),
     }
 
 
@@ -270,7 +276,7 @@ def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None,
     """Read `config.json` + safetensors (single or sharded) of an HF Ouro directory.
 
     `token_ids` overrides the config's bos/eos/pad ids (see `OuroConfig.from_hf_config`);
-    `leaf_fn` replaces each fp32 leaf as it is filled (`params_from_hf_state`).
+    `leaf_fn(keys, LeafSlabs)` replaces each fp32 leaf (`params_from_hf_state`).
     Raises: CheckpointError (unknown `model_type`, missing/extra/misshapen tensor, truncated
       file, missing shard, ...), naming the file or tensor.
     """

@@ -245,31 +245,41 @@ class FingerprintStream:
     records the fingerprint of the fp32 master they were cast from (issue 19).
 
     `paths` are the tree's key paths (tuples of dict keys, e.g. `("layers", "q_proj")`), all of
-    them; `add(path, leaf)` digests one leaf (numpy or jax, any position in the order);
-    `hexdigest()` is the value `params_fingerprint` gives for the whole tree (the same sum of
-    the same per-leaf digests, each salted by its place in sorted path order). Raises
-    ValueError for a path not in `paths`, added twice, or missing at `hexdigest()`."""
+    them; `add(path, leaf)` digests one leaf (numpy or jax, any position in the order), and
+    `add(path, slab, shape=, axis=, start=)` one slab of it (`slab` is the part
+    `[start, start + slab.shape[axis])` along `axis` of a leaf of `shape`; slabs in any order),
+    so a loader that reads a leaf in parts never holds it whole; `hexdigest()` is the value
+    `params_fingerprint` gives for the whole tree (the same sum of the same per-leaf digests,
+    each salted by its place in sorted path order). Raises ValueError for a path not in
+    `paths`, more elements added to a leaf than it has (a leaf or slab added twice), or a leaf
+    not complete at `hexdigest()`."""
 
     def __init__(self, paths):
         keyed = sorted((jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p)),
                         tuple(p)) for p in paths)
         self._salt = {p: i + 1 for i, (_, p) in enumerate(keyed)}
         self._sum = np.zeros(2, np.uint64)
-        self._seen: set[tuple] = set()
+        self._left: dict[tuple, int] = {}  # elements still to come, per leaf begun
 
-    def add(self, path, leaf) -> None:
+    def add(self, path, leaf, *, shape=None, axis: int = 0, start: int = 0) -> None:
         path = tuple(path)
-        if path not in self._salt or path in self._seen:
-            raise ValueError(f"fingerprint stream: parameter {'/'.join(path)} "
-                             f"{'added twice' if path in self._seen else 'not in the tree'}")
-        self._seen.add(path)
-        self._sum += _one_leaf_digest(leaf, self._salt[path])
+        if path not in self._salt:
+            raise ValueError(f"fingerprint stream: parameter {'/'.join(path)} not in the tree")
+        size = int(np.prod(leaf.shape if shape is None else shape, dtype=np.int64))
+        left = self._left.setdefault(path, size) - int(np.prod(leaf.shape, dtype=np.int64))
+        if left < 0:
+            raise ValueError(f"fingerprint stream: parameter {'/'.join(path)} added twice "
+                             f"(more than its {size} elements)")
+        self._left[path] = left
+        salt = self._salt[path]
+        self._sum += (_one_leaf_digest(leaf, salt) if shape is None else
+                      _slab_digest(leaf, shape, axis, start, salt))
 
     def hexdigest(self) -> str:
-        missing = sorted("/".join(p) for p in self._salt if p not in self._seen)
+        missing = sorted("/".join(p) for p in self._salt if self._left.get(p, 1))
         if missing:
             raise ValueError(f"fingerprint stream: {len(missing)} parameters never added "
-                             f"(first {missing[0]})")
+                             f"or incomplete (first {missing[0]})")
         return _hex(self._sum)
 
 
@@ -294,9 +304,10 @@ _CHUNK = 1 << 20  # words per streamed slice: 4 MiB temporaries whatever the lea
 
 
 def _digest_words(words, start, salt):
-    """The two streams' sums over `words` (uint32 [n]) at flat positions start..start+n-1."""
-    n = words.shape[0]
-    idx = jnp.arange(n, dtype=jnp.uint32) + start + salt * jnp.uint32(0x9E3779B9)
+    """The two streams' sums over `words` (uint32 [..., n]) at flat positions
+    start..start+n-1 (`start` uint32, or uint32 [...] per row: rows of one leaf)."""
+    first = jnp.asarray(start, jnp.uint32)[..., None]
+    idx = jnp.arange(words.shape[-1], dtype=jnp.uint32) + first + salt * jnp.uint32(0x9E3779B9)
     m1 = idx * jnp.uint32(2654435761) | jnp.uint32(1)
     m2 = (idx ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(40503) | jnp.uint32(1)
     return jnp.stack([jnp.sum(words * m1, dtype=jnp.uint32),
@@ -332,19 +343,69 @@ def _leaf_digest(leaf, salt):
     `fori_loop` over `_CHUNK`-word slices plus the tail."""
     if leaf.dtype.itemsize == 2:  # slice raw uint16 words: XLA CPU would widen a whole bf16 leaf
         leaf = jax.lax.bitcast_convert_type(leaf, jnp.uint16)
-    flat = leaf.ravel()
+    return _run_digest(leaf.ravel(), jnp.uint32(0), salt, _shape_tag(leaf.shape))
+
+
+def _shape_tag(shape) -> jax.Array:
+    """uint32: the leaf shape's tag, xor-ed into every word of the leaf."""
+    size = int(np.prod(shape, dtype=np.int64))
+    return jnp.uint32((len(shape) * 7919 + size) % 2**32)
+
+
+def _run_digest(flat, first, salt, tag):
+    """uint32 [2]: the digest of `flat`, the words at flat positions first..first+n-1 of a
+    leaf (`first` uint32, traced), in `_CHUNK`-word slices plus the tail."""
     n = flat.shape[0]
-    tag = jnp.uint32((len(leaf.shape) * 7919 + leaf.size) % 2**32)
     full = n // _CHUNK
 
     def body(c, acc):
-        start = (c * _CHUNK).astype(jnp.uint32)
+        start = first + (c * _CHUNK).astype(jnp.uint32)
         x = jax.lax.dynamic_slice(flat, (c * _CHUNK,), (_CHUNK,))
         return acc + _digest_words(_words(x, tag), start, salt)
 
     acc = jax.lax.fori_loop(0, full, body, jnp.zeros(2, jnp.uint32)) if full else \
         jnp.zeros(2, jnp.uint32)
     if n % _CHUNK:
-        acc = acc + _digest_words(_words(flat[full * _CHUNK:], tag), jnp.uint32(full * _CHUNK),
-                                  salt)
+        acc = acc + _digest_words(_words(flat[full * _CHUNK:], tag),
+                                  first + jnp.uint32(full * _CHUNK), salt)
     return acc
+
+
+@jax.jit
+def _runs_digest(runs_RxN, firsts_R, salt, tag):
+    """uint32 [2]: the digest of the rows of `runs_RxN` (row r: the words at positions
+    firsts_R[r].. of one leaf): long rows one at a time (`_run_digest`), short ones in blocks
+    of about `_CHUNK` words, so temporaries stay chunk-sized either way."""
+    if runs_RxN.dtype.itemsize == 2:
+        runs_RxN = jax.lax.bitcast_convert_type(runs_RxN, jnp.uint16)
+    R, n = runs_RxN.shape
+    acc = jnp.zeros(2, jnp.uint32)
+    if n >= _CHUNK:
+        return jax.lax.fori_loop(
+            0, R, lambda r, a: a + _run_digest(runs_RxN[r], firsts_R[r], salt, tag), acc)
+    rows = max(1, min(R, _CHUNK // n))
+
+    def block(b, a):
+        x = jax.lax.dynamic_slice_in_dim(runs_RxN, b * rows, rows)
+        f = jax.lax.dynamic_slice_in_dim(firsts_R, b * rows, rows)
+        return a + _digest_words(_words(x, tag), f, salt)
+
+    acc = jax.lax.fori_loop(0, R // rows, block, acc)
+    if R % rows:
+        tail = R - R % rows
+        acc = acc + _digest_words(_words(runs_RxN[tail:], tag), firsts_R[tail:], salt)
+    return acc
+
+
+def _slab_digest(slab, shape, axis: int, start: int, salt) -> np.ndarray:
+    """uint64 [2]: the digest of `slab`, the part `[start, start + slab.shape[axis])` along
+    `axis` of a leaf of `shape`, as the whole leaf's digest counts it (the same words at the
+    same flat positions), so the sum over a leaf's slabs is `_one_leaf_digest` of the leaf.
+    A slab along axis a is prod(shape[:a]) contiguous runs of the leaf's C-order words."""
+    shape = tuple(int(d) for d in shape)
+    rows = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    firsts = (np.arange(rows, dtype=np.uint64) * shape[axis] + start) * inner
+    runs = jnp.reshape(jnp.asarray(slab), (rows, slab.shape[axis] * inner))
+    return np.asarray(_runs_digest(runs, jnp.asarray(firsts % 2**32, jnp.uint32),
+                                   np.uint32(salt), _shape_tag(shape)), np.uint64)

@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl.errors import SamplingError
+from looprl.errors import CheckpointError, SamplingError
 from looprl.io.checkpoint import load_model_checkpoint, save_model_checkpoint
 from looprl.io.convert import load_any_checkpoint
+from looprl.io import orbax_tree
 from looprl.io.hf import save_hf
+from looprl.io.slabs import LeafSlabs
 from looprl.model.config import preset
 from looprl.model.looped import PARAM_PATHS, expected_param_shapes
 from looprl.sampling.resident import ComputeWeights
@@ -51,8 +53,15 @@ def test_compute_weights_hold_the_cast_of_the_master_and_its_fingerprint(tmp_pat
         path = save_hf(master, CFG, tmp_path / "hf", "float32" if source == "hf_fp32"
                        else "bfloat16")
     plain = load_any_checkpoint(str(path))[0]  # the fp32 tree, read as before
-    weights = ComputeWeights("bfloat16")
-    held = load_any_checkpoint(str(path), leaf_fn=weights)[0]
+    weights, seen = ComputeWeights("bfloat16"), {}
+
+    def counted(keys, leaf):  # how many slabs each leaf came in
+        seen["/".join(keys)] = len(leaf.bounds)
+        return weights(keys, leaf)
+
+    held = load_any_checkpoint(str(path), leaf_fn=counted)[0]
+    if source != "looprl":  # HF: one slab per layer for the stacks, one for the rest
+        assert seen["layers/up_proj"] == CFG.num_layers and seen["lm_head"] == 1
     want = jax.tree_util.tree_map_with_path(  # what `cast_weights` and `stack_pass` compute with
         lambda kp, a: a if kp[0].key == "early_exit_gate" else jnp.asarray(a, jnp.bfloat16), plain)
     for (kp, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(held)[0],
@@ -65,12 +74,43 @@ def test_compute_weights_hold_the_cast_of_the_master_and_its_fingerprint(tmp_pat
     assert weights.fingerprint() != params_fingerprint(held)
 
 
-def test_streamed_checkpoint_load_still_checks_the_params_digest(tmp_path):
+def test_slabbed_checkpoint_load_matches_and_checks_the_file_digests(tmp_path, monkeypatch):
+    """Small OCDBT data files make orbax split every leaf into several chunks, so the load
+    reads it in slabs: the held bf16 tree, the master fingerprint and a damaged file's error
+    are those of the whole-leaf load."""
+    master = _params(4)
+    monkeypatch.setattr(orbax_tree, "OCDBT_DATA_FILE_BYTES", 4096)
+    path = save_model_checkpoint(tmp_path / "ck", master, CFG, TOK)
+    seen = {}
+
+    def counted(keys, leaf):
+        seen["/".join(keys)] = (leaf.axis, len(leaf.bounds))
+        return weights(keys, leaf)
+
+    weights = ComputeWeights("bfloat16")
+    held = load_model_checkpoint(path, leaf_fn=counted)[0]
+    assert seen["layers/up_proj"][1] > 1 and seen["embed_tokens"][1] > 1, seen
+    for kp, a in jax.tree_util.tree_flatten_with_path(held)[0]:
+        b = master
+        for k in kp:
+            b = b[k.key]
+        gate = kp[0].key == "early_exit_gate"
+        assert np.array_equal(_u(a), _u(b if gate else jnp.asarray(b, jnp.bfloat16))), kp
+    assert weights.fingerprint() == params_fingerprint(master)
+    data = sorted((path / "params").rglob("d/*"), key=lambda f: f.stat().st_size)[-1]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="damaged checkpoint file: SHA-256"):
+        load_model_checkpoint(path, leaf_fn=ComputeWeights("bfloat16"))
+
+
+def test_streamed_load_of_a_checkpoint_without_file_digests_checks_the_params_digest(tmp_path):
     import json
     path = save_model_checkpoint(tmp_path / "ck", _params(), CFG, TOK)
     meta = json.loads((path / "looprl_meta.json").read_text())
+    meta.pop("file_sha256")
     (path / "looprl_meta.json").write_text(json.dumps({**meta, "params_sha256": "0" * 64}))
-    from looprl.errors import CheckpointError
     with pytest.raises(CheckpointError, match=r"damaged parameters: params_sha256 [0-9a-f]{64} "
                                               r"differs from 0{64}"):
         load_model_checkpoint(path, leaf_fn=ComputeWeights("bfloat16"))
@@ -83,7 +123,7 @@ def test_bf16_sampling_from_held_weights_gives_the_master_bits(kv_policy):
     weights = ComputeWeights("bfloat16")
     held = {k: v for k, v in master.items()}
     held = jax.tree_util.tree_map_with_path(
-        lambda kp, a: weights(tuple(k.key for k in kp), a), held)
+        lambda kp, a: weights(tuple(k.key for k in kp), LeafSlabs.whole(a)), held)
     scfg = SamplingConfig(max_new_tokens=6, temperature=1.0, exit_threshold=0.6,
                           kv_policy=kv_policy, compute_dtype="bfloat16", stop_ids=())
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
@@ -102,7 +142,7 @@ def test_bf16_sampling_from_held_weights_gives_the_master_bits(kv_policy):
 def test_held_weights_need_their_dtype_and_the_master_fingerprint():
     weights = ComputeWeights("bfloat16")
     held = jax.tree_util.tree_map_with_path(
-        lambda kp, a: weights(tuple(k.key for k in kp), a), _params(2))
+        lambda kp, a: weights(tuple(k.key for k in kp), LeafSlabs.whole(a)), _params(2))
     bf16 = SamplingConfig(max_new_tokens=2, compute_dtype="bfloat16", stop_ids=())
     with pytest.raises(SamplingError, match="held in bfloat16.*master_fingerprint"):
         generate(CFG, held, [[3, 4]], bf16)
@@ -122,12 +162,37 @@ def test_fingerprint_stream_names_a_leaf_twice_unknown_or_missing():
         s.hexdigest()
 
 
-def test_load_for_sampling_holds_fp32_as_read_and_bf16_with_the_master_fingerprint(tmp_path):
+@pytest.mark.parametrize("axis,step", [(0, 2), (1, 5), (2, 7)])
+def test_fingerprint_stream_takes_a_leaf_in_slabs_in_any_order(axis, step):
+    master = _params(5)
+    whole, parts = FingerprintStream(PARAM_PATHS), FingerprintStream(PARAM_PATHS)
+    for path in PARAM_PATHS:
+        leaf = master
+        for k in path:
+            leaf = leaf[k]
+        whole.add(path, leaf)
+        if path != ("layers", "up_proj"):
+            parts.add(path, leaf)
+    up = master["layers"]["up_proj"]  # [3, 64, 176] at the tiny preset
+    starts = list(range(0, up.shape[axis], step))[::-1]  # last slab first
+    for i, start in enumerate(starts):
+        parts.add(("layers", "up_proj"), np.take(up, range(start, min(start + step,
+                  up.shape[axis])), axis=axis), shape=up.shape, axis=axis, start=start)
+        if i == 0:
+            with pytest.raises(ValueError, match="1 parameters never added or incomplete "
+                                                 r"\(first layers/up_proj\)"):
+                parts.hexdigest()
+    assert parts.hexdigest() == whole.hexdigest() == params_fingerprint(master)
+    with pytest.raises(ValueError, match="layers/up_proj added twice"):
+        parts.add(("layers", "up_proj"), up[:1], shape=up.shape, axis=0, start=0)
+
+
+def test_load_for_sampling_holds_fp32_as_read_and_bf16_both_with_the_master_fingerprint(tmp_path):
     from looprl.sampling.resident import load_for_sampling
     master = _params(3)
     path = str(save_model_checkpoint(tmp_path / "ck", master, CFG, TOK))
     p32, cfg, tok, _, fp32 = load_for_sampling(path, "float32")
-    assert fp32 is None and cfg == CFG and tok == TOK
+    assert fp32 == params_fingerprint(master) and cfg == CFG and tok == TOK
     assert all(isinstance(a, jax.Array) and a.dtype == jnp.float32 for a in jax.tree.leaves(p32))
     assert np.array_equal(_u(p32["layers"]["up_proj"]), _u(master["layers"]["up_proj"]))
     p16, _, _, _, fp16 = load_for_sampling(path, "bfloat16")
