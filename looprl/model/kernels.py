@@ -61,9 +61,12 @@ The construction (CPU):
   them from the first; a large tile runs one `fori_loop` step per (tile, K block), adding each
   partial into an fp32 accumulator that starts at -0.0 (-0.0 + p == p bitwise for every p,
   including +-0 and NaN, so the sum is `p0 + p1 + ...` as in the small form); for fp32 output
-  the accumulator is the output itself, updated in place through the loop carry. The weight is
-  cast to fp32 once outside the loop (XLA does the same for a bf16 dot), x per `[R, 128]`
-  block. `jax.custom_vjp` gives the backward as plain dots (no invariance needed there).
+  the accumulator is the output itself, updated in place through the loop carry. An fp32
+  weight is read in place; a bf16 weight is sliced as its uint16 bits and each `[128, O16]`
+  block widened to fp32 where it is used (a small tile then takes its nb partials from a loop
+  of the same nb dots), so no whole-weight fp32 copy exists (XLA's own bf16 dot widens the
+  whole weight, and in a decode loop that copy is hoisted and held: 0.4 GB for Ouro-1.4B's
+  lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the backward as plain dots (no invariance needed there).
 * `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`) and run in
   `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
   matmuls of one shape: scores `[R, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
@@ -197,25 +200,50 @@ def _tiles_map(fn, x, axis: int):
 
 
 def _blocked_weight(w_IxO):
-    """fp32 `[nb, K_BLOCK, O16]` view of a weight: O zero-padded to a multiple of N_MIN, I
+    """`[nb, K_BLOCK, O16]` view of a weight: O zero-padded to a multiple of N_MIN, I
     zero-padded to a multiple of K_BLOCK when it is longer than K_BLOCK (else one block of I).
-    Zero rows add exact zeros to the fixed-order block sum."""
-    w, _ = _pad_rows(w_IxO.astype(jnp.float32), 1, N_MIN)
+    Zero rows add exact zeros to the fixed-order block sum. An fp32 weight as it is; a 2-byte
+    float weight (bf16, f16) as its uint16 bits (zero bits are +0.0), widened to fp32 one block
+    at a time where the block is used (`_weight_block`): a whole-weight fp32 copy, loop-invariant,
+    would be hoisted out of the decode loop and held through it (0.4 GB for Ouro-1.4B's
+    lm_head, issue 19). The widening is exact either way, so every dot sees the same fp32
+    block."""
+    w = w_IxO
+    if w.dtype != jnp.float32 and w.dtype.itemsize == 2:
+        w = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    elif w.dtype != jnp.float32:
+        w = w.astype(jnp.float32)
+    w, _ = _pad_rows(w, 1, N_MIN)
     i = w.shape[0]
     kb = min(i, K_BLOCK)
     w, _ = _pad_rows(w, 0, kb)
     return w.reshape(-1, kb, w.shape[1])
 
 
-def _kblocked_dot(x_RxI, w_ZxIxO):
+def _weight_block(w_ZxIxO, j, dtype):
+    """Block j (traced) of a `_blocked_weight` of a `dtype` weight, as fp32 `[kb, O16]`."""
+    wj = jax.lax.dynamic_index_in_dim(w_ZxIxO, j, 0, keepdims=False)
+    if wj.dtype == jnp.uint16:
+        wj = jax.lax.bitcast_convert_type(wj, dtype).astype(jnp.float32)
+    return wj
+
+
+def _kblocked_dot(x_RxI, w_ZxIxO, dtype):
     """`x @ w` for one small fp32 row tile (R <= BATCHED_MAX_ROWS, or a single block) and a
-    `_blocked_weight`: every dot is `[R, kb] x [kb, O16]` (kb <= K_BLOCK, so nothing below
-    splits the contraction), partial products summed in block order in fp32. The partials come
-    from one batched dot (the DotThunk runs it as nb matmuls of that same shape, reading the
-    weight in place); the sum starts from the first partial."""
+    `_blocked_weight` of a `dtype` weight: every dot is `[R, kb] x [kb, O16]` (kb <= K_BLOCK,
+    so nothing below splits the contraction), partial products summed in block order in fp32,
+    from the first. An fp32 weight's partials come from one batched dot (the DotThunk runs it
+    as nb matmuls of that same shape, reading the weight in place); a 2-byte weight's from a
+    `fori_loop` of those nb dots, each block widened as it is used: the same dots and adds."""
     nb, kb, o = w_ZxIxO.shape
     t = x_RxI.shape[0]
     x_RxI, _ = _pad_rows(x_RxI, 1, kb)
+    if w_ZxIxO.dtype == jnp.uint16:
+        def part(j):
+            xb = jax.lax.dynamic_slice_in_dim(x_RxI, j * kb, kb, 1)
+            return jnp.dot(xb, _weight_block(w_ZxIxO, j, dtype),
+                           preferred_element_type=jnp.float32)
+        return jax.lax.fori_loop(1, nb, lambda j, acc: acc + part(j), part(0))
     if nb == 1:
         return jnp.dot(x_RxI, w_ZxIxO[0], preferred_element_type=jnp.float32)
     x_ZxRxI = jnp.swapaxes(x_RxI.reshape(t, nb, kb), 0, 1)
@@ -226,7 +254,7 @@ def _kblocked_dot(x_RxI, w_ZxIxO):
     return acc
 
 
-def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t):
+def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t, dtype):
     """Large tiles (R > BATCHED_MAX_ROWS, more than one K block): one `fori_loop` step per
     (row tile, K block), tile-major, K blocks in order; each step is one `[R, kb] x [kb, O16]`
     dot of a `[R, kb]` slice of x (cast to fp32 there) and the j-th weight block, added into the
@@ -243,8 +271,7 @@ def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t):
 
     def partial(r, j):
         xb = jax.lax.dynamic_slice(x, (r, j * kb), (t, kb)).astype(jnp.float32)
-        wj = jax.lax.dynamic_index_in_dim(w_ZxIxO, j, 0, keepdims=False)
-        return jnp.dot(xb, wj, preferred_element_type=jnp.float32)
+        return jnp.dot(xb, _weight_block(w_ZxIxO, j, dtype), preferred_element_type=jnp.float32)
 
     if out_dtype == jnp.float32:
         def step(s, out):
@@ -270,10 +297,10 @@ def _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype):
     wb = _blocked_weight(w_IxO)
     t = _row_tile_for(rows_MxI.shape[0])
     if wb.shape[0] > 1 and t > BATCHED_MAX_ROWS:
-        return _looped_matmul(rows_MxI, wb, out_dtype, t)[:, :o]
+        return _looped_matmul(rows_MxI, wb, out_dtype, t, w_IxO.dtype)[:, :o]
 
     def tile(x_RxI):
-        return _kblocked_dot(x_RxI.astype(jnp.float32), wb).astype(out_dtype)
+        return _kblocked_dot(x_RxI.astype(jnp.float32), wb, w_IxO.dtype).astype(out_dtype)
 
     return _tiles_map(tile, rows_MxI, 0)[:, :o]
 

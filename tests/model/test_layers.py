@@ -66,3 +66,50 @@ def test_layer_bits_refuses_a_gradient():
     with pytest.raises(TypeError, match="not differentiable"):
         jax.grad(lambda a: layer_bits(a.astype(jnp.bfloat16)).astype(jnp.float32).sum())(
             jnp.ones(3))
+
+
+def test_bf16_decode_program_holds_no_fp32_copy_of_the_embedding_or_lm_head():
+    """XLA CPU widens a bf16 gather's table and a bf16 dot's weight to fp32 as a whole, and
+    in the decode loop those copies are loop-invariant, hoisted and held through it (issue 19:
+    0.4 GB each at Ouro-1.4B). The embedding gathers uint16 bits and the kernels widen one
+    128-row weight block at a time: the optimized decode program has neither fp32 copy (the
+    previous code had both), and the values are unchanged (the bf16 tests of the sampler and
+    tests/model/test_kernels*.py, bit for bit)."""
+    from looprl.io.slabs import LeafSlabs
+    from looprl.sampling import sampler
+    from looprl.sampling.resident import ComputeWeights
+    cfg = preset("tiny", vocab_size=1000, hidden_size=128, intermediate_size=256, num_heads=2,
+                 num_kv_heads=1, head_dim=64)
+    weights = ComputeWeights("bfloat16")
+    held = jax.tree_util.tree_map_with_path(lambda kp, a: weights(
+        tuple(k.key for k in kp), LeafSlabs.whole(np.asarray(a))), init_params(cfg, 0))
+    seen = {}
+    decode = sampler._decode
+
+    def spy(*args):
+        seen["args"] = args
+        return decode(*args)
+
+    scfg = sampler.SamplingConfig(max_new_tokens=4, compute_dtype="bfloat16", stop_ids=())
+    orig, sampler._decode = sampler._decode, spy
+    try:
+        sampler.generate(cfg, held, [[3, 4, 5]], scfg, master_fingerprint=weights.fingerprint())
+    finally:
+        sampler._decode = orig
+    text = decode.lower(*seen["args"]).compile().as_text()
+    assert not re.findall(r"f32\[(?:1000,128|128,1000|\d+,128,1000)\]", text)
+
+
+def test_embedding_gradient_is_the_plain_gather_gradient():
+    rng = np.random.default_rng(1)
+    from looprl.model.looped import embed
+    table = jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)
+    tok = jnp.asarray([[1, 2, 39], [0, 0, 3]], jnp.int32)
+    for dt in (jnp.float32, jnp.bfloat16):
+        def ours(t):
+            return jnp.sum(embed({"embed_tokens": t.astype(dt)}, tok).astype(jnp.float32) ** 2)
+
+        def plain(t):
+            return jnp.sum(jnp.take(t.astype(dt), tok, axis=0).astype(jnp.float32) ** 2)
+        assert np.array_equal(np.asarray(jax.grad(ours)(table)).view(np.uint32),
+                              np.asarray(jax.grad(plain)(table)).view(np.uint32))
