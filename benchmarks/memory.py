@@ -16,9 +16,12 @@ directory, then runs each step in its own process and reads that process's peak 
 `--layers N` measures another depth, and `--skip-train` leaves the train step out:
 `--layers 24 --skip-train` is the whole Ouro-1.4B (1.43 B parameters; 2.9 GB of safetensors and
 a 5.7 GB checkpoint on disk; its train step would need ~40 GB, see README "Memory").
-Each figure is peak bytes / fp32 parameter bytes. The last line is one JSON object:
+Each figure is peak bytes / fp32 parameter bytes. The sampling steps (generate, generate_bf16,
+eval) also carry issue 19's budget: 1.3 x the parameter bytes in their compute dtype plus the KV
+cache they reported (`generate --json` timings, eval's results.json), as `<step>_kv_cache_bytes`,
+`<step>_budget_per_param_byte` and `<step>_within_budget`. The last line is one JSON object:
 {"benchmark": "memory", "layers", "num_params", "fp32_param_bytes", "<step>_rss_per_param_byte",
-"<step>_peak_rss" (bytes), "<step>_wall_s", "<step>_rc" for each step, "wall_s"}. About 280 s
+"<step>_peak_rss" (bytes), "<step>_wall_s", "<step>_rc" for each step, the budget keys, "wall_s"}. About 280 s
 on 2 CPU cores (4 layers); 24 layers without the train step about 350 s.
 """
 from __future__ import annotations
@@ -73,6 +76,18 @@ def write_checkpoint(out: Path, layers: int) -> None:
     hf.save_hf(params, cfg, out, "bfloat16", tokenizer_json=tokenizer_json())
 
 
+def compute_param_bytes(cfg, dtype: str) -> int:
+    """Bytes of the parameters held in `dtype` for sampling (`ComputeWeights`: the exit gate
+    stays fp32)."""
+    import jax
+    import numpy as np
+
+    from looprl.model.looped import expected_param_shapes
+    size = {"float32": 4, "bfloat16": 2}[dtype]
+    return sum(int(np.prod(s.shape)) * (4 if kp[0].key == "early_exit_gate" else size)
+               for kp, s in jax.tree_util.tree_flatten_with_path(expected_param_shapes(cfg))[0])
+
+
 def measure(name: str, argv: list[str], env) -> dict:
     """Run `argv` in its own process; (wall s, peak RSS bytes, exit status)."""
     t0 = time.time()
@@ -84,7 +99,21 @@ def measure(name: str, argv: list[str], env) -> dict:
     print(f"{name}: {rec}", flush=True)
     if rc != 0:
         print(out.decode(errors="replace")[-3000:], flush=True)
+    rec["stdout"] = out.decode(errors="replace")
     return rec
+
+
+def kv_cache_bytes(name: str, rec: dict, eval_dir: Path) -> int:
+    """The KV cache bytes a sampling step reported: `generate --json`'s timings, `eval`'s
+    results.json (its largest batch); 0 when the step failed."""
+    try:
+        if name == "eval":
+            return int(json.loads((eval_dir / "results.json").read_text())
+                       ["thresholds"][0]["kv_cache_bytes"])
+        return int(json.loads(rec["stdout"].strip().splitlines()[-1])["timings"]
+                   ["kv_cache_bytes"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
 
 
 def main() -> None:
@@ -124,6 +153,11 @@ def main() -> None:
         res["eval"] = measure("eval", cli + [
             "eval", "--checkpoint", str(ckpt), "--task", "gsm8k", "--limit", "2",
             "--max-new-tokens", "8", "--data-dir", str(DATA), "--out", str(tmp / "eval")], env)
+        for key, dtype in (("generate", "float32"), ("generate_bf16", "bfloat16"),
+                           ("eval", "float32")):
+            kv = kv_cache_bytes(key, res[key], tmp / "eval")
+            budget = 1.3 * compute_param_bytes(cfg, dtype) + kv
+            res[key].update(kv_cache_bytes=kv, budget=budget)
         if skip_train:
             return _report(res, cfg, layers, param_bytes, t_start)
         extra = (["learner.require_exact=false"] if "require_exact" in
@@ -146,6 +180,10 @@ def _report(res: dict, cfg, layers: int, param_bytes: int, t_start: float) -> No
         figures[f"{k}_peak_rss"] = r["peak_rss"]
         figures[f"{k}_wall_s"] = r["wall_s"]
         figures[f"{k}_rc"] = r["rc"]
+        if "budget" in r:
+            figures[f"{k}_kv_cache_bytes"] = r["kv_cache_bytes"]
+            figures[f"{k}_budget_per_param_byte"] = round(r["budget"] / param_bytes, 3)
+            figures[f"{k}_within_budget"] = bool(r["rc"] == 0 and r["peak_rss"] <= r["budget"])
     figures["wall_s"] = round(time.time() - t_start, 1)
     print(json.dumps(figures))
 

@@ -200,20 +200,22 @@ def evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg, *, bat
     row with `extracted`, the final answer `looprl.tasks.grading.extract_answer` finds (or
     None), after its completion; the task's raw reward is left out (`correct` says it)."""
     return [{"completion": r["completion"], "extracted": extract_answer(r["completion"]),
-             **{k: r[k] for k in ("correct", "tokens", "truncated", "exit_loops")}}
+             **{k: r[k] for k in ("correct", "tokens", "truncated", "exit_loops",
+                                  "kv_cache_bytes")}}
             for r in generate_and_grade(model_cfg, params, task, tokenizer, problems, scfg,
                                         batch_size=batch_size, seed=seed, progress=progress,
                                         master_fingerprint=master_fingerprint)]
 
 
 def summarize(q: float, rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """One threshold's summary: pass@1, the token-weighted mean exit loop, token counts."""
+    """One threshold's summary: pass@1, the token-weighted mean exit loop, token counts, and the
+    largest batch's KV cache bytes."""
     exits = [k for r in rows for k in r["exit_loops"]]
     correct = sum(r["correct"] for r in rows)
     return {"exit_threshold": q, "pass_at_1": correct / len(rows), "correct": correct,
             "problems": len(rows), "mean_exit_loop": float(np.mean(exits)) if exits else 0.0,
             "tokens": len(exits), "truncated": sum(r["truncated"] for r in rows),
-            "wall_s": wall_s}
+            "wall_s": wall_s, "kv_cache_bytes": max(r["kv_cache_bytes"] for r in rows)}
 
 
 def plot_accuracy_vs_depth(summaries: list[dict[str, Any]], total_loops: int, path: Path) -> Path:

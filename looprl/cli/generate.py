@@ -62,13 +62,13 @@ def check_finite_logprobs(lps, toks, checkpoint) -> None:
 
 
 def generation_timings(timings: dict, n_tokens: int) -> dict:
-    """{prefill_s, decode_s (wall seconds, compilation included), decode_tokens_per_s}: the
-    tokens after the first (prefill emits the first) over the decode seconds; 0.0 when no
-    decode step ran."""
+    """{prefill_s, decode_s (wall seconds, compilation included), decode_tokens_per_s,
+    kv_cache_bytes}: the tokens after the first (prefill emits the first) over the decode
+    seconds, 0.0 when no decode step ran; the KV cache's bytes (`policies.kv_cache_bytes`)."""
     decode_s = float(timings.get("decode_s", 0.0))
     rate = (n_tokens - 1) / decode_s if decode_s > 0 and n_tokens > 1 else 0.0
     return {"prefill_s": float(timings["prefill_s"]), "decode_s": decode_s,
-            "decode_tokens_per_s": rate}
+            "decode_tokens_per_s": rate, "kv_cache_bytes": int(timings.get("kv_cache_bytes", 0))}
 
 
 def run(args) -> int:
@@ -123,7 +123,8 @@ def run(args) -> int:
     timing = generation_timings(timings, max(len(s["tokens"]) for s in samples))
     print(f"# prefill {timing['prefill_s']:.3f} s ({len(ids)} prompt tokens, "
           f"{args.num_samples} rows), decode {timing['decode_s']:.3f} s, "
-          f"{timing['decode_tokens_per_s']:.2f} tokens/s per row", file=sys.stderr, flush=True)
+          f"{timing['decode_tokens_per_s']:.2f} tokens/s per row; KV cache "
+          f"{timing['kv_cache_bytes'] / 1e6:.1f} MB", file=sys.stderr, flush=True)
     depth = f"fixed_depth={args.fixed_depth}" if args.fixed_depth is not None else f"q={q}"
     if args.json:  # the first sample's fields at the top level (one sample: as before)
         print(json.dumps({**samples[0], "samples": samples,

@@ -11,6 +11,7 @@ import numpy as np
 from looprl.config import ExperimentConfig
 from looprl.model.config import OuroConfig
 from looprl.rl.rollout import sampling_config
+from looprl.sampling.policies import kv_cache_bytes
 from looprl.sampling.sampler import SamplingConfig, generate
 
 
@@ -24,7 +25,8 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
     Returns one dict per problem (in order): completion (text before the end of turn), reward
     (`task.reward`), correct (reward == 1.0), tokens (completion tokens, the end of turn
     included), truncated (no end of turn within `scfg.max_new_tokens`), exit_loops (the exit
-    loop of each completion token, DESIGN.md §3). `progress(n)` is called after each batch with
+    loop of each completion token, DESIGN.md §3), kv_cache_bytes (its batch's KV cache,
+    `looprl.sampling.policies.kv_cache_bytes`). `progress(n)` is called after each batch with
     its number of problems. `master_fingerprint`: for `params` held in the compute dtype
     (`looprl.sampling.sampler.generate`).
     """
@@ -38,6 +40,8 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
                          prompt_indices=[p.id for p in chunk],
                          master_fingerprint=master_fingerprint)
         P = batch.schedule.prompt_len
+        kv_bytes = kv_cache_bytes(model_cfg, batch.tokens_BxS.shape[0], batch.schedule.seq_len,
+                                  scfg.compute_dtype)
         toks = np.asarray(batch.tokens_BxS)
         exits = np.asarray(batch.exit_loop_BxS)
         lens = np.asarray(batch.completion_len_B)
@@ -48,7 +52,8 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
             reward = task.reward(p, text)
             rows.append({"completion": text, "reward": reward, "correct": reward == 1.0,
                          "tokens": n, "truncated": tokenizer.end_of_turn_id not in ids,
-                         "exit_loops": exits[b, P - 1:P - 1 + n].tolist()})
+                         "exit_loops": exits[b, P - 1:P - 1 + n].tolist(),
+                         "kv_cache_bytes": kv_bytes})
         if progress is not None:
             progress(len(chunk))
     return rows

@@ -86,3 +86,12 @@ def copy_fill(cache_TxLxBxSxHxK, p, exit_loop_B, rows_B):
     take = (t > exit_loop_B[None, None, :, None, None]) & rows_B[None, None, :, None, None]
     col = jnp.where(take, src, col)
     return jax.lax.dynamic_update_index_in_dim(cache_TxLxBxSxHxK, col, p, axis=3)
+
+
+def kv_cache_bytes(cfg, rows: int, seq_len: int, compute_dtype) -> int:
+    """Bytes of the sampler's KV cache for `rows` rows of `seq_len` positions: keys and values,
+    `[T, L, B, S, Hkv, K]` each in the compute dtype (every loop keeps its own cache, DESIGN.md
+    §3; the memory budgets of issue 19 are stated on top of it)."""
+    per = (cfg.total_ut_steps * cfg.num_layers * rows * seq_len * cfg.num_kv_heads *
+           cfg.head_dim)
+    return 2 * per * jnp.dtype(compute_dtype).itemsize

@@ -491,7 +491,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         (`shard_map`; params all-gathered), so every row gets the bits it gets on one device.
       timings: a dict to fill with wall seconds `prefill_s` (prefill, which emits the first new
         token; waits for it to finish) and `decode_s` (the decode steps, which emit the rest),
-        and `decode_steps` (steps run), so decode throughput can be told from prefill.
+        `decode_steps` (steps run), so decode throughput can be told from prefill, and
+        `kv_cache_bytes` (`policies.kv_cache_bytes` of the whole batch).
       master_fingerprint: `params_fingerprint` of the fp32 master when `params` is a
         compute-dtype copy; the schedule records it (else the fingerprint of `params`).
     Raises: SamplingError on bad input (see `SamplingConfig.validate`, `layout_prompts`), or
@@ -576,6 +577,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         jax.block_until_ready(s)
         timings["decode_s"] = time.perf_counter() - t1
         timings["decode_steps"] = done_steps
+        timings["kv_cache_bytes"] = policies.kv_cache_bytes(cfg, B, S, scfg.compute_dtype)
     sched = Schedule(
         kv_policy=scfg.kv_policy,
         exit_threshold=None if scfg.fixed_depth is not None else float(scfg.exit_threshold),

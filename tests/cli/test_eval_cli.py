@@ -71,12 +71,13 @@ def test_eval_completion_does_not_depend_on_the_batch(tiny, tmp_path):
 
 
 def test_summarize_hand_computed():
-    rows = [{"correct": True, "exit_loops": [4, 4], "truncated": False},
-            {"correct": False, "exit_loops": [1], "truncated": True},
-            {"correct": True, "exit_loops": [2, 2, 2], "truncated": False}]
+    rows = [{"correct": True, "exit_loops": [4, 4], "truncated": False, "kv_cache_bytes": 7},
+            {"correct": False, "exit_loops": [1], "truncated": True, "kv_cache_bytes": 9},
+            {"correct": True, "exit_loops": [2, 2, 2], "truncated": False, "kv_cache_bytes": 7}]
     s = summarize(0.7, rows, wall_s=1.0)
     assert s["pass_at_1"] == 2 / 3 and s["correct"] == 2 and s["problems"] == 3
     assert s["mean_exit_loop"] == 15 / 6 and s["tokens"] == 6 and s["truncated"] == 1
+    assert s["kv_cache_bytes"] == 9  # the largest batch's
 
 
 def test_parse_thresholds():

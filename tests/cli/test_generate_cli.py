@@ -137,14 +137,16 @@ def test_generate_prints_its_timings_on_stderr_and_in_json(ckpt, capsys):
     if n > 1:
         assert t["decode_tokens_per_s"] == (n - 1) / t["decode_s"]
     m = re.search(r"# prefill ([0-9.]+) s \((\d+) prompt tokens, 1 rows\), decode ([0-9.]+) "
-                  r"s, ([0-9.]+) tokens/s per row", cap.err)
+                  r"s, ([0-9.]+) tokens/s per row; KV cache ([0-9.]+) MB", cap.err)
     assert m and float(m.group(4)) == round(t["decode_tokens_per_s"], 2)
+    assert t["kv_cache_bytes"] > 0 and float(m.group(5)) == round(t["kv_cache_bytes"] / 1e6, 1)
 
 
 def test_generation_timings_without_decode_steps_is_zero_rate():
     from looprl.cli.generate import generation_timings
     assert generation_timings({"prefill_s": 0.5}, 1) == {"prefill_s": 0.5, "decode_s": 0.0,
-                                                         "decode_tokens_per_s": 0.0}
+                                                         "decode_tokens_per_s": 0.0,
+                                                         "kv_cache_bytes": 0}
     assert generation_timings({"prefill_s": 0.5, "decode_s": 2.0}, 5)["decode_tokens_per_s"] == 2.0
 
 

@@ -358,8 +358,11 @@ def test_timings_split_prefill_from_decode_without_changing_the_rollout(params):
     timings = {}
     a = generate(CFG, params, PROMPTS, scfg, seed=3, timings=timings)
     b = generate(CFG, params, PROMPTS, scfg, seed=3)
-    assert set(timings) == {"prefill_s", "decode_s", "decode_steps"}
+    assert set(timings) == {"prefill_s", "decode_s", "decode_steps", "kv_cache_bytes"}
     assert timings["prefill_s"] > 0 and timings["decode_s"] > 0
+    S = a.schedule.seq_len  # keys and values, [T, L, B, S, Hkv, K] fp32 each
+    assert timings["kv_cache_bytes"] == 2 * CFG.total_ut_steps * CFG.num_layers * len(PROMPTS) \
+        * S * CFG.num_kv_heads * CFG.head_dim * 4
     assert timings["decode_steps"] == scfg.max_new_tokens - 1  # prefill emits the first token
     assert np.array_equal(a.tokens_BxS, b.tokens_BxS)
     assert np.array_equal(_bits(a.logprob_BxS), _bits(b.logprob_BxS))
