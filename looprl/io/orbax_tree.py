@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
 from pathlib import Path
 
 import jax
@@ -114,14 +115,18 @@ def _large_blocks_returned():
     """While reading slabs: glibc maps blocks of 1 MiB and more, and unmaps them when freed.
     Tensorstore decompresses on its own threads, and glibc's per-thread arenas (their mmap
     threshold raised by the first large frees) kept ~0.1 GB per stack read after it was freed:
-    0.26 GB of a 1.43 B bf16 load's peak (issue 19). After the read the threshold is set to
-    glibc's own ceiling for it (32 MiB). Elsewhere than glibc: nothing."""
+    0.26 GB of a 1.43 B bf16 load's peak (issue 19). glibc cannot read back or re-enable its
+    dynamic threshold, so afterwards the threshold stays fixed at 32 MiB, the ceiling the
+    dynamic one rises to (then `malloc_trim`): blocks of 1-32 MiB allocated later come from
+    the arenas, as they do once the dynamic threshold has risen. A user's own
+    `MALLOC_MMAP_THRESHOLD_` is left alone, and so is any libc without `mallopt`."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         libc = None
     mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, 1 << 20):
+    if (mallopt is None or "MALLOC_MMAP_THRESHOLD_" in os.environ
+            or not mallopt(_M_MMAP_THRESHOLD, 1 << 20)):
         yield
         return
     try:

@@ -6,7 +6,9 @@ the fp32 master it came from.
 Holding the fp32 master for that costs 4 B per parameter that the sampler never reads;
 `ComputeWeights` holds 2 B instead, and neither the fp32 tree nor a whole fp32 layer stack ever
 exists: the load's peak is the held tree plus about two fp32 slabs (a chunk column of a stored
-stack, or one layer of an HF one; README "Memory"). The cast is the one `cast_weights` applies
+leaf, or one layer of an HF stack; README "Memory"). An HF directory's embedding and head come
+as one slab each (0.4 GB in fp32 at Ouro's vocabulary), so there the peak is the tree plus
+about one of those. The cast is the one `cast_weights` applies
 (an XLA convert of the same fp32 values, the exit gate kept in fp32), so the sampler computes
 the same bits from either form, and the rollout records the master's fingerprint
 (`FingerprintStream`), so `looprl verify --rollout` and the learner check it against the fp32
@@ -37,7 +39,7 @@ class ComputeWeights:
     fp32 slab moves over, joins the fingerprint at its place in the leaf
     (`FingerprintStream.add(..., shape=, axis=, start=)`), is cast, and is written in place into
     the held leaf (a donated `dynamic_update_slice`), so the load holds the compute-dtype tree
-    plus about two fp32 slabs, never an fp32 leaf.
+    plus about two fp32 slabs, never a whole fp32 leaf that the loader sliced.
 
     Args:
       dtype: the compute dtype (`float32`, `bfloat16`, `float16`); every leaf but the exit gate's

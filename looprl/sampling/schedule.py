@@ -251,32 +251,46 @@ class FingerprintStream:
     so a loader that reads a leaf in parts never holds it whole; `hexdigest()` is the value
     `params_fingerprint` gives for the whole tree (the same sum of the same per-leaf digests,
     each salted by its place in sorted path order). Raises ValueError for a path not in
-    `paths`, more elements added to a leaf than it has (a leaf or slab added twice), or a leaf
-    not complete at `hexdigest()`."""
+    `paths`, a part overlapping one already added (a leaf or slab added twice), parts of one
+    leaf with different shapes or axes, or a leaf not complete at `hexdigest()`."""
 
     def __init__(self, paths):
         keyed = sorted((jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in p)),
                         tuple(p)) for p in paths)
         self._salt = {p: i + 1 for i, (_, p) in enumerate(keyed)}
         self._sum = np.zeros(2, np.uint64)
-        self._left: dict[tuple, int] = {}  # elements still to come, per leaf begun
+        self._parts: dict[tuple, tuple] = {}  # leaf -> (shape, axis, [(start, stop), ...])
 
     def add(self, path, leaf, *, shape=None, axis: int = 0, start: int = 0) -> None:
         path = tuple(path)
+        name = "/".join(path)
         if path not in self._salt:
-            raise ValueError(f"fingerprint stream: parameter {'/'.join(path)} not in the tree")
-        size = int(np.prod(leaf.shape if shape is None else shape, dtype=np.int64))
-        left = self._left.setdefault(path, size) - int(np.prod(leaf.shape, dtype=np.int64))
-        if left < 0:
-            raise ValueError(f"fingerprint stream: parameter {'/'.join(path)} added twice "
-                             f"(more than its {size} elements)")
-        self._left[path] = left
+            raise ValueError(f"fingerprint stream: parameter {name} not in the tree")
+        whole = shape is None
+        shape = tuple(int(d) for d in (leaf.shape if whole else shape))
+        axis, start = (0, 0) if whole else (int(axis), int(start))
+        stop = start + (shape[0] if whole and shape else 1 if not shape else
+                        int(leaf.shape[axis]))
+        prev_shape, prev_axis, spans = self._parts.get(path, (shape, axis, []))
+        if spans and (prev_shape, prev_axis) != (shape, axis):
+            raise ValueError(f"fingerprint stream: parameter {name}: a part of shape {shape} "
+                             f"along axis {axis} after parts of {prev_shape} along {prev_axis}")
+        if any(start < b and a < stop for a, b in spans):
+            raise ValueError(f"fingerprint stream: parameter {name} added twice (positions "
+                             f"{start}..{stop} along axis {axis} already added)")
+        self._parts[path] = (shape, axis, spans + [(start, stop)])
         salt = self._salt[path]
-        self._sum += (_one_leaf_digest(leaf, salt) if shape is None else
+        self._sum += (_one_leaf_digest(leaf, salt) if whole else
                       _slab_digest(leaf, shape, axis, start, salt))
 
+    def _complete(self, path) -> bool:
+        if path not in self._parts:
+            return False
+        shape, axis, spans = self._parts[path]
+        return sum(b - a for a, b in spans) == (shape[axis] if shape else 1)
+
     def hexdigest(self) -> str:
-        missing = sorted("/".join(p) for p in self._salt if self._left.get(p, 1))
+        missing = sorted("/".join(p) for p in self._salt if not self._complete(p))
         if missing:
             raise ValueError(f"fingerprint stream: {len(missing)} parameters never added "
                              f"or incomplete (first {missing[0]})")

@@ -16,12 +16,15 @@ def test_evaluate_reports_by_terms_only_for_tasks_with_terms(monkeypatch):
         n = len(prompts)
         exits = np.zeros((n, 3), np.int32)
         exits[:, 1:] = 4  # prompt_len 2: the completion's positions exit at loop 4
-        return SimpleNamespace(exit_loop_BxS=exits, schedule=SimpleNamespace(prompt_len=2),
+        return SimpleNamespace(exit_loop_BxS=exits, schedule=SimpleNamespace(prompt_len=2,
+                                                                          seq_len=3),
                                tokens_BxS=np.zeros((n, 3), np.int32),
                                completion_len_B=np.ones((n,), np.int32))
 
-    monkeypatch.setattr(evaluation, "sampling_config", lambda cfg, greedy: SimpleNamespace())
+    monkeypatch.setattr(evaluation, "sampling_config",
+                        lambda cfg, greedy: SimpleNamespace(compute_dtype="float32"))
     monkeypatch.setattr(evaluation, "generate", fake_generate)
+    monkeypatch.setattr(evaluation, "kv_cache_bytes", lambda *a: 0)  # no sampler, no cache
     cfg = SimpleNamespace(eval=SimpleNamespace(eval_batch_size=3), run=SimpleNamespace(seed=0))
     task = SimpleNamespace(format_prompt=lambda p: p.prompt, reward=lambda p, text: rewards[p.id])
     tok = SimpleNamespace(encode=lambda text: [1, 2], decode_completion=lambda ids: "",

@@ -184,7 +184,27 @@ def test_fingerprint_stream_takes_a_leaf_in_slabs_in_any_order(axis, step):
                 parts.hexdigest()
     assert parts.hexdigest() == whole.hexdigest() == params_fingerprint(master)
     with pytest.raises(ValueError, match="layers/up_proj added twice"):
-        parts.add(("layers", "up_proj"), up[:1], shape=up.shape, axis=0, start=0)
+        parts.add(("layers", "up_proj"), np.take(up, range(step), axis=axis), shape=up.shape,
+                  axis=axis, start=0)
+
+
+def test_fingerprint_stream_refuses_a_slab_twice_even_when_the_count_would_match():
+    """A slab added twice while another of the same size is missing has the right element
+    count: it is still refused (overlapping positions), so the digest cannot silently be the
+    wrong one."""
+    a = np.arange(8, dtype=np.float32).reshape(4, 2)
+    s = FingerprintStream([("w",)])
+    s.add(("w",), a[0:2], shape=a.shape, axis=0, start=0)
+    with pytest.raises(ValueError, match=r"w added twice \(positions 0..2 along axis 0"):
+        s.add(("w",), a[0:2], shape=a.shape, axis=0, start=0)
+    with pytest.raises(ValueError, match="parts of \\(4, 2\\) along 0"):
+        s.add(("w",), a[:, 1:], shape=a.shape, axis=1, start=1)
+    with pytest.raises(ValueError, match="1 parameters never added or incomplete"):
+        s.hexdigest()
+    s.add(("w",), a[2:4], shape=a.shape, axis=0, start=2)
+    whole = FingerprintStream([("w",)])
+    whole.add(("w",), a)
+    assert s.hexdigest() == whole.hexdigest() == params_fingerprint({"w": a})
 
 
 def test_load_for_sampling_holds_fp32_as_read_and_bf16_both_with_the_master_fingerprint(tmp_path):
