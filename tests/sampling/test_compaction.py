@@ -55,21 +55,30 @@ def test_row_menu_sizes():
     assert row_menu(256) == (16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+class _Rollouts(dict):
+    """(policy, dtype) -> (compacted, uncompacted) rollouts of the same prompts and seed,
+    sampled the first time a test asks (the bf16 cases run under `-m slow`)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = params
+
+    def __missing__(self, key):
+        policy, dtype = key
+        sc = _scfg(policy, dtype)
+        self[key] = (generate(CFG, self.params, PROMPTS, sc, group_size=G, seed=5),
+                     generate(CFG, self.params, PROMPTS,
+                              dataclasses.replace(sc, row_compaction=False), group_size=G,
+                              seed=5))
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def rollouts(params):
-    """(policy, dtype) -> (compacted, uncompacted) rollouts of the same prompts and seed."""
-    out = {}
-    for dtype in ("float32", "bfloat16"):
-        for policy in ("dense", "deferred", "copy"):
-            sc = _scfg(policy, dtype)
-            out[policy, dtype] = (
-                generate(CFG, params, PROMPTS, sc, group_size=G, seed=5),
-                generate(CFG, params, PROMPTS, dataclasses.replace(sc, row_compaction=False),
-                         group_size=G, seed=5))
-    return out
+    return _Rollouts(params)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", ["dense", "deferred", "copy"])
 def test_compacted_rollout_equals_the_uncompacted_one_bit_for_bit(rollouts, policy, dtype):
     a, b = rollouts[policy, dtype]
@@ -111,10 +120,11 @@ def test_deferred_runs_rows_without_pending_work_on_their_own_position(rollouts)
     assert set(np.unique(lr)) <= {0, 16, 24}
 
 
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", ["deferred", "copy"])
-def test_forced_rerun_reproduces_the_compaction(params, rollouts, policy):
-    a, _ = rollouts[policy, "bfloat16"]
-    f = generate(CFG, params, [], _scfg(policy, "bfloat16"), forced=a)
+def test_forced_rerun_reproduces_the_compaction(params, rollouts, policy, dtype):
+    a, _ = rollouts[policy, dtype]
+    f = generate(CFG, params, [], _scfg(policy, dtype), forced=a)
     assert f.schedule.row_menu == a.schedule.row_menu
     assert np.array_equal(f.loop_rows, a.loop_rows)
     assert np.array_equal(_raw(f.logprob_BxS), _raw(a.logprob_BxS))
