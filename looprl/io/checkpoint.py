@@ -27,7 +27,8 @@ Every load checks the recorded digests (`check_file_digests`, then `params_sha25
 restored tree, except where the file digests already cover every byte: a sharded load, or a
 `leaf_fn` load that reads leaves in slabs), so bytes damaged in place (same size, which the
 manifest cannot see) are a CheckpointError naming the file and both digests, never a model
-that silently computes NaN. A checkpoint written before digests were recorded loads with a one-line warning on stderr.
+that silently computes NaN. A checkpoint written before digests were recorded loads with a
+one-line warning on stderr.
 
 Restores never cast: parameters must be stored as fp32, and `load_train_state(path, template)`
 checks every array's name, shape and dtype against the template, raising a CheckpointError that
@@ -292,10 +293,11 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     except (OSError, json.JSONDecodeError, ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from e
     sha = ParamsSha256()
+    files_digested = bool(meta.get("file_sha256"))  # check_file_digests covered every byte
 
     def streamed(keys, slabs):
         _require_fp32(path, keys, slabs)
-        if meta.get("file_sha256"):  # the file digests above covered every byte
+        if files_digested:
             return leaf_fn(keys, slabs)
         leaf = slabs.full()  # an older checkpoint: only the tree digest can check the bytes
         sha.update(leaf_path_name(keys), leaf)
@@ -315,7 +317,7 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     check_param_tree(params, cfg, source=f"{path / PARAMS_DIR}")
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0] if not leaf_fn else ():
         _require_fp32(path, [k.key for k in key_path], leaf)
-    if mesh is None and not (leaf_fn and meta.get("file_sha256")):  # else the file digests
+    if mesh is None and not (leaf_fn and files_digested):  # else the file digests did it
         _check_params_digest(path, params, meta, sha.hexdigest() if leaf_fn else None)
     tokenizer_json = (path / TOKENIZER_FILE).read_text() if meta.get("has_tokenizer") else None
     return params, cfg, tokenizer_json, meta

@@ -3,7 +3,8 @@ holds its weights in another form (issue 19: bf16 sampling weights on the device
 the fp32 leaf whole.
 
 The loaders choose the slabs from how the leaf is stored: a looprl checkpoint's leaf along the
-first axis its chunk grid splits (`looprl.io.checkpoint`: tensorstore reads whole chunks once),
+axis its chunk grid splits into the most chunks (`looprl.io.orbax_tree`: tensorstore reads whole
+chunks, each once),
 an HF checkpoint's layer stack one layer per slab (`looprl.io.hf`: one tensor per layer), any
 other leaf as one slab.
 
@@ -37,10 +38,10 @@ class LeafSlabs:
             yield start, self.read(start, stop)
 
     def full(self) -> np.ndarray:
-        """The whole leaf, fp32 `[*shape]` (one slab: that slab itself, no copy)."""
+        """The whole leaf, `[*shape]` in `dtype` (one slab: that slab itself, no copy)."""
         if len(self.bounds) == 1:
             return self.read(*self.bounds[0])
-        out = np.empty(self.shape, np.float32)
+        out = np.empty(self.shape, self.dtype)
         for start, slab in self:
             index = [slice(None)] * len(self.shape)
             index[self.axis] = slice(start, start + slab.shape[self.axis])

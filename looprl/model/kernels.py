@@ -66,7 +66,8 @@ The construction (CPU):
   block widened to fp32 where it is used (a small tile then takes its nb partials from a loop
   of the same nb dots), so no whole-weight fp32 copy exists (XLA's own bf16 dot widens the
   whole weight, and in a decode loop that copy is hoisted and held: 0.4 GB for Ouro-1.4B's
-  lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the backward as plain dots (no invariance needed there).
+  lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the backward as
+  plain dots (no invariance needed there).
 * `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`) and run in
   `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
   matmuls of one shape: scores `[R, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)

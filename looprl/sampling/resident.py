@@ -8,9 +8,8 @@ Holding the fp32 master for that costs 4 B per parameter that the sampler never 
 exists: the load's peak is the held tree plus about two fp32 slabs (a chunk column of a stored
 leaf, or one layer of an HF stack; README "Memory"). An HF directory's embedding and head come
 as one slab each (0.4 GB in fp32 at Ouro's vocabulary), so there the peak is the tree plus
-about one of those. The cast is the one `cast_weights` applies
-(an XLA convert of the same fp32 values, the exit gate kept in fp32), so the sampler computes
-the same bits from either form, and the rollout records the master's fingerprint
+about one of those. The cast is the one `cast_weights` applies (an XLA convert of the same
+fp32 values, the exit gate kept in fp32), so the sampler computes the same bits from either form, and the rollout records the master's fingerprint
 (`FingerprintStream`), so `looprl verify --rollout` and the learner check it against the fp32
 checkpoint as before. In fp32 the same path places the master itself on the device, slab by
 slab, and its fingerprint costs no second pass.

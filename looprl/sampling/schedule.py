@@ -268,9 +268,11 @@ class FingerprintStream:
             raise ValueError(f"fingerprint stream: parameter {name} not in the tree")
         whole = shape is None
         shape = tuple(int(d) for d in (leaf.shape if whole else shape))
-        axis, start = (0, 0) if whole else (int(axis), int(start))
-        stop = start + (shape[0] if whole and shape else 1 if not shape else
-                        int(leaf.shape[axis]))
+        if whole:  # the whole of axis 0 (a scalar: one position)
+            axis, start, stop = 0, 0, shape[0] if shape else 1
+        else:
+            axis, start = int(axis), int(start)
+            stop = start + int(leaf.shape[axis])
         prev_shape, prev_axis, spans = self._parts.get(path, (shape, axis, []))
         if spans and (prev_shape, prev_axis) != (shape, axis):
             raise ValueError(f"fingerprint stream: parameter {name}: a part of shape {shape} "
