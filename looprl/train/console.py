@@ -18,13 +18,15 @@ def progress_bar(show: bool, total: int, desc: str, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
 
 
-def evaluate_and_say(label: str, show_bar: bool, say, *args, **kwargs) -> dict[str, Any]:
+def evaluate_and_say(label: str, show_bar: bool, say, *args, ctrl_c=None,
+                     **kwargs) -> dict[str, Any]:
     """`evaluate(*args, **kwargs)` with a progress bar over the problems, then one line of
-    rounded figures."""
+    rounded figures. `ctrl_c` (a `looprl.train.interrupts.CtrlC`): checked after every batch."""
     problems = args[5]
     bar = progress_bar(show_bar, len(problems), label, "problem")
+    progress = ctrl_c.tick(bar) if ctrl_c is not None else None if bar is None else bar.update
     try:
-        result = evaluate(*args, **kwargs, progress=None if bar is None else bar.update)
+        result = evaluate(*args, **kwargs, progress=progress)
     finally:
         if bar is not None:
             bar.close()

@@ -42,7 +42,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +65,7 @@ from looprl.train.resume import (REFERENCE_FILE, without_run_control, check_resu
                                  save_training_checkpoint)
 from looprl.train.console import (evaluate_and_say, progress_bar, replay_exact_steps, replay_record,
                                   warm_start_line, warn_inexact)
+from looprl.train.interrupts import CtrlC, DeferredSignals
 from looprl.train.setup import build_tasks, checkpoint_task_meta, run_tokenizer
 from looprl.train.warm_start import warm_start
 
@@ -92,9 +92,10 @@ class _Start:
 
 
 def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bool,
-                 say, ckpt_meta: dict[str, Any], bars: bool) -> _Start:
+                 say, ckpt_meta: dict[str, Any], bars: bool, ctrl_c: CtrlC) -> _Start:
     """A new run: load or initialise the model, warm-start it, record the reference policy
-    (`warm_start/` or `reference.json`) and evaluate it before GRPO."""
+    (`warm_start/` or `reference.json`) and evaluate it before GRPO. A Ctrl-C is checked
+    after every warm-start step and evaluation batch (`ctrl_c`)."""
     ckpt_tokenizer = None
     if exp_cfg.model.checkpoint:
         params, model_cfg, ckpt_tokenizer, _ = load_model_checkpoint(
@@ -136,7 +137,7 @@ def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main
             eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
             plateau_last_fraction=ws.plateau_last_fraction,
             plateau_min_gain=ws.plateau_min_gain, plateau_min_evals=ws.plateau_min_evals,
-            progress=None if bar is None else bar.update)
+            progress=ctrl_c.tick(bar))
         if bar is not None:
             bar.close()
         say(f"warm start: {report.get('stage1_steps')} stage-I steps (loss "
@@ -154,12 +155,14 @@ def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main
             {"checkpoint": str(Path(exp_cfg.model.checkpoint).resolve()),
              "params_sha256": params_sha256(params)}, indent=2) + "\n")
 
+    ctrl_c.check()
     before = evaluate_and_say("eval before GRPO", bars, say, model_cfg, params, warm_task,
-                              tokenizer, exp_cfg, eval_set)
+                              tokenizer, exp_cfg, eval_set, ctrl_c=ctrl_c)
     before_q1 = None
     if exp_cfg.rollout.exit_threshold < 1.0:
         before_q1 = evaluate_and_say("eval before GRPO at q=1.0", bars, say, model_cfg, params,
-                                     warm_task, tokenizer, exp_cfg, eval_set, exit_threshold=1.0)
+                                     warm_task, tokenizer, exp_cfg, eval_set, exit_threshold=1.0,
+                                     ctrl_c=ctrl_c)
     if main:
         (out / EVAL_BEFORE_FILE).write_text(json.dumps(
             {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
@@ -219,7 +222,7 @@ def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_jso
         bar = tqdm(total=n_steps, initial=start, desc="GRPO", unit="step")
     preempted = None
     try:
-        with metrics_path.open("a" if resumed else "w") as f, _SigtermFlag() as sigterm:
+        with metrics_path.open("a" if resumed else "w") as f, DeferredSignals() as sigterm:
             for step in range(start, n_steps):
                 try:
                     m = learner.step(step)
@@ -272,7 +275,15 @@ def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_jso
 def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
           t_start: float | None = None) -> dict[str, Any]:
     """Run the whole experiment; returns the summary dict (also written to summary.json).
-    `t_start`: when the command started (`time.time()`), for `wall_s`; default now."""
+    `t_start`: when the command started (`time.time()`), for `wall_s`; default now.
+    Raises: KeyboardInterrupt on a Ctrl-C outside the GRPO steps (`looprl.train.interrupts`),
+    ConfigError / CheckpointError / TrainingError as their messages say."""
+    with CtrlC() as ctrl_c:
+        return _train(exp_cfg, quiet, t_start, ctrl_c)
+
+
+def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
+           ctrl_c: CtrlC) -> dict[str, Any]:
     t_start = time.time() if t_start is None else t_start
     out = prepare_out_dir(exp_cfg)
     main = is_main_process()  # only process 0 writes logs, metrics and reports (issue 7)
@@ -291,7 +302,9 @@ def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
     ckpt_meta = checkpoint_task_meta(exp_cfg, warm_task, len(eval_set))
     begin = (_resumed_start(out, warm_task) if resume_from
              else _fresh_start(exp_cfg, out, warm_task, eval_set, main, say, ckpt_meta,
-                               bars=exp_cfg.run.progress_bar and not quiet and main))
+                               bars=exp_cfg.run.progress_bar and not quiet and main,
+                               ctrl_c=ctrl_c))
+    ctrl_c.check()
     model_cfg, tokenizer, before = begin.model_cfg, begin.tokenizer, begin.before
 
     learner = GRPOLearner(exp_cfg, model_cfg, begin.params, rl_task, tokenizer)
@@ -311,6 +324,7 @@ def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
                 f"(run.grpo_steps={run.grpo_steps}, run.stop_after={run.stop_after}); "
                 f"pass stop_after=none or a larger grpo_steps to continue")
     tok_json = tokenizer.to_json()
+    ctrl_c.check()
     preempted = _grpo_loop(exp_cfg, out, learner, model_cfg, tok_json, start, n_steps,
                            resume_at is not None, main, quiet, ckpt_meta,
                            eval_fn=lambda p: evaluate(model_cfg, p, warm_task, tokenizer, exp_cfg,
@@ -329,7 +343,7 @@ def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
     # no GRPO step: the parameters are the warm-started ones, whose evaluation is `before`
     after = before if n_steps == 0 else evaluate_and_say(
         "eval after GRPO", exp_cfg.run.progress_bar and not quiet and main, say, model_cfg,
-        _eval_params(learner), warm_task, tokenizer, exp_cfg, eval_set)
+        _eval_params(learner), warm_task, tokenizer, exp_cfg, eval_set, ctrl_c=ctrl_c)
     replay = replay_record(out / "metrics.jsonl") if main else {}
     if replay.get("inexact_replay_steps"):
         print(f"looprl train: warning: {replay['inexact_replay_steps']} of "
@@ -406,34 +420,3 @@ def _truncate_jsonl(path: Path, step: int, *, inclusive: bool) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(r + "\n" for r in keep))
     tmp.replace(path)
-
-
-class _SigtermFlag:
-    """Context manager: while active (main thread only), SIGTERM and a first SIGINT (Ctrl-C)
-    set `received` (the signal number) instead of killing the process, so the GRPO loop can
-    finish its step and checkpoint; a second SIGINT aborts at once (exit status 130, one line
-    on stderr, no traceback; the checkpoints already written are complete, as every write is
-    atomic). The previous handlers are restored on exit."""
-
-    def __enter__(self):
-        self.received = None
-        self._prev = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._prev[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.received is not None:
-            print("looprl train: second Ctrl-C: aborting now, without a checkpoint of the "
-                  "current step", file=sys.stderr, flush=True)
-            os._exit(128 + signal.SIGINT)
-        if self.received is None and signum == signal.SIGINT:
-            print("\nlooprl train: Ctrl-C: finishing this GRPO step, then a checkpoint (Ctrl-C "
-                  "again aborts at once)", file=sys.stderr, flush=True)
-        self.received = self.received or signum
-
-    def __exit__(self, *exc):
-        for sig, prev in self._prev.items():
-            signal.signal(sig, prev)
-        return False

@@ -1,0 +1,98 @@
+"""Ctrl-C and SIGTERM during `looprl train` (DESIGN.md §6; the run's outputs stay resumable).
+
+Two phases, two context managers, both active in the main thread only (elsewhere they do
+nothing, as Python delivers signals to the main thread):
+
+- `CtrlC`, over the whole run: a SIGINT raises KeyboardInterrupt at once (the warm start and the
+  evaluations stop where they are) and is remembered. Python drops an exception raised inside a
+  garbage-collector callback or a `__del__` ("Exception ignored in ..."), and jax runs such a
+  callback at every collection (`_xla_gc_callback`), so a Ctrl-C landing there used to be lost
+  and the run went on to exit 0. `CtrlC.check()`, called after every warm-start step, every
+  evaluation batch and between the run's phases, raises a remembered one again, and the
+  traceback Python would print for the dropped one is left out (`sys.unraisablehook`).
+- `DeferredSignals`, over the GRPO loop: SIGTERM and a first SIGINT only set `received`, so the
+  loop finishes its step and writes a checkpoint; a second SIGINT aborts at once (exit status
+  130, one line on stderr, no traceback; the checkpoints already written are complete, as
+  every write is atomic).
+
+Each restores the previous handlers on exit.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class CtrlC:
+    """While active, SIGINT raises KeyboardInterrupt and sets `pending` (the signal number);
+    `check()` raises KeyboardInterrupt whenever `pending` is set. A KeyboardInterrupt Python
+    drops as unraisable is not printed (other unraisables go to the previous hook)."""
+
+    def __enter__(self):
+        self.pending = None
+        self._prev = signal.signal(signal.SIGINT, self._raise) if _in_main_thread() else None
+        self._prev_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        return self
+
+    def _unraisable(self, unraisable):
+        if not (self.pending is not None and unraisable.exc_type is KeyboardInterrupt):
+            self._prev_hook(unraisable)
+
+    def _raise(self, signum, frame):
+        self.pending = signum
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a SIGINT arrived (it may have been dropped on its way).
+        Raises: KeyboardInterrupt."""
+        if self.pending is not None:
+            raise KeyboardInterrupt
+
+    def tick(self, bar=None):
+        """A `progress(n)` callback: `check()`, then `bar.update(n)` when a bar is given."""
+        def progress(n: int) -> None:
+            self.check()
+            if bar is not None:
+                bar.update(n)
+        return progress
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+        sys.unraisablehook = self._prev_hook
+        return False
+
+
+class DeferredSignals:
+    """While active, SIGTERM and a first SIGINT set `received` (the signal number) instead of
+    interrupting; a second SIGINT ends the process at once with `os._exit(130)`."""
+
+    def __enter__(self):
+        self.received = None
+        self._prev = {}
+        if _in_main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._prev[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received is not None:
+            print("looprl train: second Ctrl-C: aborting now, without a checkpoint of the "
+                  "current step", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGINT)
+        if self.received is None and signum == signal.SIGINT:
+            print("\nlooprl train: Ctrl-C: finishing this GRPO step, then a checkpoint (Ctrl-C "
+                  "again aborts at once)", file=sys.stderr, flush=True)
+        self.received = self.received or signum
+
+    def __exit__(self, *exc):
+        for sig, prev in self._prev.items():
+            signal.signal(sig, prev)
+        return False
