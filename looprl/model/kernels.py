@@ -81,6 +81,10 @@ The construction (CPU):
   likewise; the max is order-free. Without the rotation a prompt whose keys straddled slot 128
   in a larger prompt bucket summed them in two blocks (the needle test,
   tests/sampling/test_needle.py). The queries are the row side, so the matmul argument applies.
+  A single query tile (a decode step: C = 1 real row in an 8-row tile) runs the softmax on its
+  C real rows alone and gives the padding rows probability 0: the softmax is row-invariant
+  (below), so the real rows' bits are those of the whole tile, and the step pays for one
+  softmax row instead of 8 (issue 18: 4.9 of 15.3 ms per layer at 128 rows went there).
 * `rowsum` (RMSNorm's mean of squares, softmax sums): `matmul` of x with a literal `[D, 16]`
   ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce).
 * `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
@@ -355,14 +359,22 @@ def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, dtype, prec,
-                            softmax_fn, key_block=None):
+                            softmax_fn, key_block=None, live_rows=None):
     """The attention math on one block of queries: fp32 scores, mask, fp32 softmax, probs cast
-    to the compute dtype, value product accumulated in fp32, cast to `dtype`."""
+    to the compute dtype, value product accumulated in fp32, cast to `dtype`. `live_rows` = n
+    (static): only the first n query rows are real; the softmax runs on those alone and the
+    padding rows get probabilities 0 (the softmax is row-invariant, so the real rows' bits are
+    the same; a decode step's one query in an 8-row tile then pays for one softmax row, not 8)."""
     scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxRxK, k_BxHxSxK,
                         preferred_element_type=jnp.float32, precision=prec)
+    R = scores.shape[2]
+    if live_rows is not None and live_rows < R:
+        scores, mask_BxRxS = scores[:, :, :live_rows], mask_BxRxS[:, :live_rows]
     scores = scores * jnp.float32(scale)
     scores = jnp.where(mask_BxRxS[:, None], scores, MASK_VALUE)
     probs = softmax_fn(scores).astype(dtype).astype(v_BxHxSxK.dtype)
+    if probs.shape[2] < R:
+        probs = jnp.pad(probs, [(0, 0), (0, 0), (0, R - probs.shape[2]), (0, 0)])
     S = v_BxHxSxK.shape[2]
     if key_block is None or S <= key_block:
         return jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK, precision=prec,
@@ -405,17 +417,17 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     v32 = _keys_from_first_live(v32, offset_B, 2)
     mask = _keys_from_first_live(mask, offset_B, 2)
 
-    def tile(qm):
+    def tile(qm, live_rows=None):
         q_BxHxRxK, mask_BxRxS = qm
         return _attention_probs_values(q_BxHxRxK.astype(jnp.float32), k32, v32, mask_BxRxS,
-                                       scale, dtype, None, softmax, K_BLOCK)
+                                       scale, dtype, None, softmax, K_BLOCK, live_rows)
 
     t = _row_tile_for(C)
     q_pad, _ = _pad_rows(q_BxHxCxK, 2, t)
     m_pad, _ = _pad_rows(mask, 1, t)
     tiles = q_pad.shape[2] // t
-    if tiles == 1:
-        out = tile((q_pad, m_pad))
+    if tiles == 1:  # the softmax on the C real query rows only
+        out = tile((q_pad, m_pad), live_rows=C)
     else:
         qs = jnp.moveaxis(q_pad.reshape(B, H, tiles, t, K), 2, 0)
         ms = jnp.moveaxis(m_pad.reshape(B, tiles, t, -1), 1, 0)

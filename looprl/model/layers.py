@@ -38,7 +38,9 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, 
 
     The chunk's keys/values are written into the layer's KV slot `[B, S, J, K]` (J kv heads) at
     [w0, w0 + C) where `write_BxC` is True (elsewhere the slot keeps what it had), then the
-    chunk's queries attend over the whole slot. Returns (y_BxCxD, k_slot, v_slot).
+    chunk's queries attend over the whole slot. Returns (y_BxCxD, k_win, v_win): the slot's
+    window [w0, w0 + C) after the write, `[B, C, J, K]` (the caller puts it into its cache, so
+    the updated slot itself never leaves the layer: no copy of the whole slot per layer).
     """
     mm = kn.stock_matmul if stock else kn.matmul
     attend = kn.stock_attention if stock else kn.attention
@@ -53,14 +55,15 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, 
     k_old = jax.lax.dynamic_slice_in_dim(k_BxSxJxK, w0, C, axis=1)
     v_old = jax.lax.dynamic_slice_in_dim(v_BxSxJxK, w0, C, axis=1)
     wmask = write_BxC[:, :, None, None]
-    k_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxJxK, jnp.where(wmask, k, k_old), w0, 1)
-    v_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxJxK, jnp.where(wmask, v, v_old), w0, 1)
+    k_win, v_win = jnp.where(wmask, k, k_old), jnp.where(wmask, v, v_old)
+    k_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxJxK, k_win, w0, 1)
+    v_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxJxK, v_win, w0, 1)
     o = attend(q, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, K ** -0.5).reshape(B, C, H * K)
     a = x_BxCxD + norm(mm(o, lw["o_proj"]), lw["input_layernorm_2"])
     z = norm(a, lw["post_attention_layernorm"])
     m = mm(jax.nn.silu(mm(z, lw["gate_proj"])) * mm(z, lw["up_proj"]), lw["down_proj"])
     y = a + norm(m, lw["post_attention_layernorm_2"])
-    return y, k_BxSxJxK, v_BxSxJxK
+    return y, k_win, v_win
 
 
 @jax.custom_jvp
@@ -87,7 +90,8 @@ def _from_bits(a, dtype):
 
 
 def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_LxBxSxJxK,
-               v_LxBxSxJxK, write_BxC, w0, stock: bool = False, bits: bool = False):
+               v_LxBxSxJxK, write_BxC, w0, stock: bool = False, bits: bool = False,
+               loop=None):
     """One loop (ut step): all L shared layers, then the shared final norm (`model.norm`).
 
     Args:
@@ -97,12 +101,15 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
       x_BxCxD: the chunk's input hidden states (embeddings at loop 1, h(t-1) after).
       positions_BxC: RoPE positions (layout index minus the row's left padding).
       layout_C: layout indices of the chunk, `w0 + arange(C)`.
-      k/v_LxBxSxJxK: this loop's KV slots for every layer.
+      k/v_LxBxSxJxK: this loop's KV slots for every layer; with `loop` given, instead the whole
+        cache `[T, L, B, S, J, K]`, whose slots `[loop, l]` (`loop` 0-based, an int32 scalar)
+        each layer reads in place (the sampler's form: no copy of the loop's slots).
       bits: slice bf16 layer weights as their bits (`layer_bits`; the sampler's form: the
         same values, without an fp32 copy of the stack on XLA CPU; not differentiable).
-    Returns: (h_BxCxD normalised, k_LxBxSxJxK, v_LxBxSxJxK).
+    Returns: (h_BxCxD normalised, k_LxBxCxJxK, v_LxBxCxJxK): every layer's KV window
+      [w0, w0 + C) after the chunk's writes (with C = S and w0 = 0: the whole slots).
     """
-    S = k_LxBxSxJxK.shape[2]
+    S = k_LxBxSxJxK.shape[-3]
     cos, sin = kn.rope_cos_sin(positions_BxC, cfg.head_dim, cfg.rope_theta, x_BxCxD.dtype)
     mask = key_mask(layout_C, pad_B, S)
 
@@ -111,12 +118,21 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
 
     def body(x, xs):
         lw, k_slot, v_slot = xs
+        if loop is not None:  # k_slot is the layer index: read slot [loop, l] of the cache
+            k_slot, v_slot = (jax.lax.dynamic_slice(
+                c, (loop, k_slot) + (0,) * (c.ndim - 2), (1, 1) + c.shape[2:])[0, 0]
+                for c in (k_LxBxSxJxK, v_LxBxSxJxK))
         if bits:
             lw = {k: _from_bits(v, stack[k].dtype) for k, v in lw.items()}
         lw = {k: v.astype(dt) for k, v in lw.items()}  # this layer only (`cast_weights`)
-        y, k_slot, v_slot = decoder_layer(cfg, lw, x, cos, sin, k_slot, v_slot, write_BxC, w0,
-                                          mask, stock)
-        return y, (k_slot, v_slot)
+        y, k_win, v_win = decoder_layer(cfg, lw, x, cos, sin, k_slot, v_slot, write_BxC, w0,
+                                        mask, stock)
+        return y, (k_win, v_win)
 
-    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, (xs_layers, k_LxBxSxJxK, v_LxBxSxJxK))
+    if loop is None:
+        xs = (xs_layers, k_LxBxSxJxK, v_LxBxSxJxK)
+    else:
+        L = k_LxBxSxJxK.shape[1]
+        xs = (xs_layers, jnp.arange(L, dtype=jnp.int32), jnp.arange(L, dtype=jnp.int32))
+    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, xs)
     return kn.rms_norm(out, w["norm"], cfg.rms_norm_eps, stock), k_new, v_new

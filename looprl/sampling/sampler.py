@@ -171,23 +171,23 @@ class _Static:
     row_menu: tuple[int, ...] = ()  # sub-batch sizes of row compaction; () = off
 
 
-def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_slots, v_slots,
-                 active_BxC, depth_win):
+def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_kv, v_kv,
+                 active_BxC, depth_win, whole_cache: bool = False):
     """Loop d over the chunk [w0, w0 + C) for the rows given (all, or a gathered sub-batch):
     positions in `active_BxC` compute their loop-d KV and hidden state, the others keep theirs.
+    `k_kv`/`v_kv`: the loop's slots `[L, rows, S, Hkv, K]`, or with `whole_cache` the whole
+    cache `[T, L, B, S, Hkv, K]`, read in place at loop d.
     Returns the chunk's windows: (k, v `[L, rows, C, Hkv, K]`, h `[rows, C, D]`, depth)."""
     h_new, k_m, v_m = stack_pass(st.cfg, w, h_win, positions, w0 + jnp.arange(C), pad_B,
-                                 k_slots, v_slots, active_BxC, w0, st.scfg.kernels == "stock", bits=True)
-    return (jax.lax.dynamic_slice_in_dim(k_m, w0, C, axis=2),
-            jax.lax.dynamic_slice_in_dim(v_m, w0, C, axis=2),
-            jnp.where(active_BxC[..., None], h_new, h_win), jnp.where(active_BxC, d, depth_win))
+                                 k_kv, v_kv, active_BxC, w0, st.scfg.kernels == "stock",
+                                 bits=True, loop=d - 1 if whole_cache else None)
+    return (k_m, v_m, jnp.where(active_BxC[..., None], h_new, h_win),
+            jnp.where(active_BxC, d, depth_win))
 
 
 def _chunk_windows(s: DecodeState, positions_BxS, d, w0, C: int):
-    """The loop-d KV slots `[L, B, S, Hkv, K]` and the chunk's windows of the state."""
-    k_slots = jax.lax.dynamic_index_in_dim(s.k_cache, d - 1, 0, keepdims=False)
-    v_slots = jax.lax.dynamic_index_in_dim(s.v_cache, d - 1, 0, keepdims=False)
-    return (k_slots, v_slots, jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1),
+    """The chunk's windows of the state: h, depth and positions."""
+    return (jax.lax.dynamic_slice_in_dim(s.h_BxSxD, w0, C, axis=1),
             jax.lax.dynamic_slice_in_dim(s.depth_BxS, w0, C, axis=1),
             jax.lax.dynamic_slice_in_dim(positions_BxS, w0, C, axis=1))
 
@@ -205,9 +205,10 @@ def _put_windows(s: DecodeState, d, w0, k_w, v_w, h_w, depth_w) -> DecodeState:
 def _loop_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
                active_BxC):
     """Loop d for every row over the chunk [w0, w0 + C) (the prefill; compaction off)."""
-    k_slots, v_slots, h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
+    h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
     return _put_windows(s, d, w0, *_window_pass(st, w, d, w0, C, h_win, positions, rows.pad_B,
-                                                k_slots, v_slots, active_BxC, depth_win))
+                                                s.k_cache, s.v_cache, active_BxC, depth_win,
+                                                whole_cache=True))
 
 
 def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
@@ -227,13 +228,14 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     n = jnp.sum(run_B, dtype=jnp.int32)
     which = jnp.where(n > 0, 1 + jnp.searchsorted(menu, n, side="left"), 0)
     order = jnp.argsort(~run_B, stable=True)  # the running rows first, in row order
-    k_slots, v_slots, h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
-    k_win = jax.lax.dynamic_slice_in_dim(k_slots, w0, C, axis=2)  # L, B, C, Hkv, K
-    v_win = jax.lax.dynamic_slice_in_dim(v_slots, w0, C, axis=2)
+    h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
+    k_win, v_win = (jax.lax.dynamic_slice(c, (d - 1, 0, 0, w0, 0, 0), (1, *c.shape[1:3], C,
+                                                                       *c.shape[4:]))[0]
+                    for c in (s.k_cache, s.v_cache))  # L, B, C, Hkv, K
 
     def whole_batch(_):  # M = B: every row in place (rows not in run_B have nothing active)
-        return _window_pass(st, w, d, w0, C, h_win, positions, rows.pad_B, k_slots, v_slots,
-                            active_BxC, depth_win)
+        return _window_pass(st, w, d, w0, C, h_win, positions, rows.pad_B, s.k_cache,
+                            s.v_cache, active_BxC, depth_win, whole_cache=True)
 
     def run(M):
         if M == B:
@@ -243,9 +245,11 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
             idx = order[:M]
             back = jnp.where(jnp.arange(M) < n, idx, B)  # filler rows: dropped (index B)
             act = active_BxC[idx] & (jnp.arange(M) < n)[:, None]
+            k_slots, v_slots = (jax.lax.dynamic_index_in_dim(c, d - 1, 0, keepdims=False)[:, idx]
+                                for c in (s.k_cache, s.v_cache))
             k_m, v_m, h_m, depth_m = _window_pass(st, w, d, w0, C, h_win[idx], positions[idx],
-                                                  rows.pad_B[idx], k_slots[:, idx],
-                                                  v_slots[:, idx], act, depth_win[idx])
+                                                  rows.pad_B[idx], k_slots, v_slots, act,
+                                                  depth_win[idx])
             return (k_win.at[:, back].set(k_m, mode="drop"),
                     v_win.at[:, back].set(v_m, mode="drop"),
                     h_win.at[back].set(h_m, mode="drop"),
