@@ -36,6 +36,9 @@ def run(args) -> int:
         cfg = apply_overrides(cfg, [f"run.out_dir={cfg.run.resume}"])  # continue in place
     if variants:
         result = train_variants(cfg, variants, list(args.overrides), shared_warm_start=shared)
+        if "preempted" in result:  # one variant stopped by SIGTERM / Ctrl-C: the sweep stopped
+            print(json.dumps(result["preempted"]))
+            return result["preempted"].get("exit_status", 128 + signal.SIGTERM)
         print(json.dumps({n: {k: v[k] for k in HEADLINE_KEYS}
                           for n, v in result["variants"].items()}))
         return 0

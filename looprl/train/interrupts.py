@@ -15,7 +15,8 @@ nothing, as Python delivers signals to the main thread):
   130, one line on stderr, no traceback; the checkpoints already written are complete, as
   every write is atomic).
 
-Each restores the previous handlers on exit.
+Each restores the previous handlers on exit. A SIGINT the process inherited as ignored (a
+background job of a shell script) stays ignored.
 """
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def _install(sig, handler):
+    """`signal.signal(sig, handler)` unless sig is ignored; returns what to restore (None:
+    nothing was installed). A previous handler installed outside Python (getsignal None)
+    is restored as the default one."""
+    prev = signal.getsignal(sig)
+    if prev is signal.SIG_IGN:
+        return None
+    signal.signal(sig, handler)
+    if prev is None:
+        prev = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+    return prev
+
+
 class CtrlC:
     """While active, SIGINT raises KeyboardInterrupt and sets `pending` (the signal number);
     `check()` raises KeyboardInterrupt whenever `pending` is set. A KeyboardInterrupt Python
@@ -36,9 +50,11 @@ class CtrlC:
 
     def __enter__(self):
         self.pending = None
-        self._prev = signal.signal(signal.SIGINT, self._raise) if _in_main_thread() else None
-        self._prev_hook = sys.unraisablehook
-        sys.unraisablehook = self._unraisable
+        self._prev = self._prev_hook = None
+        if _in_main_thread():  # one main thread: nested uses exit in LIFO order
+            self._prev_hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
+            self._prev = _install(signal.SIGINT, self._raise)
         return self
 
     def _unraisable(self, unraisable):
@@ -66,7 +82,8 @@ class CtrlC:
     def __exit__(self, *exc):
         if self._prev is not None:
             signal.signal(signal.SIGINT, self._prev)
-        sys.unraisablehook = self._prev_hook
+        if self._prev_hook is not None:
+            sys.unraisablehook = self._prev_hook
         return False
 
 
@@ -79,7 +96,9 @@ class DeferredSignals:
         self._prev = {}
         if _in_main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._prev[sig] = signal.signal(sig, self._handle)
+                prev = _install(sig, self._handle)
+                if prev is not None:
+                    self._prev[sig] = prev
         return self
 
     def _handle(self, signum, frame):

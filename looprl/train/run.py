@@ -201,13 +201,14 @@ def _restore(learner, resume_from: list[tuple[int, Path]], out: Path, say):
 
 def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_json: str, start: int,
                n_steps: int, resumed: bool, main: bool, quiet: bool,
-               ckpt_meta: dict[str, Any], eval_fn=None) -> dict[str, Any] | None:
+               ckpt_meta: dict[str, Any], ctrl_c: CtrlC, eval_fn=None) -> dict[str, Any] | None:
     """GRPO steps `start..n_steps-1`: metrics rows, TensorBoard, progress bar, checkpoints.
     With `eval.eval_every_steps` = k > 0, a step whose count of done steps is a multiple of k
     also carries `eval_accuracy` (held-out, greedy: `eval_fn(params)`). After step 0,
     `mismatch_step0.npy` holds that step's per-token |learner - sampler| log-prob differences
     (fp32 nats, the emitting tokens in row order). Returns the preemption record when SIGTERM
-    stopped the loop early, else None."""
+    stopped the loop early, else None. A Ctrl-C dropped before the loop's own handler took
+    over (`ctrl_c.pending`) raises KeyboardInterrupt before the first step."""
     metrics_path = out / "metrics.jsonl" if main else Path(os.devnull)
     if resumed and main:  # drop rows of steps after the checkpoint (rerun)
         _truncate_jsonl(metrics_path, start, inclusive=False)
@@ -223,6 +224,7 @@ def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_jso
     preempted = None
     try:
         with metrics_path.open("a" if resumed else "w") as f, DeferredSignals() as sigterm:
+            ctrl_c.check()  # from here on SIGINT goes to `sigterm`
             for step in range(start, n_steps):
                 try:
                     m = learner.step(step)
@@ -279,7 +281,9 @@ def train(exp_cfg: ExperimentConfig, *, quiet: bool = False,
     Raises: KeyboardInterrupt on a Ctrl-C outside the GRPO steps (`looprl.train.interrupts`),
     ConfigError / CheckpointError / TrainingError as their messages say."""
     with CtrlC() as ctrl_c:
-        return _train(exp_cfg, quiet, t_start, ctrl_c)
+        summary = _train(exp_cfg, quiet, t_start, ctrl_c)
+        ctrl_c.check()  # one dropped after the last check: stop here (the outputs are complete)
+        return summary
 
 
 def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
@@ -326,7 +330,7 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
     tok_json = tokenizer.to_json()
     ctrl_c.check()
     preempted = _grpo_loop(exp_cfg, out, learner, model_cfg, tok_json, start, n_steps,
-                           resume_at is not None, main, quiet, ckpt_meta,
+                           resume_at is not None, main, quiet, ckpt_meta, ctrl_c,
                            eval_fn=lambda p: evaluate(model_cfg, p, warm_task, tokenizer, exp_cfg,
                                                       eval_set)["accuracy"])
     if preempted is not None:

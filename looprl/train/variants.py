@@ -22,7 +22,10 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
     `out_dir/<name>`, one after another; with `shared_warm_start`, first a warm-start-only run
     (`grpo_steps=0`) into `out_dir/warm_start_run` whose checkpoint every variant starts from.
     Writes `out_dir/variants.json` (each variant's overrides and summary headline) and the
-    side-by-side plots into `out_dir/plots`; returns the variants.json dict."""
+    side-by-side plots into `out_dir/plots`; returns the variants.json dict. A variant stopped
+    by SIGTERM or a first Ctrl-C in its GRPO loop (checkpointed, resumable on its own) ends the
+    sweep: the result then carries `preempted` (that variant's name and preemption record) and
+    no variants.json is written."""
     t0 = time.time()
     parent = Path(cfg.run.out_dir)
     if cfg.run.resume is not None:
@@ -49,6 +52,9 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
                                + [f"run.out_dir={parent / name}"])
         say(f"== variant {name}: {' '.join(over)}")
         summary = train(vcfg, quiet=quiet)
+        if "preempted_at_step" in summary:  # SIGTERM / Ctrl-C in its GRPO loop: stop the sweep
+            result["preempted"] = {"variant": name, **summary}
+            return result
         result["variants"][name] = {"overrides": list(over), "dir": str(parent / name),
                                     **{k: summary[k] for k in HEADLINE_KEYS}}
     result["wall_s"] = time.time() - t0

@@ -51,3 +51,24 @@ def test_a_second_ctrl_c_aborts_at_once_without_a_traceback():
     assert p.returncode == 130
     assert "Traceback" not in p.stderr
     assert "finishing this GRPO step" in p.stderr and "second Ctrl-C: aborting now" in p.stderr
+
+
+def test_an_ignored_sigint_stays_ignored_and_handlers_come_back():
+    """A SIGINT the process inherited as ignored (a background job of a script) is left
+    ignored by both managers; otherwise each restores the handler and unraisable hook it found."""
+    code = ("import signal, sys\n"
+            "from looprl.train.interrupts import CtrlC, DeferredSignals\n"
+            "hook = sys.unraisablehook\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "with CtrlC(), DeferredSignals():\n"
+            "    print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "with CtrlC() as c:\n"
+            "    print(signal.getsignal(signal.SIGINT) == c._raise, sys.unraisablehook != hook)\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,\n"
+            "      sys.unraisablehook is hook)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "True", "True", "True", "True"]
