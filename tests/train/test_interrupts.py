@@ -6,6 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from looprl.config import apply_overrides, load_experiment
+from looprl.train.interrupts import CtrlC
+from looprl.train.run import _grpo_loop
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,3 +78,24 @@ def test_an_ignored_sigint_stays_ignored_and_handlers_come_back():
                        timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["True", "True", "True", "True", "True"]
+
+
+class _NoStepLearner:
+    def step(self, step):
+        raise AssertionError("a GRPO step ran although a Ctrl-C was pending")
+
+
+def test_a_ctrl_c_pending_when_grpo_starts_stops_the_run_before_its_first_step(tmp_path):
+    """A Ctrl-C dropped in the gap between the last check of the start and the GRPO loop's own
+    handler used to go unseen by the loop (which ran every step). `_grpo_loop` checks once its
+    handler is in, before any step."""
+    cfg = apply_overrides(load_experiment(ROOT / "experiments" / "tiny_arith_smoke.py"),
+                          ["tensorboard=false", "progress_bar=false"])
+    with CtrlC() as ctrl_c:
+        ctrl_c.pending = signal.SIGINT  # as `_raise` leaves it when Python dropped the raise
+        with pytest.raises(KeyboardInterrupt):
+            _grpo_loop(cfg, tmp_path, _NoStepLearner(), None, "", 0, 3, False, True, True, {},
+                       ctrl_c)
+        before = signal.getsignal(signal.SIGINT)
+    assert before == ctrl_c._raise  # the loop's own handler was taken off again
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # no step row written
