@@ -4,7 +4,10 @@ Every subcommand's parser is built here; its work is done by `run(args)` in `loo
 imported only when that command runs (the one place where looprl modules are imported inside a
 function), so `looprl --help` stays fast. `looprl verify` pins XLA CPU to one intra-op thread
 before anything imports jax. Errors of the looprl families are printed as one clear line with
-exit status 2, never a bare traceback.
+exit status 2, never a bare traceback. A Ctrl-C ends any command with one line and exit status
+130, also one that Python dropped inside a gc callback (`looprl.train.interrupts.CtrlC`, handed
+to the command as `args.ctrl_c`: checked after every `looprl eval` batch, in `looprl train` as
+its docstring says, and when the command returns).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 
 from looprl import determinism
 from looprl.errors import LooprlError
+from looprl.train.interrupts import CtrlC
 
 COMMAND_START = time.time()  # `wall_s` of `looprl train` counts from here (imports included)
 EVAL_TASKS = ("arithmetic", "gsm8k")  # the tasks `looprl eval` evaluates (every looprl.tasks one)
@@ -198,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "experiments/tiny_arith.py out_dir=runs/tiny_arith")
     args.t_start = COMMAND_START
     try:
-        rc = _command_module(args.command).run(args)
+        with CtrlC() as ctrl_c:  # a Ctrl-C Python dropped (in a gc callback) still ends in 130
+            args.ctrl_c = ctrl_c
+            rc = _command_module(args.command).run(args)
+            ctrl_c.check()
     except LooprlError as e:
         print(f"looprl {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
 """Ctrl-C and SIGTERM handling of `looprl train` (`looprl.train.interrupts`); the whole-run
 cases (Ctrl-C in the warm start and in GRPO, then `resume=`) are in test_resume.py."""
+import importlib
 import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,18 @@ def test_a_ctrl_c_pending_when_grpo_starts_stops_the_run_before_its_first_step(t
         before = signal.getsignal(signal.SIGINT)
     assert before == ctrl_c._raise  # the loop's own handler was taken off again
     assert (tmp_path / "metrics.jsonl").read_text() == ""  # no step row written
+
+
+def test_a_dropped_ctrl_c_ends_any_command_with_130(monkeypatch, capsys):
+    """`looprl <command>`: a Ctrl-C dropped while the command ran (pending, never raised) is
+    raised when it returns: one line, exit status 130, not the command's 0."""
+    cli = importlib.import_module("looprl.cli.main")  # the module (looprl.cli.main is also
+    # the name of its function, re-exported by looprl.cli)
+
+    def run(args):
+        args.ctrl_c.pending = signal.SIGINT  # as `CtrlC._raise` leaves it when Python drops it
+        return 0
+
+    monkeypatch.setattr(cli, "_command_module", lambda command: types.SimpleNamespace(run=run))
+    assert cli.main(["plot", "some_run_dir"]) == 130
+    assert capsys.readouterr().err.strip() == "looprl plot: interrupted (Ctrl-C)"
