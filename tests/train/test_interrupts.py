@@ -17,6 +17,13 @@ from looprl.train.run import _grpo_loop
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python process running this tree (its own signal handlers)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
 def test_a_ctrl_c_dropped_inside_a_gc_callback_is_raised_at_the_next_check():
     """Python drops a KeyboardInterrupt raised inside a gc callback ("Exception ignored in"),
     and jax runs one at every collection: CI saw a Ctrl-C in the warm start lost that way (the
@@ -36,9 +43,7 @@ def test_a_ctrl_c_dropped_inside_a_gc_callback_is_raised_at_the_next_check():
             "        c.check()\n"
             "    except KeyboardInterrupt:\n"
             "        print('raised at check')\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=60)
+    p = _python(code)
     assert p.returncode == 0, p.stderr
     # gc.collect() returned although the SIGINT handler ran (pending): the interrupt was dropped
     assert p.stdout.split("\n")[:2] == [f"collected {int(signal.SIGINT)}", "raised at check"]
@@ -53,9 +58,7 @@ def test_a_second_ctrl_c_aborts_at_once_without_a_traceback():
             "    assert f.received == signal.SIGINT\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(30)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=60)
+    p = _python(code)
     assert p.returncode == 130
     assert "Traceback" not in p.stderr
     assert "finishing this GRPO step" in p.stderr and "second Ctrl-C: aborting now" in p.stderr
@@ -75,9 +78,7 @@ def test_an_ignored_sigint_stays_ignored_and_handlers_come_back():
             "    print(signal.getsignal(signal.SIGINT) == c._raise, sys.unraisablehook != hook)\n"
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,\n"
             "      sys.unraisablehook is hook)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=60)
+    p = _python(code)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["True", "True", "True", "True", "True"]
 
