@@ -288,8 +288,8 @@ def run(args) -> int:
         try:
             rows = evaluate_problems(cfg, params, task, tok, problems, scfg,
                                      batch_size=st["batch_size"], seed=st["seed"],
-                                     progress=args.ctrl_c.tick(bar) if hasattr(args, "ctrl_c")
-                                     else bar.update, master_fingerprint=fingerprint)
+                                     progress=args.ctrl_c.tick(bar),
+                                     master_fingerprint=fingerprint)
         finally:
             bar.close()
         per_q[q] = rows

@@ -117,10 +117,12 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
     xs_layers = {k: layer_bits(v) for k, v in stack.items()} if bits else stack
 
     def body(x, xs):
-        lw, k_slot, v_slot = xs
-        if loop is not None:  # k_slot is the layer index: read slot [loop, l] of the cache
+        lw, kv = xs
+        if loop is None:
+            k_slot, v_slot = kv
+        else:  # kv is the layer index l: read slot [loop, l] of the cache in place
             k_slot, v_slot = (jax.lax.dynamic_slice(
-                c, (loop, k_slot) + (0,) * (c.ndim - 2), (1, 1) + c.shape[2:])[0, 0]
+                c, (loop, kv) + (0,) * (c.ndim - 2), (1, 1) + c.shape[2:])[0, 0]
                 for c in (k_LxBxSxJxK, v_LxBxSxJxK))
         if bits:
             lw = {k: _from_bits(v, stack[k].dtype) for k, v in lw.items()}
@@ -129,10 +131,7 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
                                         mask, stock)
         return y, (k_win, v_win)
 
-    if loop is None:
-        xs = (xs_layers, k_LxBxSxJxK, v_LxBxSxJxK)
-    else:
-        L = k_LxBxSxJxK.shape[1]
-        xs = (xs_layers, jnp.arange(L, dtype=jnp.int32), jnp.arange(L, dtype=jnp.int32))
-    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, xs)
+    kv = ((k_LxBxSxJxK, v_LxBxSxJxK) if loop is None
+          else jnp.arange(k_LxBxSxJxK.shape[1], dtype=jnp.int32))
+    out, (k_new, v_new) = jax.lax.scan(body, x_BxCxD, (xs_layers, kv))
     return kn.rms_norm(out, w["norm"], cfg.rms_norm_eps, stock), k_new, v_new

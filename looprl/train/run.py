@@ -328,7 +328,6 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
                 f"(run.grpo_steps={run.grpo_steps}, run.stop_after={run.stop_after}); "
                 f"pass stop_after=none or a larger grpo_steps to continue")
     tok_json = tokenizer.to_json()
-    ctrl_c.check()
     preempted = _grpo_loop(exp_cfg, out, learner, model_cfg, tok_json, start, n_steps,
                            resume_at is not None, main, quiet, ckpt_meta, ctrl_c,
                            eval_fn=lambda p: evaluate(model_cfg, p, warm_task, tokenizer, exp_cfg,
