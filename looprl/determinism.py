@@ -9,9 +9,19 @@ lets `looprl.model.kernels` run decode matmuls unpadded). Bits also depend on th
 thread count: the test suite and `looprl verify` pin XLA CPU to one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`); the flags in force are recorded in every report.
 
+On a GPU (issue 16) the compiler could still choose per program what the invariant kernels'
+argument needs fixed, so where a GPU plugin of jax is installed `configure_xla()` also pins
+ACCELERATOR_FLAGS: deterministic ops (no atomics in reductions or scatters), GEMM autotuning off
+(level 0: the algorithm is the library heuristic's function of the dot's shape and the device,
+not a per-program timing), XLA's Triton GEMMs off (cuBLAS takes every dot; the Triton emitter
+picks a tiling and split-K per fusion), the kernels' tile loops kept as loops (unrolled, dots
+sharing a weight could be merged into one dot whose shape depends on M), and
+`NVIDIA_TF32_OVERRIDE=0` (cuBLAS never uses TF32 for fp32). On a CPU-only install these flags
+are not added (the CPU backend ignores them; they would only change the recorded environment).
+
 `configure_xla()` runs when `looprl` is imported: it appends the flags to XLA_FLAGS unless the
-user set it. It must run before jax creates its CPU backend; `xla_flags_in_force()` says what
-the process actually runs with.
+user set them. It must run before jax creates its backends; `environment()` records what the
+process actually runs with.
 """
 from __future__ import annotations
 
@@ -25,13 +35,27 @@ REQUIRED_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",
                       # K <= 128 and N >= 8 is row-invariant at every M (looprl.model.kernels)
                       "--xla_cpu_experimental_ynn_fusion_type=")
 PINNED_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
+ACCELERATOR_FLAGS = ("--xla_gpu_deterministic_ops=true",
+                     "--xla_gpu_autotune_level=0",
+                     "--xla_gpu_enable_triton_gemm=false",
+                     "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL")
+ACCELERATOR_ENV = {"NVIDIA_TF32_OVERRIDE": "0"}
+GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
 
 
-def configure_xla(pin_threads: bool = False) -> None:
+def gpu_plugin_installed() -> bool:
+    """True when a GPU plugin of jax is importable (found without importing it or jax)."""
+    import importlib.util
+    return any(importlib.util.find_spec(name) is not None for name in GPU_PLUGINS)
+
+
+def configure_xla(pin_threads: bool = False, accelerator: bool | None = None) -> None:
     """Append looprl's required XLA flags to XLA_FLAGS (idempotent; user settings win).
 
-    Only for the pinned jaxlib 0.10 line, whose CPU backend knows the flag (jaxlib 0.11 builds
-    abort on unknown flags); LOOPRL_XLA_FLAGS=0 turns this off."""
+    `accelerator`: also pin ACCELERATOR_FLAGS and ACCELERATOR_ENV (module doc); default: where a
+    GPU plugin of jax is installed (`gpu_plugin_installed`). Only for the pinned jaxlib 0.10
+    line, whose XLA knows every flag (other builds abort on unknown flags); LOOPRL_XLA_FLAGS=0
+    turns this off."""
     if os.environ.get("LOOPRL_XLA_FLAGS", "1") == "0":
         return
     try:
@@ -40,8 +64,14 @@ def configure_xla(pin_threads: bool = False) -> None:
             return
     except Exception:  # pragma: no cover - jaxlib not installed
         return
+    if accelerator is None:
+        accelerator = gpu_plugin_installed()
     flags = os.environ.get("XLA_FLAGS", "")
     wanted = list(REQUIRED_CPU_FLAGS) + ([PINNED_THREAD_FLAG] if pin_threads else [])
+    if accelerator:
+        wanted += list(ACCELERATOR_FLAGS)
+        for name, value in ACCELERATOR_ENV.items():
+            os.environ.setdefault(name, value)
     for flag in wanted:
         name = flag.split("=")[0]
         if name not in flags:
@@ -93,8 +123,10 @@ def environment() -> dict:
     """What bit claims hold for (DESIGN.md §5), the one record every report carries (`looprl
     verify`'s report.json, `looprl eval`'s summary, benchmarks): jax/jaxlib/python versions,
     backend, device kind and count, CPU model, CPU count and affinity, XLA_FLAGS,
-    `threads_pinned` (one intra-op thread) and `intra_op_threads`, platform, git commit and
-    whether the checkout is dirty.
+    `threads_pinned` (one intra-op thread) and `intra_op_threads`, the accelerator pins
+    (`accelerator_pins`: each of ACCELERATOR_FLAGS and ACCELERATOR_ENV, in force or not;
+    `accel_matmul`: LOOPRL_ACCEL_MATMUL), platform, git commit and whether the checkout is
+    dirty.
 
     jax is imported here, not at module top: this module sets XLA_FLAGS before jax loads."""
     import jax
@@ -112,5 +144,8 @@ def environment() -> dict:
         "device_count": jax.device_count(), "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(), "cpu_affinity": affinity, "xla_flags": flags,
         "threads_pinned": pinned, "intra_op_threads": 1 if pinned else affinity,
+        "accelerator_pins": {**{f: f in flags for f in ACCELERATOR_FLAGS},
+                             **{k: os.environ.get(k) == v for k, v in ACCELERATOR_ENV.items()}},
+        "accel_matmul": os.environ.get("LOOPRL_ACCEL_MATMUL", "xla"),
         "platform": platform.platform(), **git_commit(),
     }

@@ -7,7 +7,10 @@ in one script that finishes in under 8 minutes on one H200 and writes one JSON r
 
 Steps (each a section of report.json; a failing step is recorded, the rest still run):
   1. scan      kernel row invariance at Ouro-1.4B widths: rows of `kernels.matmul` at M rows
-               against the same rows inside a 512-row call, for every weight shape, fp32/bf16
+               against the same rows inside a 512-row call, for every weight shape, fp32/bf16,
+               for each accelerator matmul form (`LOOPRL_ACCEL_MATMUL=xla`, the default, and
+               `pallas`, the fixed-block Pallas kernel); on a CPU (`--reduced`) the CPU kernels
+               and, traced as for an accelerator, both accelerator forms (Pallas interpreted)
   2. verify    `looprl verify --quick` with the invariant replay, then `--replay-impl auto`
                (forced re-run where the invariant replay is not exact)
   3. needle    tests/sampling/test_needle.py (a prompt alone and in batches: same bits)
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from looprl.model import kernels as kn
-from looprl.verify.report import environment
+from looprl.determinism import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 OURO_1P4B = {"q_proj": (2048, 2048), "o_proj": (2048, 2048), "gate_proj": (2048, 5632),
@@ -42,6 +45,37 @@ OURO_1P4B = {"q_proj": (2048, 2048), "o_proj": (2048, 2048), "gate_proj": (2048,
 REDUCED = {"q_proj": (256, 256), "gate_proj": (256, 704), "down_proj": (704, 256),
            "lm_head": (256, 4096), "exit_gate": (256, 1)}
 SCAN_ROWS = (1, 2, 3, 5, 7, 8, 9, 16, 17, 64, 300)
+PALLAS_SCAN_ROWS = (1, 3, 7, 64, 300)  # fewer compiles for the second form (8-minute budget)
+
+
+def scan_forms(shapes: dict, rows=SCAN_ROWS) -> dict:
+    """`scan` for each kernel form this backend runs: off the CPU both accelerator matmul forms
+    (xla, pallas); on a CPU the CPU form and, traced as for an accelerator (`kernels.on_cpu`
+    patched), both accelerator forms. Keys `<form>/<weight>_<dtype>`; the kernel version of
+    each form is recorded under `kernel_versions`."""
+    cpu = kn.on_cpu()
+    forms = (["cpu"] if cpu else []) + ["accel_xla", "accel_pallas"]
+    out, versions = {}, {}
+    saved_env, saved_on_cpu = os.environ.get("LOOPRL_ACCEL_MATMUL"), kn.on_cpu
+    try:
+        for form in forms:
+            if form != "cpu":
+                os.environ["LOOPRL_ACCEL_MATMUL"] = form.split("_")[1]
+                kn.on_cpu = lambda: False
+            jax.clear_caches()  # the form is read when a program is traced
+            versions[form] = kn.kernel_version()
+            form_rows = PALLAS_SCAN_ROWS if form == "accel_pallas" and not cpu else rows
+            for key, v in scan(shapes, form_rows).items():
+                out[f"{form}/{key}"] = v
+            kn.on_cpu = saved_on_cpu
+    finally:
+        kn.on_cpu = saved_on_cpu
+        if saved_env is None:
+            os.environ.pop("LOOPRL_ACCEL_MATMUL", None)
+        else:
+            os.environ["LOOPRL_ACCEL_MATMUL"] = saved_env
+        jax.clear_caches()
+    return {"kernel_versions": versions, "results": out}
 
 
 def scan(shapes: dict, rows=SCAN_ROWS) -> dict:
@@ -137,8 +171,12 @@ def report_md(report: dict) -> str:
              f"{report['wall_s']:.0f} s{' (reduced mode)' if report['reduced'] else ''}.", "",
              "## Row-invariance scan (kernels.matmul vs rows of a 512-row call)", "",
              "| weight | rows differing |", "|---|---|"]
-    for k, v in (report.get("scan") or {}).items():
+    for k, v in ((report.get("scan") or {}).get("results") or {}).items():
         lines.append(f"| {k} | {v['rows_differing'] or 'none'} |")
+    lines += ["", "Kernel versions: " + ", ".join(
+        f"{f} `{v}`" for f, v in ((report.get("scan") or {}).get("kernel_versions") or {}).items()),
+        "", "Accelerator pins in force: " + ", ".join(
+            f"`{k}`" for k, on in (env.get("accelerator_pins") or {}).items() if on) or "none"]
     lines += ["", "## looprl verify --quick", ""]
     for impl, s in (report.get("verify") or {}).items():
         lines.append(f"- `--replay-impl {impl}`: passed={s.get('passed')}, replay exact "
@@ -168,8 +206,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     report = {"env": environment(), "reduced": args.reduced, "errors": {}}
-    steps = {"scan": lambda: scan(REDUCED if args.reduced else OURO_1P4B,
-                                  (1, 3, 8, 17) if args.reduced else SCAN_ROWS),
+    steps = {"scan": lambda: scan_forms(REDUCED if args.reduced else OURO_1P4B,
+                                        (1, 3, 8, 17) if args.reduced else SCAN_ROWS),
              "verify": lambda: verify(out, args.reduced), "needle": lambda: needle(args.reduced),
              "kernels": lambda: kernels_bench(args.reduced),
              "train": lambda: train(out, args.reduced)}
@@ -183,7 +221,8 @@ def main(argv=None) -> int:
     report["wall_s"] = time.time() - t0
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(report_md(report))
-    ok = not report["errors"] and all(not v["rows_differing"] for v in report["scan"].values())
+    ok = not report["errors"] and all(not v["rows_differing"] for v in
+                                      report.get("scan", {}).get("results", {}).values())
     print(json.dumps({"benchmark": "gpu_check", "reduced": args.reduced, "ok": ok,
                       "wall_s": round(report["wall_s"], 1)}))
     return 0 if ok else 1

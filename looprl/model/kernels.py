@@ -111,10 +111,38 @@ forms of the same dot shape measured (loop instead of batched) were not cheaper.
 `[D, 1]` (and `rowsum`) pays for 16 padded columns and 16 K blocks against a sub-millisecond
 matrix-vector product; the benchmark reports it apart (`gate_*`).
 
-On other backends (GPU, TPU) the kernels keep their previous form, rows padded to `ROW_TILE` =
-64 and one einsum at `Precision.HIGHEST` for fp32: their bits are not invariant there
-(reproducibility/gpu) and the trainer replays by re-running the sampler (`forced`). A Pallas
-kernel with fixed blocks is later work.
+On accelerators (GPU, TPU; issue 16) the same construction, with a row tile fixed for the
+backend instead of the CPU's oneDNN-specific argument (3):
+
+* `matmul` (XLA form, `LOOPRL_ACCEL_MATMUL=xla`, the default): rows zero-padded to a multiple
+  of ROW_TILE = 64, each 64-row tile one `lax.map` step whose K loop (`fori_loop`, in order, from
+  -0.0) adds `[64, 128] x [128, O16]` dots into an fp32 accumulator. Argument: (1) every dot the
+  compiler sees has that one shape whatever M, so whatever GEMM algorithm the backend picks for
+  it is picked for every call (with autotuning off, `looprl.determinism.ACCELERATOR_FLAGS`, the
+  pick is the library heuristic's function of the shape and the device); (2) a 128-long
+  contraction leaves split-K nothing worth splitting, and the order over K blocks is our loop;
+  (3) a GEMM walks K the same way for every output of a tile, so a row's place in the tile does
+  not matter; (4) the tile loop stays a loop (`--xla_gpu_enable_while_loop_unrolling=
+  WHILE_LOOP_UNROLLING_NO_UNROLL`): unrolled, its dots share the weight and XLA could merge them
+  into one M-dependent dot. 64 rows: a decode step's `[64, I]` bf16 tile does 64 FLOP per
+  weight byte, below an H200's bf16 compute/bandwidth ridge (~200), so it costs about a weight
+  read; in fp32 at full precision (32 FLOP per byte against a ridge of ~14) it costs about 2x
+  a weight read (a roofline estimate, not measured). fp32 dots ask for `Precision.HIGHEST` (no
+  TF32), bf16 dots run on the tensor cores with fp32 accumulation.
+* `matmul` (Pallas form, `LOOPRL_ACCEL_MATMUL=pallas`): `looprl.model.pallas_matmul`, one
+  kernel whose programs each own a `[64, 128]` output block and sum its 128-long K blocks in
+  order: the order is in the kernel, so no compiler choice can change it. The fallback where
+  the XLA form is not exact on a device.
+* `attention`: the CPU's key rotation and 128-key blocks, query tiles of ROW_TILE rows in one
+  `lax.map`, and the scores too in 128-key blocks (`[64, K] x [K, 128]` per (b, h, block)), so no
+  dot's shape depends on the cache length; K/V stay in the compute dtype.
+* `rowsum`, `softmax`, `log_softmax`: unchanged (the sum is a `matmul`, in the form above).
+(1), (2) and (4) follow from the program, and `tests/model/test_accel_kernels.py` checks them on
+the traced accelerator program from the CPU; (3) is how GEMM kernels are built and is what
+`reproducibility/gpu_check.py` measures on a device. Necessary, not sufficient: until a
+committed GPU report shows these kernels exact, the trainer replays off the CPU by re-running
+the sampler (`learner.replay_impl=auto` -> `forced`). `kernel_version()` names the form a
+rollout was sampled with (the CPU's, or the accelerator's with its matmul implementation).
 
 Elementwise code must also compile the same way in every program: XLA CPU's newer fusion
 emitters generated numerically different loops for the same elementwise ops depending on the
@@ -126,12 +154,16 @@ live prefix): the negative control of the reproducibility matrix.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROW_TILE = 64  # row padding off the CPU, and the softmax tiles
+from looprl.errors import ConfigError
+from looprl.model.pallas_matmul import pallas_matmul
+
+ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
 ROW_QUANTUM = 8  # CPU: a row tile is a multiple of this (oneDNN's AVX-512 sgemm row unroll)
 ROW_TILE_MAX = 512  # CPU: the largest row tile of a dot
 N_MIN = 16  # CPU: output columns of a dot are padded to a multiple of this
@@ -141,6 +173,8 @@ BATCHED_MAX_ROWS = 16  # CPU: tiles up to this many rows get their K-block parti
 # `looprl verify --rollout` refuses a rollout sampled under another version (its bits are
 # another function's). Bump it whenever a kernel's arithmetic changes.
 KERNEL_VERSION = "2026-12-01"
+KERNEL_VERSION_ACCEL = "2026-12-02-accel"  # the accelerator form (module doc), same rule
+ACCEL_MATMUL_IMPLS = ("xla", "pallas")  # LOOPRL_ACCEL_MATMUL: the accelerator matmul's form
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
 
 
@@ -167,6 +201,25 @@ def _fp32_precision(*xs):
     if on_cpu() or not all(x.dtype == jnp.float32 for x in xs):
         return None
     return jax.lax.Precision.HIGHEST
+
+
+def accel_matmul_impl() -> str:
+    """The accelerator matmul's form (module doc): `LOOPRL_ACCEL_MATMUL`, `xla` (default) or
+    `pallas`. Read when a program is traced. Raises ConfigError naming the variable and the
+    choices for any other value."""
+    impl = os.environ.get("LOOPRL_ACCEL_MATMUL", "xla")
+    if impl not in ACCEL_MATMUL_IMPLS:
+        raise ConfigError(f"LOOPRL_ACCEL_MATMUL={impl!r}: expected one of "
+                          f"{', '.join(ACCEL_MATMUL_IMPLS)}")
+    return impl
+
+
+def kernel_version() -> str:
+    """The numerics a rollout is sampled with (`Schedule.kernel_version`): KERNEL_VERSION on
+    the CPU; off it `KERNEL_VERSION_ACCEL/<xla|pallas>` (`accel_matmul_impl`)."""
+    if on_cpu():
+        return KERNEL_VERSION
+    return f"{KERNEL_VERSION_ACCEL}/{accel_matmul_impl()}"
 
 
 def row_tile() -> int:
@@ -297,7 +350,38 @@ def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t, dtype):
     return jax.lax.fori_loop(0, nt, tile, out)[:m]
 
 
+def _accel_matmul(rows_MxI, w_IxO, out_dtype):
+    """The accelerator form (module doc): rows zero-padded to ROW_TILE-row tiles run in one
+    `lax.map`; per tile a `fori_loop` over the 128-long K blocks adds each `[ROW_TILE, kb] x
+    [kb, O16]` dot (fp32 accumulation, `Precision.HIGHEST` for fp32 operands) into an fp32
+    accumulator that starts at -0.0. Operands stay in their dtype (bf16 on the tensor cores)."""
+    prec = _fp32_precision(rows_MxI, w_IxO)
+    o = w_IxO.shape[1]
+    w, _ = _pad_rows(w_IxO, 1, N_MIN)
+    kb = min(w.shape[0], K_BLOCK)
+    w, _ = _pad_rows(w, 0, kb)
+    w_ZxIxO = w.reshape(-1, kb, w.shape[1])
+    nb, o16 = w_ZxIxO.shape[0], w_ZxIxO.shape[2]
+    x, m = _pad_rows(rows_MxI, 0, ROW_TILE)
+    x, _ = _pad_rows(x, 1, kb)
+    x_NxZxRxI = jnp.swapaxes(x.reshape(-1, ROW_TILE, nb, kb), 1, 2)
+
+    def tile(x_ZxRxI):
+        def step(z, acc):
+            return acc + jnp.dot(x_ZxRxI[z], w_ZxIxO[z], preferred_element_type=jnp.float32,
+                                 precision=prec)
+        return jax.lax.fori_loop(0, nb, step, jnp.full((ROW_TILE, o16), -0.0, jnp.float32))
+
+    y = jax.lax.map(tile, x_NxZxRxI)
+    return y.reshape(-1, o16)[:m, :o].astype(out_dtype)
+
+
 def _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype):
+    if not on_cpu() and accel_matmul_impl() == "pallas":
+        return pallas_matmul(rows_MxI, w_IxO.astype(rows_MxI.dtype), out_dtype,
+                             block_rows=ROW_TILE)
+    if not on_cpu():
+        return _accel_matmul(rows_MxI, w_IxO, out_dtype)
     o = w_IxO.shape[1]
     wb = _blocked_weight(w_IxO)
     t = _row_tile_for(rows_MxI.shape[0])
@@ -320,10 +404,14 @@ def _tiled_matmul_fwd(rows_MxI, w_IxO, out_dtype):
 
 
 def _tiled_matmul_bwd(out_dtype, res, g_MxO):
-    """Plain dots: the backward needs no invariance (DESIGN.md §4)."""
+    """Plain dots: the backward needs no invariance (DESIGN.md §4); full precision for fp32
+    off the CPU, as the stock dots."""
     rows, w = res
-    dx = jnp.dot(g_MxO, w.T.astype(g_MxO.dtype), preferred_element_type=jnp.float32)
-    dw = jnp.dot(rows.T.astype(g_MxO.dtype), g_MxO, preferred_element_type=jnp.float32)
+    prec = _fp32_precision(g_MxO, w)
+    dx = jnp.dot(g_MxO, w.T.astype(g_MxO.dtype), preferred_element_type=jnp.float32,
+                 precision=prec)
+    dw = jnp.dot(rows.T.astype(g_MxO.dtype), g_MxO, preferred_element_type=jnp.float32,
+                 precision=prec)
     return dx.astype(rows.dtype), dw.astype(w.dtype)
 
 
@@ -336,7 +424,9 @@ def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
     On the CPU: rows zero-padded to a multiple of the row tile `_row_tile_for(M)` (a multiple
     of 8), every dot `[R, 128] x [128, O16]` in fp32 (I in 128-long blocks summed in order, O
     padded to a multiple of N_MIN), small tiles batched, large ones in one `fori_loop`;
-    backward by plain dots (`jax.custom_vjp`). Elsewhere: rows padded to ROW_TILE, one dot.
+    backward by plain dots (`jax.custom_vjp`). Elsewhere: fixed ROW_TILE-row tiles, every dot
+    `[ROW_TILE, 128] x [128, O16]`, K blocks summed in order (`LOOPRL_ACCEL_MATMUL=xla`), or the
+    Pallas kernel with fixed blocks (`pallas`); module doc.
 
     Args:
       x_MxI: `[..., I]` any float dtype. w_IxO: `[I, O]` same dtype as x.
@@ -348,25 +438,30 @@ def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
     i, o = x.shape[-1], w_IxO.shape[-1]
     rows = x.reshape(-1, i)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if on_cpu():
-        y = _tiled_matmul(rows, w_IxO, out_dtype)
-    else:
-        m = rows.shape[0]
-        rows, _ = _pad_rows(rows, 0)
-        y = jnp.einsum("mi,io->mo", rows, w_IxO, preferred_element_type=out_dtype,
-                       precision=_fp32_precision(rows, w_IxO))[:m]
+    y = _tiled_matmul(rows, w_IxO, out_dtype)
     return y.reshape(*lead, o)
 
 
 def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, dtype, prec,
-                            softmax_fn, key_block=None, live_rows=None):
+                            softmax_fn, key_block=None, live_rows=None, score_blocks=False):
     """The attention math on one block of queries: fp32 scores, mask, fp32 softmax, probs cast
     to the compute dtype, value product accumulated in fp32, cast to `dtype`. `live_rows` = n
     (static): only the first n query rows are real; the softmax runs on those alone and the
     padding rows get probabilities 0 (the softmax is row-invariant, so the real rows' bits are
-    the same; a decode step's one query in an 8-row tile then pays for one softmax row, not 8)."""
-    scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxRxK, k_BxHxSxK,
-                        preferred_element_type=jnp.float32, precision=prec)
+    the same; a decode step's one query in an 8-row tile then pays for one softmax row, not 8).
+    `score_blocks` (the accelerator form): the scores too in `key_block`-key blocks, one
+    `[R, K] x [K, key_block]` dot per (b, h, block), so no dot's shape depends on S."""
+    if score_blocks:
+        B, H, R, K = q_BxHxRxK.shape
+        nb = k_BxHxSxK.shape[2] // key_block
+        q_BxHxZxRxK = jnp.broadcast_to(q_BxHxRxK[:, :, None], (B, H, nb, R, K))
+        k_BxHxZxCxK = k_BxHxSxK.reshape(B, H, nb, key_block, K)
+        scores = jnp.einsum("bhjck,bhjsk->bhjcs", q_BxHxZxRxK, k_BxHxZxCxK,
+                            preferred_element_type=jnp.float32, precision=prec)
+        scores = jnp.moveaxis(scores, 2, 3).reshape(B, H, R, nb * key_block)
+    else:
+        scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxRxK, k_BxHxSxK,
+                            preferred_element_type=jnp.float32, precision=prec)
     R = scores.shape[2]
     if live_rows is not None and live_rows < R:
         scores, mask_BxRxS = scores[:, :, :live_rows], mask_BxRxS[:, :live_rows]
@@ -385,7 +480,8 @@ def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, 
     nb = S // key_block
     p = jnp.moveaxis(probs.reshape(B, H, R, nb, key_block), 3, 2)
     v = v_BxHxSxK.reshape(B, H, nb, key_block, -1)
-    parts = jnp.einsum("bhjck,bhjkd->bhjcd", p, v, preferred_element_type=jnp.float32)
+    parts = jnp.einsum("bhjck,bhjkd->bhjcd", p, v, preferred_element_type=jnp.float32,
+                       precision=prec)
     acc = parts[:, :, 0]
     for j in range(1, nb):
         acc = acc + parts[:, :, j]
@@ -402,6 +498,40 @@ def _keys_from_first_live(x, offset_B, axis: int):
     return jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
 
 
+def _keys_in_blocks_from_first_live(k_BxHxSxK, v_BxHxSxK, mask_BxCxS):
+    """K, V and the mask with the key axis padded to a multiple of K_BLOCK (masked slots) and
+    rotated per row so that the row's first live key sits in slot 0 (exact: pads and gathers)."""
+    k, _ = _pad_rows(k_BxHxSxK, 2, K_BLOCK)
+    v, _ = _pad_rows(v_BxHxSxK, 2, K_BLOCK)
+    mask, _ = _pad_rows(mask_BxCxS, 2, K_BLOCK)
+    offset_B = jnp.argmax(jnp.any(mask, axis=1), axis=-1)  # first key any query may see
+    return (_keys_from_first_live(k, offset_B, 2), _keys_from_first_live(v, offset_B, 2),
+            _keys_from_first_live(mask, offset_B, 2))
+
+
+def _attention_accel_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
+    """Accelerator form (module doc): the CPU form's rotated 128-key blocks, K/V in the compute
+    dtype, scores in key blocks too, query tiles of a fixed ROW_TILE rows, always in one
+    `lax.map` (a decode step's one query is a 64-row tile), fp32 dots at `Precision.HIGHEST`."""
+    B, H, C, K = q_BxHxCxK.shape
+    dtype = q_BxHxCxK.dtype
+    prec = _fp32_precision(q_BxHxCxK, k_BxHxSxK)
+    k, v, mask = _keys_in_blocks_from_first_live(k_BxHxSxK, v_BxHxSxK, mask_BxCxS)
+
+    def tile(qm):
+        q_BxHxRxK, mask_BxRxS = qm
+        return _attention_probs_values(q_BxHxRxK, k, v, mask_BxRxS, scale, dtype, prec, softmax,
+                                       K_BLOCK, score_blocks=True)
+
+    q_pad, _ = _pad_rows(q_BxHxCxK, 2, ROW_TILE)
+    m_pad, _ = _pad_rows(mask, 1, ROW_TILE)
+    tiles = q_pad.shape[2] // ROW_TILE
+    qs = jnp.moveaxis(q_pad.reshape(B, H, tiles, ROW_TILE, K), 2, 0)
+    ms = jnp.moveaxis(m_pad.reshape(B, tiles, ROW_TILE, -1), 1, 0)
+    out = jnp.moveaxis(jax.lax.map(tile, (qs, ms)), 0, 2).reshape(B, H, tiles * ROW_TILE, K)
+    return out[:, :, :C]
+
+
 def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     """CPU form: key axis padded to a multiple of K_BLOCK (masked) and rotated per row so that
     the row's first live key sits in slot 0 (key blocks aligned to the row's token positions,
@@ -409,13 +539,8 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     dot), queries in row tiles (`_row_tile_for(C)`) in one `lax.map`."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    k32, _ = _pad_rows(k_BxHxSxK.astype(jnp.float32), 2, K_BLOCK)
-    v32, _ = _pad_rows(v_BxHxSxK.astype(jnp.float32), 2, K_BLOCK)
-    mask, _ = _pad_rows(mask_BxCxS, 2, K_BLOCK)
-    offset_B = jnp.argmax(jnp.any(mask, axis=1), axis=-1)  # first key any query may see
-    k32 = _keys_from_first_live(k32, offset_B, 2)
-    v32 = _keys_from_first_live(v32, offset_B, 2)
-    mask = _keys_from_first_live(mask, offset_B, 2)
+    k32, v32, mask = _keys_in_blocks_from_first_live(k_BxHxSxK.astype(jnp.float32),
+                                                     v_BxHxSxK.astype(jnp.float32), mask_BxCxS)
 
     def tile(qm, live_rows=None):
         q_BxHxRxK, mask_BxRxS = qm
@@ -435,21 +560,26 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     return out[:, :, :C]
 
 
+def _attention_tiled_impl(q, k, v, mask, scale):
+    impl = _attention_cpu_impl if on_cpu() else _attention_accel_impl
+    return impl(q, k, v, mask, scale)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention_cpu(q, k, v, mask, scale):
-    return _attention_cpu_impl(q, k, v, mask, scale)
+def _attention_tiled(q, k, v, mask, scale):
+    return _attention_tiled_impl(q, k, v, mask, scale)
 
 
 def _attention_plain(q, k, v, mask, scale):
-    return _attention_probs_values(q, k, v, mask, scale, q.dtype, None,
+    return _attention_probs_values(q, k, v, mask, scale, q.dtype, _fp32_precision(q, k),
                                    functools.partial(jax.nn.softmax, axis=-1))
 
 
-def _attention_cpu_fwd(q, k, v, mask, scale):
-    return _attention_cpu_impl(q, k, v, mask, scale), (q, k, v, mask)
+def _attention_tiled_fwd(q, k, v, mask, scale):
+    return _attention_tiled_impl(q, k, v, mask, scale), (q, k, v, mask)
 
 
-def _attention_cpu_bwd(scale, res, g):
+def _attention_tiled_bwd(scale, res, g):
     """The same math without tiles or padding (plain dots, `jax.nn.softmax`): the backward
     needs no invariance."""
     q, k, v, mask = res
@@ -457,7 +587,7 @@ def _attention_cpu_bwd(scale, res, g):
     return (*vjp(g), None)
 
 
-_attention_cpu.defvjp(_attention_cpu_fwd, _attention_cpu_bwd)
+_attention_tiled.defvjp(_attention_tiled_fwd, _attention_tiled_bwd)
 
 
 def repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H: int):
@@ -478,8 +608,8 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     On the CPU the key axis is padded to a multiple of 128 (masked keys) and rotated per row to
     start at its first live key, the queries run in row tiles (multiples of 8), both dots over
     the whole key axis in 128-key blocks (module doc), backward by plain dots
-    (`jax.custom_vjp`); elsewhere query rows are padded to ROW_TILE and fp32 dots run at
-    `Precision.HIGHEST`.
+    (`jax.custom_vjp`); elsewhere the same rotated key blocks, scores in key blocks too, query
+    tiles of ROW_TILE rows, fp32 dots at `Precision.HIGHEST` (module doc).
 
     Args:
       q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, J, K]` with J kv heads, H % J == 0 (GQA,
@@ -492,14 +622,7 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)
     k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
     v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
-    if on_cpu():
-        out = _attention_cpu(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, float(scale))
-    else:
-        q_pad, _ = _pad_rows(q_BxHxCxK, 2, ROW_TILE)
-        m_pad, _ = _pad_rows(mask_BxCxS, 1, ROW_TILE)
-        out = _attention_probs_values(q_pad, k_BxHxSxK, v_BxHxSxK, m_pad, scale,
-                                      q_BxCxHxK.dtype, _fp32_precision(q_pad, k_BxHxSxK),
-                                      softmax)[:, :, :C]
+    out = _attention_tiled(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, float(scale))
     return jnp.swapaxes(out, 1, 2)
 
 

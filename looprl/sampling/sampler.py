@@ -33,7 +33,7 @@ from looprl.distributed import mesh as ml
 from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError
 from looprl.model.config import OuroConfig
-from looprl.model.kernels import KERNEL_VERSION, row_tile
+from looprl.model.kernels import kernel_version, row_tile
 from looprl.model.layers import stack_pass
 from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
                                  exit_state_update, lm_logits, q_exit_decision)
@@ -595,7 +595,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
         row_tile=row_tile() if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
         mesh=_mesh_record(mesh, params), noise_keying=scfg.noise_keying,
-        kernel_version=KERNEL_VERSION, row_menu=menu)
+        kernel_version=kernel_version(), row_menu=menu)
     return RolloutBatch(
         tokens_BxS=fetch(s.tokens_BxS)[:B], pad_B=np.asarray(pad),
         exit_loop_BxS=fetch(s.exit_loop_BxS)[:B], logprob_BxS=fetch(s.logprob_BxS)[:B],

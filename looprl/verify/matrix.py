@@ -62,7 +62,7 @@ from looprl.learner.logprobs import METHODS as LEARNER_METHODS
 from looprl.learner.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
                                      sequence_logprobs)
 from looprl.learner.mismatch import compare_logprobs
-from looprl.model.kernels import KERNEL_VERSION
+from looprl.model.kernels import kernel_version
 from looprl.sampling.policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
@@ -354,10 +354,11 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
     """The cells of one saved rollout (re-verification). Raises ScheduleError when `params` are
     not the ones the rollout was sampled with (fingerprint mismatch), or when it was sampled
     with another version of the invariant kernels (its bits are another function's)."""
-    if rb.schedule.kernels == "invariant" and rb.schedule.kernel_version != KERNEL_VERSION:
+    here = kernel_version()
+    if rb.schedule.kernels == "invariant" and rb.schedule.kernel_version != here:
         raise ScheduleError(f"rollout was sampled with kernel version "
                             f"{rb.schedule.kernel_version or '(none recorded: before 2026-12-01)'}"
-                            f", this looprl has {KERNEL_VERSION}: its bits come from other "
+                            f", this looprl has {here}: its bits come from other "
                             f"kernels; sample it again with this version")
     fp = params_fingerprint(params)
     if fp != rb.schedule.params_fingerprint:

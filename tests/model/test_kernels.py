@@ -81,9 +81,10 @@ def test_log_softmax_keeps_minus_inf_and_sums_to_one():
 
 
 def test_off_the_cpu_branch_pads_rows_and_asks_for_full_fp32_precision(monkeypatch):
-    """The GPU/TPU form (64-row padding, one dot, Precision.HIGHEST for fp32 so GPUs do not
-    use TF32), traced and run here with `on_cpu` patched: same values as the CPU form, and the
-    precision request is in the program (none for bf16)."""
+    """The GPU/TPU form (fixed 64-row tiles, 128-long K blocks, Precision.HIGHEST for fp32 so
+    GPUs do not use TF32; tests/model/test_accel_kernels.py checks its structure and bits),
+    traced and run here with `on_cpu` patched: same values as the CPU form, and the precision
+    request is in the program (none for bf16)."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((5, 3, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 40)) / 8, jnp.float32)

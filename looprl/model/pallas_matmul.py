@@ -1,0 +1,121 @@
+"""A Pallas matmul with fixed blocks: the accelerator fallback of the invariant kernels (issue 16).
+
+`looprl.model.kernels` runs off the CPU with XLA ops by default (fixed row tiles, 128-long
+contraction blocks summed in order). Whether XLA's GPU/TPU compiler keeps that order is checked on
+the device (`reproducibility/gpu_check.py`), not assumed. This kernel states the order itself,
+so nothing the compiler picks per program can change it (`LOOPRL_ACCEL_MATMUL=pallas`).
+
+Construction. `x [M, I] @ w [I, O]` with rows zero-padded to a multiple of `block_rows` (bm),
+output columns to `block_cols` (bn) and the contraction to `block_k` (bk). The grid is
+`(Mp / bm, Op / bn)`; program (i, j) owns the `[bm, bn]` output block of row block i and column
+block j, and computes it alone:
+
+    acc = -0.0                               (fp32, [bm, bn])
+    for z in 0 .. Ip / bk - 1:               (in order; one program, no split-K)
+        acc = acc + dot(x[i-th bm rows, z-th bk cols], w[z-th bk rows, j-th bn cols])  (fp32)
+    out[i, j] = acc
+
+Why a row's bits cannot depend on M or on the row's place (the argument):
+  1. Every dot has the one shape `[bm, bk] x [bk, bn]`, whatever M: the blocks are constants of
+     the call, M only changes the grid's first extent.
+  2. Programs are independent: a program reads its own x rows and w columns and writes only its
+     own output block, so the grid's size and the order in which programs run cannot enter a
+     value (no atomics, no cross-program reduction).
+  3. The K order is the loop above, ours and fixed; inside one block dot all bm rows of the
+     block run the same instruction stream (an MMA / MXU tile computes every output of the block
+     with the same k order), so a row's place in its block does not matter. Padding rows,
+     columns and contraction entries are zeros: they add exact zeros and are cut off.
+  4. The accumulator starts at -0.0, so `-0.0 + p == p` bitwise for every first partial p: the
+     sum has the bits of `p0 + p1 + ...` (the XLA form's convention).
+(3)'s claim about one block dot is how MMA/MXU units are built, and is what the GPU check
+measures; (1), (2) and (4) follow from the code. fp32 dots ask for `Precision.HIGHEST` (Triton's
+IEEE input precision, no TF32); bf16 dots run on the tensor cores with fp32 accumulation.
+
+Block sizes: bm = 64 rows (a decode step's one row costs a `[64, I]` tile, which in bf16 stays
+below the H200's compute/bandwidth ridge, i.e. about a weight read; in fp32 about two, by the
+roofline), bn = bk = 128 (powers of two, as Triton loads require). Not yet compiled for a GPU
+or TPU here (no device): `reproducibility/gpu_check.py` compiles and scans it. Interpret mode (`interpret=True`) runs the same kernel body as
+XLA ops: that is how the CPU tests run it. The backward pass is plain dots (`jax.custom_vjp`):
+gradients need no invariance (DESIGN.md §4).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+BLOCK_ROWS = 64
+BLOCK_COLS = 128
+BLOCK_K = 128
+
+
+def _pad_to(x, axis: int, multiple: int):
+    n = x.shape[axis]
+    n_pad = -(-n // multiple) * multiple
+    if n_pad == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n_pad - n)
+    return jnp.pad(x, widths)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int, precision):
+    """One `[bm, bn]` output block: the K blocks of its rows and columns, summed in order."""
+    bm, bn = o_ref.shape
+    nk = x_ref.shape[1] // block_k
+
+    def step(z, acc):
+        x_RxZ = x_ref[:, pl.ds(z * block_k, block_k)]
+        w_ZxC = w_ref[pl.ds(z * block_k, block_k), :]
+        return acc + jnp.dot(x_RxZ, w_ZxC, preferred_element_type=jnp.float32,
+                             precision=precision)
+
+    acc = jax.lax.fori_loop(0, nk, step, jnp.full((bm, bn), -0.0, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret):
+    m, i = x_MxI.shape
+    o = w_IxO.shape[1]
+    if x_MxI.dtype != w_IxO.dtype:
+        raise ValueError(f"pallas_matmul: x is {x_MxI.dtype} and w is {w_IxO.dtype}; "
+                         "they must have one dtype")
+    precision = jax.lax.Precision.HIGHEST if x_MxI.dtype == jnp.float32 else None
+    x = _pad_to(_pad_to(x_MxI, 0, block_rows), 1, block_k)
+    w = _pad_to(_pad_to(w_IxO, 0, block_k), 1, block_cols)
+    mp, ip = x.shape
+    op = w.shape[1]
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((mp, op), out_dtype),
+        grid=(mp // block_rows, op // block_cols),
+        in_specs=[pl.BlockSpec((block_rows, ip), lambda r, c: (r, 0)),
+                  pl.BlockSpec((ip, block_cols), lambda r, c: (0, c))],
+        out_specs=pl.BlockSpec((block_rows, block_cols), lambda r, c: (r, c)),
+        interpret=interpret,
+        name="looprl_fixed_block_matmul",
+    )(x, w)
+    return out[:m, :o]
+
+
+def pallas_matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None, *,
+                  block_rows: int = BLOCK_ROWS, block_cols: int = BLOCK_COLS,
+                  block_k: int = BLOCK_K, interpret: bool | None = None) -> jax.Array:
+    """Row-invariant `x @ w` as one Pallas kernel with fixed blocks (module doc); forward only
+    (differentiate through `kernels.matmul`).
+
+    Args:
+      x_MxI: `[M, I]` fp32 or bf16. w_IxO: `[I, O]`, the same dtype.
+      out_dtype: the output dtype (accumulation is always fp32); default x's dtype.
+      block_rows, block_cols, block_k: bm, bn, bk (powers of two for the Triton lowering).
+      interpret: run the kernel body as XLA ops (Pallas interpret mode); default: on the CPU,
+        which has no Pallas compiler.
+    Returns: `[M, O]` in `out_dtype`.
+    Raises: ValueError if x and w differ in dtype.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    out_dtype = jnp.dtype(out_dtype or x_MxI.dtype)
+    return _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret)

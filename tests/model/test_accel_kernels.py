@@ -1,0 +1,200 @@
+"""The accelerator form of the invariant kernels (issue 16), checked from the CPU.
+
+The off-CPU branch is traced here with `kernels.on_cpu` patched to False. What these tests can
+show is necessary, not sufficient, for bits on a GPU or TPU: that every dot of a weight has one
+shape whatever the row count M, that the contraction is cut into 128-long blocks summed in a
+loop (no split-K left to the compiler), and that fp32 dots ask for full precision (no TF32).
+Whether the device's GEMM then gives every row the same bits is what
+`reproducibility/gpu_check.py` measures. Because the shapes are fixed, the accelerator form is
+also row-invariant on XLA CPU, which the raw-bit tests below check (the Pallas kernel in
+interpret mode)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from looprl import determinism
+from looprl.errors import ConfigError
+from looprl.model import kernels as kn
+from looprl.model.pallas_matmul import pallas_matmul
+
+D, F, V = 2048, 5632, 49152  # ouro-1.4b / ouro-2.6b widths (both presets share them)
+WEIGHTS = {"q/k/v/o": (D, D), "gate/up": (D, F), "down": (F, D), "lm_head": (D, V),
+           "exit_gate": (D, 1)}
+ROWS = (1, 3, 7, 64, 300)
+
+_DOT = re.compile(r"stablehlo\.dot_general\s+%\S+,\s+%\S+,(.*?):\s*\((tensor<[^>]*>),\s*"
+                  r"(tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)")
+
+
+@pytest.fixture
+def accel(monkeypatch):
+    """Trace the accelerator branch on this CPU; `accel("pallas")` selects the Pallas form."""
+    monkeypatch.setattr(kn, "on_cpu", lambda: False)
+
+    def use(impl="xla"):
+        monkeypatch.setenv("LOOPRL_ACCEL_MATMUL", impl)
+        jax.clear_caches()  # the form is read when a program is traced: no cached traces
+    use("xla")
+    yield use
+    jax.clear_caches()
+
+
+def _dims(t):
+    return tuple(int(d) for d in re.findall(r"(\d+)x", t))
+
+
+def _dots(fn, *args):
+    """(lhs dims, rhs dims, out dims, attribute text) of every dot_general in the lowered
+    (StableHLO, before any backend pass) program of `fn`."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return [(_dims(lhs), _dims(rhs), _dims(out), attrs)
+            for attrs, lhs, rhs, out in _DOT.findall(text.replace("\n", " "))]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_accelerator_dot_of_a_weight_has_one_shape(accel, impl, dtype):
+    """Structural, at the Ouro widths: for M in 1, 3, 7, 64, 300 every dot of the accelerator
+    matmul is `[64, 128] x [128, O']` (O' = O padded to 16 for the XLA form, a 128-column
+    block for the Pallas one), one shape per weight whatever M; fp32 dots request HIGHEST
+    precision, bf16 dots do not (they run on the tensor cores)."""
+    accel(impl)
+    for name, (i, o) in WEIGHTS.items():
+        w = jax.ShapeDtypeStruct((i, o), jnp.dtype(dtype))
+        shapes = set()
+        for m in ROWS:
+            x = jax.ShapeDtypeStruct((m, i), jnp.dtype(dtype))
+            dots = _dots(kn.matmul, x, w)
+            assert dots, (name, m)
+            for lhs, rhs, out, attrs in dots:
+                shapes.add((lhs, rhs))
+                assert ("HIGHEST" in attrs) == (dtype == "float32"), (name, m, attrs)
+        assert len(shapes) == 1, (name, shapes)
+        (lhs, rhs), = shapes
+        cols = 128 if impl == "pallas" else -(-o // kn.N_MIN) * kn.N_MIN
+        assert lhs == (kn.ROW_TILE, 128) and rhs == (128, cols), (name, lhs, rhs)
+
+
+def test_accelerator_attention_dots_do_not_depend_on_the_chunk_or_the_cache(accel):
+    """Structural: a decode step (C = 1), a chunk of 5 and a 300-query prefill, over caches of
+    200 and 700 keys: every attention dot is a `[64, 128] x [128, 128]` tile (scores per
+    128-key block, value product per block), fp32 at HIGHEST."""
+    shapes = set()
+    for C, S in ((1, 200), (5, 700), (300, 700)):
+        q = jax.ShapeDtypeStruct((2, C, 4, 128), jnp.float32)
+        kv = jax.ShapeDtypeStruct((2, S, 4, 128), jnp.float32)
+        mask = jax.ShapeDtypeStruct((2, C, S), jnp.bool_)
+        for lhs, rhs, out, attrs in _dots(lambda q, k, v, m: kn.attention(q, k, v, m, 0.1),
+                                          q, kv, kv, mask):
+            assert "HIGHEST" in attrs
+            shapes.add((lhs[-2:], rhs[-2:]))
+    # scores [64, 128] x [128 keys, 128]^T, values [64, 128 keys] x [128, 128], rowsum blocks
+    assert shapes <= {((64, 128), (128, 128)), ((64, 128), (128, 16))}, shapes
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_accelerator_matmul_rows_do_not_depend_on_the_row_count(accel, impl, dtype):
+    """Raw bits, run on XLA CPU: rows of an M-row call (M in 1, 2, 3, 7, 8, 64, 65) equal the
+    same rows of a 200-row call, at offsets 0 and 100; values agree with a plain dot."""
+    accel(impl)
+    rng = np.random.default_rng(0)
+    i, o = 640, 272  # five K blocks, 17 output groups of 16 (three 128-column Pallas blocks)
+    x = jnp.asarray(rng.standard_normal((200, i)), dtype)
+    w = jnp.asarray(rng.standard_normal((i, o)) / np.sqrt(i), dtype)
+    f = jax.jit(kn.matmul)
+    big = f(x, w)
+    np.testing.assert_allclose(np.asarray(big, np.float32),
+                               np.asarray(x, np.float32) @ np.asarray(w, np.float32),
+                               rtol=2e-2 if dtype == "bfloat16" else 1e-5, atol=2e-2
+                               if dtype == "bfloat16" else 1e-5)
+    for m in (1, 2, 3, 7, 8, 64, 65):
+        for off in (0, 100):
+            assert np.array_equal(_bits(f(x[off:off + m], w)), _bits(big[off:off + m])), (m, off)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_accelerator_matmul_gradients_are_plain_dots(accel, impl):
+    """Both accelerator forms differentiate through the invariant matmul's custom_vjp (plain
+    HIGHEST dots): equal to jax's gradient of a plain HIGHEST dot, to rounding; the Pallas
+    kernel alone is forward-only."""
+    accel(impl)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((9, 200)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((200, 130)) / 14, jnp.float32)
+    np.testing.assert_allclose(np.asarray(pallas_matmul(x, w)), np.asarray(x) @ np.asarray(w),
+                               rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda x, w: jnp.sum(jnp.sin(kn.matmul(x, w))), argnums=(0, 1))(x, w)
+    ref = jax.grad(lambda x, w: jnp.sum(jnp.sin(
+        jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST))), argnums=(0, 1))(x, w)
+    for a, b in zip(g, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_accelerator_attention_does_not_depend_on_the_left_padding_or_the_chunk(accel, dtype):
+    """Raw bits, run on XLA CPU: 100 live keys in prompt buckets of 128 and 192 (the live keys
+    straddling slot 128 in the second), queried by the last 8 positions at once and by the last
+    one alone (a decode step): the same bits."""
+    rng = np.random.default_rng(0)
+    H, K, live, C = 2, 128, 100, 8
+    q = rng.standard_normal((1, C, H, K)).astype(np.float32)
+    kv = rng.standard_normal((2, 1, live, H, K)).astype(np.float32)
+    f = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5))
+    outs, last = [], []
+    for P in (128, 192):
+        S, pad = P + 16, P - live
+        k = np.zeros((1, S, H, K), np.float32)
+        v = np.zeros((1, S, H, K), np.float32)
+        k[:, pad:pad + live], v[:, pad:pad + live] = kv[0], kv[1]
+        qpos = pad + live - C + np.arange(C)
+        mask = (np.arange(S)[None, :] >= pad) & (np.arange(S)[None, :] <= qpos[:, None])
+        args = [jnp.asarray(a, dtype) for a in (q, k, v)]
+        outs.append(_bits(f(*args, jnp.asarray(mask[None])).astype(jnp.float32)))
+        last.append(_bits(f(args[0][:, -1:], args[1], args[2],
+                            jnp.asarray(mask[None, -1:])).astype(jnp.float32)))
+    assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(last[0], outs[0][:, -1:]) and np.array_equal(last[1], last[0])
+
+
+def test_the_accelerator_form_is_named_in_the_kernel_version(accel, monkeypatch):
+    """A rollout records which numerics sampled it: the CPU's version on the CPU, the
+    accelerator form with its matmul implementation elsewhere; a bad LOOPRL_ACCEL_MATMUL is a
+    ConfigError naming the variable."""
+    assert kn.kernel_version() == f"{kn.KERNEL_VERSION_ACCEL}/xla"
+    accel("pallas")
+    assert kn.kernel_version() == f"{kn.KERNEL_VERSION_ACCEL}/pallas"
+    accel("triton")
+    with pytest.raises(ConfigError, match="LOOPRL_ACCEL_MATMUL='triton'.*xla, pallas"):
+        kn.kernel_version()
+    monkeypatch.setattr(kn, "on_cpu", lambda: True)
+    assert kn.kernel_version() == kn.KERNEL_VERSION
+
+
+def test_gpu_installs_pin_the_accelerator_flags(monkeypatch):
+    """configure_xla(accelerator=True) adds every ACCELERATOR_FLAGS entry and
+    NVIDIA_TF32_OVERRIDE=0, keeps a user's own setting of a flag, and the environment record
+    says which pins are in force."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    monkeypatch.delenv("LOOPRL_XLA_FLAGS", raising=False)
+    determinism.configure_xla(accelerator=True)
+    flags = determinism.os.environ["XLA_FLAGS"]
+    assert "--xla_gpu_autotune_level=4" in flags and "--xla_gpu_autotune_level=0" not in flags
+    for f in determinism.ACCELERATOR_FLAGS[:1] + determinism.ACCELERATOR_FLAGS[2:]:
+        assert f in flags, f
+    assert determinism.os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+    pins = determinism.environment()["accelerator_pins"]
+    assert pins["NVIDIA_TF32_OVERRIDE"] and pins["--xla_gpu_deterministic_ops=true"]
+    assert not pins["--xla_gpu_autotune_level=0"]
+    monkeypatch.setenv("XLA_FLAGS", "")
+    determinism.configure_xla(accelerator=False)
+    assert "xla_gpu" not in determinism.os.environ["XLA_FLAGS"]

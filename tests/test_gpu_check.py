@@ -1,0 +1,47 @@
+"""`reproducibility/gpu_check.py`, the prepared accelerator check (issue 16), from the CPU: its
+command line parses, its row-invariance scan runs every kernel form this backend can trace
+(the CPU form, and both accelerator forms traced as for a device) and finds no differing row,
+and its Markdown names every scanned form and the kernel versions. The whole script in its
+reduced mode takes minutes, so it runs by hand (the issue note gives its figures)."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+from looprl.model import kernels as kn
+
+SCRIPT = Path(__file__).resolve().parents[1] / "reproducibility" / "gpu_check.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_help_runs():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--reduced" in out.stdout and "OUT_DIR" in out.stdout
+
+
+def test_gpu_check_scans_every_form_and_reports_it():
+    gc = _module()
+    res = gc.scan_forms({"q_proj": (256, 272)}, rows=(1, 3, 9))
+    assert res["kernel_versions"] == {"cpu": kn.KERNEL_VERSION,
+                                      "accel_xla": f"{kn.KERNEL_VERSION_ACCEL}/xla",
+                                      "accel_pallas": f"{kn.KERNEL_VERSION_ACCEL}/pallas"}
+    assert sorted(res["results"]) == sorted(f"{f}/q_proj_{d}" for f in res["kernel_versions"]
+                                            for d in ("float32", "bfloat16"))
+    assert all(v["rows_differing"] == [] and v["rows_tested"] == [1, 3, 9]
+               for v in res["results"].values())
+    assert kn.on_cpu() and kn.kernel_version() == kn.KERNEL_VERSION  # restored
+    md = gc.report_md({"env": {"device_kind": "cpu", "jax": jax.__version__,
+                               "accelerator_pins": {"NVIDIA_TF32_OVERRIDE": True}},
+                       "wall_s": 1.0, "reduced": True, "scan": res, "errors": {}})
+    assert "accel_pallas/q_proj_bfloat16 | none" in md
+    assert f"accel_xla `{kn.KERNEL_VERSION_ACCEL}/xla`" in md and "`NVIDIA_TF32_OVERRIDE`" in md
