@@ -12,7 +12,8 @@ Steps (each a section of report.json; a failing step is recorded, the rest still
                `pallas`, the fixed-block Pallas kernel); on a CPU (`--reduced`) the CPU kernels
                and, traced as for an accelerator, both accelerator forms (Pallas interpreted)
   2. verify    `looprl verify --quick` with the invariant replay, then `--replay-impl auto`
-               (forced re-run where the invariant replay is not exact)
+               (forced re-run where the invariant replay is not exact; skipped when every
+               invariant cell is exact, since it would give the same cells)
   3. needle    tests/sampling/test_needle.py (a prompt alone and in batches: same bits)
   4. kernels   the speed ratios of benchmarks/kernels.py (its final JSON line)
   5. train     a smoke `looprl train` (experiments/tiny_arith_smoke.py): per step `replay_impl`
@@ -36,8 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looprl.model import kernels as kn
 from looprl.determinism import environment
+from looprl.model import init_params, preset
+from looprl.model import kernels as kn
+from looprl.verify.matrix import VerifyOptions, run_matrix
+from looprl.verify.report import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 OURO_1P4B = {"q_proj": (2048, 2048), "o_proj": (2048, 2048), "gate_proj": (2048, 5632),
@@ -107,13 +111,17 @@ def _run(cmd: list[str], timeout: int, env=None) -> tuple[int, str]:
 
 
 def verify(out: Path, reduced: bool) -> dict:
+    """`looprl verify --quick` with the invariant replay, then with `--replay-impl auto` (the
+    invariant replay per cell, the forced re-run where it is not exact). Where every invariant
+    cell is exact `auto` would give the same cells, so it is skipped (it costs a whole matrix)."""
     res = {}
     for impl in ("invariant", "auto"):
+        if impl == "auto" and res["invariant"].get("replay_cells") and \
+                res["invariant"].get("replay_exact_cells") == res["invariant"]["replay_cells"]:
+            res[impl] = {"skipped": "every invariant replay cell is exact"}
+            continue
         d = out / f"verify_{impl}"
         if reduced:  # the matrix at toy sizes, in process
-            from looprl.model import init_params, preset
-            from looprl.verify.matrix import VerifyOptions, run_matrix
-            from looprl.verify.report import summarize
             cfg = preset("tiny", num_layers=1)
             opts = VerifyOptions(n_prompts=2, group_size=2, max_new_tokens=4,
                                  small_batches=(1,), small_batch_weights=("random",),
@@ -175,10 +183,13 @@ def report_md(report: dict) -> str:
         lines.append(f"| {k} | {v['rows_differing'] or 'none'} |")
     lines += ["", "Kernel versions: " + ", ".join(
         f"{f} `{v}`" for f, v in ((report.get("scan") or {}).get("kernel_versions") or {}).items()),
-        "", "Accelerator pins in force: " + ", ".join(
-            f"`{k}`" for k, on in (env.get("accelerator_pins") or {}).items() if on) or "none"]
+        "", "Accelerator pins in force: " + (", ".join(
+            f"`{k}`" for k, on in (env.get("accelerator_pins") or {}).items() if on) or "none")]
     lines += ["", "## looprl verify --quick", ""]
     for impl, s in (report.get("verify") or {}).items():
+        if "skipped" in s:
+            lines.append(f"- `--replay-impl {impl}`: skipped ({s['skipped']})")
+            continue
         lines.append(f"- `--replay-impl {impl}`: passed={s.get('passed')}, replay exact "
                      f"{s.get('replay_exact_cells')}/{s.get('replay_cells')} cells "
                      f"({s.get('replay_forced_cells')} forced)")

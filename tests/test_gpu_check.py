@@ -45,3 +45,4 @@ def test_gpu_check_scans_every_form_and_reports_it():
                        "wall_s": 1.0, "reduced": True, "scan": res, "errors": {}})
     assert "accel_pallas/q_proj_bfloat16 | none" in md
     assert f"accel_xla `{kn.KERNEL_VERSION_ACCEL}/xla`" in md and "`NVIDIA_TF32_OVERRIDE`" in md
+    assert "pins in force: none" in gc.report_md({"env": {}, "wall_s": 1.0, "reduced": True})
