@@ -73,8 +73,8 @@ def configure_xla(pin_threads: bool = False, accelerator: bool | None = None) ->
         for name, value in ACCELERATOR_ENV.items():
             os.environ.setdefault(name, value)
     for flag in wanted:
-        name = flag.split("=")[0]
-        if name not in flags:
+        names = {tok.split("=")[0] for tok in flags.split()}  # whole names: a flag whose name
+        if flag.split("=")[0] not in names:  # extends another's is another flag
             flags = f"{flags} {flag}".strip()
     os.environ["XLA_FLAGS"] = flags
 

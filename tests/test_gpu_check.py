@@ -4,6 +4,7 @@ command line parses, its row-invariance scan runs every kernel form this backend
 and its Markdown names every scanned form and the kernel versions. The whole script in its
 reduced mode takes minutes, so it runs by hand (the issue note gives its figures)."""
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,14 +32,17 @@ def test_gpu_check_help_runs():
 
 def test_gpu_check_scans_every_form_and_reports_it():
     gc = _module()
-    res = gc.scan_forms({"q_proj": (256, 272)}, rows=(1, 3, 9))
+    res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 3, 9))
     assert res["kernel_versions"] == {"cpu": kn.KERNEL_VERSION,
                                       "accel_xla": f"{kn.KERNEL_VERSION_ACCEL}/xla",
                                       "accel_pallas": f"{kn.KERNEL_VERSION_ACCEL}/pallas"}
-    assert sorted(res["results"]) == sorted(f"{f}/q_proj_{d}" for f in res["kernel_versions"]
-                                            for d in ("float32", "bfloat16"))
-    assert all(v["rows_differing"] == [] and v["rows_tested"] == [1, 3, 9]
-               for v in res["results"].values())
+    assert sorted(res["results"]) == sorted([f"{f}/q_proj_{d}" for f in res["kernel_versions"]
+                                             for d in ("float32", "bfloat16")] +
+                                            [f"{f}/attention" for f in res["kernel_versions"]])
+    assert all(v["rows_differing"] == [] for v in res["results"].values())
+    assert all(v["rows_tested"] == [1, 3, 9] for k, v in res["results"].items()
+               if "q_proj" in k)
+    assert len(res["results"]["accel_xla/attention"]["calls"]) == 6
     assert kn.on_cpu() and kn.kernel_version() == kn.KERNEL_VERSION  # restored
     md = gc.report_md({"env": {"device_kind": "cpu", "jax": jax.__version__,
                                "accelerator_pins": {"NVIDIA_TF32_OVERRIDE": True}},
@@ -46,3 +50,19 @@ def test_gpu_check_scans_every_form_and_reports_it():
     assert "accel_pallas/q_proj_bfloat16 | none" in md
     assert f"accel_xla `{kn.KERNEL_VERSION_ACCEL}/xla`" in md and "`NVIDIA_TF32_OVERRIDE`" in md
     assert "pins in force: none" in gc.report_md({"env": {}, "wall_s": 1.0, "reduced": True})
+
+
+def test_a_form_that_fails_keeps_the_other_forms_results(monkeypatch):
+    """One kernel form raising (say the Pallas kernel on a backend it cannot be built for) is
+    recorded as that form's error; the other forms' scans stay, and the report says so."""
+    gc = _module()
+
+    def broken(*a, **k):
+        raise ValueError("kernel exceeds available shared memory")
+    monkeypatch.setattr(kn, "pallas_matmul", broken)
+    res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 3))
+    assert res["results"]["accel_pallas/error"]["error"].startswith("ValueError: kernel exceeds")
+    assert res["results"]["accel_xla/q_proj_float32"]["rows_differing"] == []
+    assert kn.on_cpu() and os.environ.get("LOOPRL_ACCEL_MATMUL") is None
+    md = gc.report_md({"env": {}, "wall_s": 1.0, "reduced": True, "scan": res, "errors": {}})
+    assert "| accel_pallas/error | ValueError: kernel exceeds" in md

@@ -135,10 +135,18 @@ backend instead of the CPU's oneDNN-specific argument (3):
   the XLA form is not exact on a device.
 * `attention`: the CPU's key rotation and 128-key blocks, query tiles of ROW_TILE rows in one
   `lax.map`, and the scores too in 128-key blocks (`[64, K] x [K, 128]` per (b, h, block)), so no
-  dot's shape depends on the cache length; K/V stay in the compute dtype.
+  matrix's shape depends on the cache length; K/V stay in the compute dtype. The dots are
+  batched over (b, h, block), and the batch count B x H x S'/128 does change with the batch and
+  the cache length: argument (1) holds per matrix, and whether a device's batched GEMM keeps a
+  matrix's bits whatever the batch count is measured (`reproducibility/gpu_check.py` scans one
+  query in calls of other B, S' and C), not argued.
 * `rowsum`, `softmax`, `log_softmax`: unchanged (the sum is a `matmul`, in the form above).
-(1), (2) and (4) follow from the program, and `tests/model/test_accel_kernels.py` checks them on
-the traced accelerator program from the CPU; (3) is how GEMM kernels are built and is what
+Cost: every tile and K block is a step of a sequential loop, so a large-M call (the learner)
+runs M/64 x I/128 small dots one after another, and `rowsum` inside attention's softmax nests a
+second such loop in the query-tile loop; on a GPU that is far from one big GEMM's throughput (not
+measured: `gpu_check.py` runs `benchmarks/kernels.py`). (1), (2) and (4) follow from the program,
+and `tests/model/test_accel_kernels.py` checks them on the traced accelerator program from the
+CPU; (3) is how GEMM kernels are built and is what
 `reproducibility/gpu_check.py` measures on a device. Necessary, not sufficient: until a
 committed GPU report shows these kernels exact, the trainer replays off the CPU by re-running
 the sampler (`learner.replay_impl=auto` -> `forced`). `kernel_version()` names the form a

@@ -33,8 +33,11 @@ IEEE input precision, no TF32); bf16 dots run on the tensor cores with fp32 accu
 
 Block sizes: bm = 64 rows (a decode step's one row costs a `[64, I]` tile, which in bf16 stays
 below the H200's compute/bandwidth ridge, i.e. about a weight read; in fp32 about two, by the
-roofline), bn = bk = 128 (powers of two, as Triton loads require). Not yet compiled for a GPU
-or TPU here (no device): `reproducibility/gpu_check.py` compiles and scans it. Interpret mode (`interpret=True`) runs the same kernel body as
+roofline), bn = bk = 128 (powers of two, as Triton loads require). On a GPU the kernel is lowered
+through Triton (jax 0.10's default GPU lowering, Mosaic GPU, stages whole blocks in shared
+memory: the whole contraction here, 1.6 MB at I = 2048, over an H200's 227 KB). The CPU tests
+export it for CUDA and TPU (lowering only); it has not been compiled or run on a device here:
+`reproducibility/gpu_check.py` does that. Interpret mode (`interpret=True`) runs the same kernel body as
 XLA ops: that is how the CPU tests run it. The backward pass is plain dots (`jax.custom_vjp`):
 gradients need no invariance (DESIGN.md §4).
 """
@@ -45,6 +48,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 BLOCK_ROWS = 64
 BLOCK_COLS = 128
@@ -76,12 +80,14 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int, precision):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret):
+def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret, backend):
     m, i = x_MxI.shape
     o = w_IxO.shape[1]
     if x_MxI.dtype != w_IxO.dtype:
         raise ValueError(f"pallas_matmul: x is {x_MxI.dtype} and w is {w_IxO.dtype}; "
                          "they must have one dtype")
+    if m == 0:
+        return jnp.zeros((0, o), out_dtype)
     precision = jax.lax.Precision.HIGHEST if x_MxI.dtype == jnp.float32 else None
     x = _pad_to(_pad_to(x_MxI, 0, block_rows), 1, block_k)
     w = _pad_to(_pad_to(w_IxO, 0, block_k), 1, block_cols)
@@ -95,6 +101,11 @@ def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret
                   pl.BlockSpec((ip, block_cols), lambda r, c: (0, c))],
         out_specs=pl.BlockSpec((block_rows, block_cols), lambda r, c: (r, c)),
         interpret=interpret,
+        # GPU: the Triton lowering (jax 0.10's default GPU lowering is Mosaic GPU, which copies
+        # each whole block, here the whole contraction, into shared memory and fails at the
+        # Ouro widths); TPU: Mosaic TPU, the only one
+        compiler_params=pltriton.CompilerParams() if backend == "gpu" and not interpret
+        else None,
         name="looprl_fixed_block_matmul",
     )(x, w)
     return out[:m, :o]
@@ -102,7 +113,8 @@ def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret
 
 def pallas_matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None, *,
                   block_rows: int = BLOCK_ROWS, block_cols: int = BLOCK_COLS,
-                  block_k: int = BLOCK_K, interpret: bool | None = None) -> jax.Array:
+                  block_k: int = BLOCK_K, interpret: bool | None = None,
+                  backend: str | None = None) -> jax.Array:
     """Row-invariant `x @ w` as one Pallas kernel with fixed blocks (module doc); forward only
     (differentiate through `kernels.matmul`).
 
@@ -112,10 +124,14 @@ def pallas_matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None, *,
       block_rows, block_cols, block_k: bm, bn, bk (powers of two for the Triton lowering).
       interpret: run the kernel body as XLA ops (Pallas interpret mode); default: on the CPU,
         which has no Pallas compiler.
+      backend: the platform the kernel is lowered for (`gpu`: Triton; `tpu`: Mosaic TPU);
+        default `jax.default_backend()` (an argument so that a CPU test can export for both).
     Returns: `[M, O]` in `out_dtype`.
     Raises: ValueError if x and w differ in dtype.
     """
+    backend = backend or jax.default_backend()
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = backend == "cpu"
     out_dtype = jnp.dtype(out_dtype or x_MxI.dtype)
-    return _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret)
+    return _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret,
+                    backend)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from looprl import determinism
 from looprl.errors import ConfigError
@@ -80,9 +81,11 @@ def test_every_accelerator_dot_of_a_weight_has_one_shape(accel, impl, dtype):
 
 def test_accelerator_attention_dots_do_not_depend_on_the_chunk_or_the_cache(accel):
     """Structural: a decode step (C = 1), a chunk of 5 and a 300-query prefill, over caches of
-    200 and 700 keys: every attention dot is a `[64, 128] x [128, 128]` tile (scores per
-    128-key block, value product per block), fp32 at HIGHEST."""
-    shapes = set()
+    200 and 700 keys: every matrix of every attention dot is a `[64, 128] x [128, 128]` tile
+    (scores per 128-key block, value product per block) or a rowsum block, fp32 at HIGHEST.
+    The dots' batch count (B x H x key blocks) does change with the cache length (asserted
+    below): per matrix only, which is why gpu_check.py also scans attention on the device."""
+    shapes, batches = set(), set()
     for C, S in ((1, 200), (5, 700), (300, 700)):
         q = jax.ShapeDtypeStruct((2, C, 4, 128), jnp.float32)
         kv = jax.ShapeDtypeStruct((2, S, 4, 128), jnp.float32)
@@ -91,8 +94,11 @@ def test_accelerator_attention_dots_do_not_depend_on_the_chunk_or_the_cache(acce
                                           q, kv, kv, mask):
             assert "HIGHEST" in attrs
             shapes.add((lhs[-2:], rhs[-2:]))
+            if len(lhs) == 5:
+                batches.add(lhs[:3])
     # scores [64, 128] x [128 keys, 128]^T, values [64, 128 keys] x [128, 128], rowsum blocks
     assert shapes <= {((64, 128), (128, 128)), ((64, 128), (128, 16))}, shapes
+    assert {(2, 4, 2), (2, 4, 6)} <= batches, batches  # 200 keys: 2 blocks; 700: 6
 
 
 def _bits(x):
@@ -181,16 +187,19 @@ def test_the_accelerator_form_is_named_in_the_kernel_version(accel, monkeypatch)
 
 def test_gpu_installs_pin_the_accelerator_flags(monkeypatch):
     """configure_xla(accelerator=True) adds every ACCELERATOR_FLAGS entry and
-    NVIDIA_TF32_OVERRIDE=0, keeps a user's own setting of a flag, and the environment record
-    says which pins are in force."""
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
-    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    NVIDIA_TF32_OVERRIDE=0, keeps a user's own setting of a flag (matched by whole flag name:
+    `--xla_gpu_enable_triton_gemm_int4` is not `--xla_gpu_enable_triton_gemm`), and the
+    environment record says which pins are in force."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4 "
+                       "--xla_gpu_enable_triton_gemm_int4=true")
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "")  # recorded, so the teardown restores it
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE")
     monkeypatch.delenv("LOOPRL_XLA_FLAGS", raising=False)
     determinism.configure_xla(accelerator=True)
     flags = determinism.os.environ["XLA_FLAGS"]
     assert "--xla_gpu_autotune_level=4" in flags and "--xla_gpu_autotune_level=0" not in flags
     for f in determinism.ACCELERATOR_FLAGS[:1] + determinism.ACCELERATOR_FLAGS[2:]:
-        assert f in flags, f
+        assert f in flags.split(), f  # a flag whose name extends another's is another flag
     assert determinism.os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
     pins = determinism.environment()["accelerator_pins"]
     assert pins["NVIDIA_TF32_OVERRIDE"] and pins["--xla_gpu_deterministic_ops=true"]
@@ -198,3 +207,63 @@ def test_gpu_installs_pin_the_accelerator_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
     determinism.configure_xla(accelerator=False)
     assert "xla_gpu" not in determinism.os.environ["XLA_FLAGS"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_accelerator_matmul_rows_at_ouro_widths(accel, impl, dtype):
+    """Raw bits at the real widths, run on XLA CPU (the Pallas kernel interpreted): for every
+    Ouro weight shape, rows of an M-row call (M in 1, 3, 7, 64, 300) equal the same rows of a
+    512-row call, at offsets 0 and 100."""
+    accel(impl)
+    rng = np.random.default_rng(2)
+    f = jax.jit(kn.matmul)
+    for name, (i, o) in WEIGHTS.items():
+        x = jnp.asarray(rng.standard_normal((512, i)), dtype)
+        w = jnp.asarray(rng.standard_normal((i, o)) / np.sqrt(i), dtype)
+        big = _bits(f(x, w))
+        for m in ROWS:
+            for off in (0, 100 if m < 400 else 0):
+                assert np.array_equal(_bits(f(x[off:off + m], w)), big[off:off + m]), \
+                    (name, m, off)
+
+
+_TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+_MOSAIC_TPU = export.DisabledSafetyCheck.custom_call("tpu_custom_call")
+
+
+@pytest.mark.parametrize("platform,backend,check", [("cuda", "gpu", _TRITON),
+                                                    ("tpu", "tpu", _MOSAIC_TPU)])
+@pytest.mark.parametrize("dtype,i,o", [("float32", 2048, 2048), ("bfloat16", 5632, 2048)])
+def test_pallas_kernel_lowers_for_gpu_and_tpu(platform, backend, check, dtype, i, o):
+    """Lowering only (no device here): the Pallas form exports for CUDA (through Triton: jax
+    0.10's default Mosaic GPU lowering stages the whole contraction in shared memory and fails
+    at these widths) and for TPU, at Ouro widths, for a decode row and a 300-row call."""
+    for m in (1, 300):
+        x = jax.ShapeDtypeStruct((m, i), jnp.dtype(dtype))
+        w = jax.ShapeDtypeStruct((i, o), jnp.dtype(dtype))
+        exp = export.export(jax.jit(lambda x, w: pallas_matmul(x, w, interpret=False,
+                                                               backend=backend)),
+                            platforms=(platform,), disabled_checks=[check])(x, w)
+        assert exp.out_avals[0].shape == (m, o)
+
+
+def test_pallas_matmul_of_no_rows_is_empty():
+    out = pallas_matmul(jnp.zeros((0, 256), jnp.float32), jnp.ones((256, 130), jnp.float32))
+    assert out.shape == (0, 130) and out.dtype == jnp.float32
+
+
+def test_accelerator_backward_dots_ask_for_full_precision(accel):
+    """The gradient programs of the accelerator matmul and attention (plain dots, no
+    invariance needed) run every fp32 dot at HIGHEST, as the stock dots: no TF32 in the
+    gradients either."""
+    x = jax.ShapeDtypeStruct((5, 256), jnp.float32)
+    w = jax.ShapeDtypeStruct((256, 40), jnp.float32)
+    dots = _dots(jax.grad(lambda x, w: jnp.sum(kn.matmul(x, w)), argnums=(0, 1)), x, w)
+    q = jax.ShapeDtypeStruct((1, 3, 2, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 20, 2, 16), jnp.float32)
+    m = jax.ShapeDtypeStruct((1, 3, 20), jnp.bool_)
+    dots += _dots(jax.grad(lambda q, k, v, m: jnp.sum(kn.attention(q, k, v, m, 0.25)),
+                           argnums=(0, 1, 2)), q, kv, kv, m)
+    assert len(dots) >= 4 and all("HIGHEST" in attrs for *_, attrs in dots), dots
