@@ -32,7 +32,7 @@ def test_gpu_check_help_runs():
 
 def test_gpu_check_scans_every_form_and_reports_it():
     gc = _module()
-    res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 3, 9))
+    res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 9))
     assert res["kernel_versions"] == {"cpu": kn.KERNEL_VERSION,
                                       "accel_xla": f"{kn.KERNEL_VERSION_ACCEL}/xla",
                                       "accel_pallas": f"{kn.KERNEL_VERSION_ACCEL}/pallas"}
@@ -40,7 +40,7 @@ def test_gpu_check_scans_every_form_and_reports_it():
                                              for d in ("float32", "bfloat16")] +
                                             [f"{f}/attention" for f in res["kernel_versions"]])
     assert all(v["rows_differing"] == [] for v in res["results"].values())
-    assert all(v["rows_tested"] == [1, 3, 9] for k, v in res["results"].items()
+    assert all(v["rows_tested"] == [1, 9] for k, v in res["results"].items()
                if "q_proj" in k)
     assert len(res["results"]["accel_xla/attention"]["calls"]) == 6
     assert kn.on_cpu() and kn.kernel_version() == kn.KERNEL_VERSION  # restored
@@ -60,7 +60,7 @@ def test_a_form_that_fails_keeps_the_other_forms_results(monkeypatch):
     def broken(*a, **k):
         raise ValueError("kernel exceeds available shared memory")
     monkeypatch.setattr(kn, "pallas_matmul", broken)
-    res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 3))
+    res = gc.scan_forms(gc.REDUCED_ONE, rows=(1,))
     assert res["results"]["accel_pallas/error"]["error"].startswith("ValueError: kernel exceeds")
     assert res["results"]["accel_xla/q_proj_float32"]["rows_differing"] == []
     assert kn.on_cpu() and os.environ.get("LOOPRL_ACCEL_MATMUL") is None
