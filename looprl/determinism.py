@@ -25,6 +25,7 @@ process actually runs with.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import subprocess
@@ -45,7 +46,6 @@ GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "j
 
 def gpu_plugin_installed() -> bool:
     """True when a GPU plugin of jax is importable (found without importing it or jax)."""
-    import importlib.util
     return any(importlib.util.find_spec(name) is not None for name in GPU_PLUGINS)
 
 
@@ -144,7 +144,7 @@ def environment() -> dict:
         "device_count": jax.device_count(), "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(), "cpu_affinity": affinity, "xla_flags": flags,
         "threads_pinned": pinned, "intra_op_threads": 1 if pinned else affinity,
-        "accelerator_pins": {**{f: f in flags for f in ACCELERATOR_FLAGS},
+        "accelerator_pins": {**{f: f in flags.split() for f in ACCELERATOR_FLAGS},
                              **{k: os.environ.get(k) == v for k, v in ACCELERATOR_ENV.items()}},
         "accel_matmul": os.environ.get("LOOPRL_ACCEL_MATMUL", "xla"),
         "platform": platform.platform(), **git_commit(),

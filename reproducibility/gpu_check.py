@@ -2,7 +2,7 @@
 in one script sized to finish in under 8 minutes on one H200 (not yet timed on one), writing one
 JSON report plus `report.md` under the directory it is given.
 
-    XLA_FLAGS=--xla_gpu_deterministic_ops=true python reproducibility/gpu_check.py OUT_DIR
+    python reproducibility/gpu_check.py OUT_DIR    # a GPU install pins looprl's GPU flags itself
     python reproducibility/gpu_check.py --reduced OUT_DIR    # the plumbing, on a CPU (minutes)
 
 Steps (each a section of report.json; a failing step is recorded, the rest still run; the
@@ -80,7 +80,6 @@ def scan_forms(shapes: dict, rows=SCAN_ROWS) -> dict:
             except Exception as e:
                 out[f"{form}/error"] = {"error": f"{type(e).__name__}: {e}"[:2000],
                                         "rows_differing": ["error"]}
-            kn.on_cpu = saved_on_cpu
     finally:
         kn.on_cpu = saved_on_cpu
         if saved_env is None:

@@ -169,7 +169,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from looprl.errors import ConfigError
-from looprl.model.pallas_matmul import pallas_matmul
+from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
 ROW_QUANTUM = 8  # CPU: a row tile is a multiple of this (oneDNN's AVX-512 sgemm row unroll)
@@ -187,13 +187,8 @@ MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make Na
 
 
 def _pad_rows(x, axis: int, tile: int = ROW_TILE):
-    n = x.shape[axis]
-    n_pad = -(-n // tile) * tile
-    if n_pad == n:
-        return x, n
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n_pad - n)
-    return jnp.pad(x, widths), n
+    """(`x` zero-padded along `axis` to a multiple of `tile`, the length it had)."""
+    return pad_to_multiple(x, axis, tile), x.shape[axis]
 
 
 def on_cpu() -> bool:
@@ -279,9 +274,14 @@ def _blocked_weight(w_IxO):
         w = jax.lax.bitcast_convert_type(w, jnp.uint16)
     elif w.dtype != jnp.float32:
         w = w.astype(jnp.float32)
-    w, _ = _pad_rows(w, 1, N_MIN)
-    i = w.shape[0]
-    kb = min(i, K_BLOCK)
+    return _k_blocks(w)
+
+
+def _k_blocks(w_IxO):
+    """`[nb, kb, O16]`: O zero-padded to a multiple of N_MIN, I cut into kb = min(I, K_BLOCK)
+    long blocks (zero-padded), in the weight's own dtype."""
+    w, _ = _pad_rows(w_IxO, 1, N_MIN)
+    kb = min(w.shape[0], K_BLOCK)
     w, _ = _pad_rows(w, 0, kb)
     return w.reshape(-1, kb, w.shape[1])
 
@@ -365,11 +365,8 @@ def _accel_matmul(rows_MxI, w_IxO, out_dtype):
     accumulator that starts at -0.0. Operands stay in their dtype (bf16 on the tensor cores)."""
     prec = _fp32_precision(rows_MxI, w_IxO)
     o = w_IxO.shape[1]
-    w, _ = _pad_rows(w_IxO, 1, N_MIN)
-    kb = min(w.shape[0], K_BLOCK)
-    w, _ = _pad_rows(w, 0, kb)
-    w_ZxIxO = w.reshape(-1, kb, w.shape[1])
-    nb, o16 = w_ZxIxO.shape[0], w_ZxIxO.shape[2]
+    w_ZxIxO = _k_blocks(w_IxO)
+    nb, kb, o16 = w_ZxIxO.shape
     x, m = _pad_rows(rows_MxI, 0, ROW_TILE)
     x, _ = _pad_rows(x, 1, kb)
     x_NxZxRxI = jnp.swapaxes(x.reshape(-1, ROW_TILE, nb, kb), 1, 2)
@@ -385,10 +382,10 @@ def _accel_matmul(rows_MxI, w_IxO, out_dtype):
 
 
 def _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype):
-    if not on_cpu() and accel_matmul_impl() == "pallas":
-        return pallas_matmul(rows_MxI, w_IxO.astype(rows_MxI.dtype), out_dtype,
-                             block_rows=ROW_TILE)
     if not on_cpu():
+        if accel_matmul_impl() == "pallas":
+            return pallas_matmul(rows_MxI, w_IxO.astype(rows_MxI.dtype), out_dtype,
+                                 block_rows=ROW_TILE)
         return _accel_matmul(rows_MxI, w_IxO, out_dtype)
     o = w_IxO.shape[1]
     wb = _blocked_weight(w_IxO)
@@ -533,11 +530,17 @@ def _attention_accel_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
 
     q_pad, _ = _pad_rows(q_BxHxCxK, 2, ROW_TILE)
     m_pad, _ = _pad_rows(mask, 1, ROW_TILE)
-    tiles = q_pad.shape[2] // ROW_TILE
-    qs = jnp.moveaxis(q_pad.reshape(B, H, tiles, ROW_TILE, K), 2, 0)
-    ms = jnp.moveaxis(m_pad.reshape(B, tiles, ROW_TILE, -1), 1, 0)
-    out = jnp.moveaxis(jax.lax.map(tile, (qs, ms)), 0, 2).reshape(B, H, tiles * ROW_TILE, K)
-    return out[:, :, :C]
+    return _map_query_tiles(tile, q_pad, m_pad, ROW_TILE)[:, :, :C]
+
+
+def _map_query_tiles(tile, q_BxHxCxK, mask_BxCxS, t: int):
+    """`tile((q [B, H, t, K], mask [B, t, S]))` over the t-row query tiles of padded queries, in
+    one `lax.map` (traced once, at one shape), results joined back to `[B, H, C, K]`."""
+    B, H, C, K = q_BxHxCxK.shape
+    tiles = C // t
+    qs = jnp.moveaxis(q_BxHxCxK.reshape(B, H, tiles, t, K), 2, 0)
+    ms = jnp.moveaxis(mask_BxCxS.reshape(B, tiles, t, -1), 1, 0)
+    return jnp.moveaxis(jax.lax.map(tile, (qs, ms)), 0, 2).reshape(B, H, tiles * t, K)
 
 
 def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
@@ -562,9 +565,7 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     if tiles == 1:  # the softmax on the C real query rows only
         out = tile((q_pad, m_pad), live_rows=C)
     else:
-        qs = jnp.moveaxis(q_pad.reshape(B, H, tiles, t, K), 2, 0)
-        ms = jnp.moveaxis(m_pad.reshape(B, tiles, t, -1), 1, 0)
-        out = jnp.moveaxis(jax.lax.map(tile, (qs, ms)), 0, 2).reshape(B, H, tiles * t, K)
+        out = _map_query_tiles(tile, q_pad, m_pad, t)
     return out[:, :, :C]
 
 

@@ -37,9 +37,10 @@ roofline), bn = bk = 128 (powers of two, as Triton loads require). On a GPU the 
 through Triton (jax 0.10's default GPU lowering, Mosaic GPU, stages whole blocks in shared
 memory: the whole contraction here, 1.6 MB at I = 2048, over an H200's 227 KB). The CPU tests
 export it for CUDA and TPU (lowering only); it has not been compiled or run on a device here:
-`reproducibility/gpu_check.py` does that. Interpret mode (`interpret=True`) runs the same kernel body as
-XLA ops: that is how the CPU tests run it. The backward pass is plain dots (`jax.custom_vjp`):
-gradients need no invariance (DESIGN.md §4).
+`reproducibility/gpu_check.py` does that. Interpret mode (`interpret=True`) runs the same
+kernel body as XLA ops: that is how the CPU tests run it. This is the forward kernel only:
+`kernels.matmul` wraps it in the invariant matmul's `jax.custom_vjp`, whose backward is plain
+dots (gradients need no invariance, DESIGN.md §4).
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ BLOCK_COLS = 128
 BLOCK_K = 128
 
 
-def _pad_to(x, axis: int, multiple: int):
+def pad_to_multiple(x, axis: int, multiple: int):
+    """`x` zero-padded at the end of `axis` to a multiple of `multiple` (unchanged if it is one);
+    also `kernels`' padding."""
     n = x.shape[axis]
     n_pad = -(-n // multiple) * multiple
     if n_pad == n:
@@ -89,8 +92,8 @@ def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret
     if m == 0:
         return jnp.zeros((0, o), out_dtype)
     precision = jax.lax.Precision.HIGHEST if x_MxI.dtype == jnp.float32 else None
-    x = _pad_to(_pad_to(x_MxI, 0, block_rows), 1, block_k)
-    w = _pad_to(_pad_to(w_IxO, 0, block_k), 1, block_cols)
+    x = pad_to_multiple(pad_to_multiple(x_MxI, 0, block_rows), 1, block_k)
+    w = pad_to_multiple(pad_to_multiple(w_IxO, 0, block_k), 1, block_cols)
     mp, ip = x.shape
     op = w.shape[1]
     out = pl.pallas_call(
