@@ -102,6 +102,49 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # oneDNN's `avx512_core`
+CPU_ROW_QUANTUM_AVX512 = 8  # oneDNN's AVX-512 sgemm row register block (our rows: its N side)
+CPU_ROW_QUANTUM_OTHER = 24  # elsewhere: lcm of the 4-, 6- (AVX2) and 8-row blocks
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_isa() -> str:
+    """`avx512_core` when the CPU has oneDNN's AVX-512 core set (and ONEDNN_MAX_CPU_ISA /
+    DNNL_MAX_CPU_ISA, if set, does not cap oneDNN below it), `avx2` with AVX2 + FMA, else
+    `other` (no /proc/cpuinfo, another architecture, or an older x86)."""
+    flags = cpu_flags()
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL")
+    capped = cap.upper() != "ALL" and "AVX512" not in cap.upper()
+    if all(f in flags for f in AVX512_CORE) and not capped:
+        return "avx512_core"
+    if "avx2" in flags and "fma" in flags:
+        return "avx2"
+    return "other"
+
+
+def cpu_row_quantum() -> int:
+    """The CPU kernels' row quantum (`looprl.model.kernels`, argument (3)): every row tile of a
+    dot is a multiple of it, so that every row of every sgemm call sits in a whole register block
+    of the micro-kernel. 8 with `avx512_core` (its block is 8 rows). 24 elsewhere, the least
+    common multiple of the 4-, 6- and 8-row blocks of oneDNN's x86 kernels: on AVX2 (AMD EPYC,
+    2026-12-02) the block is 6 rows, the leftover rows 6k+1..6k+3 of a call came out of another
+    code path with other bits (so the AVX-512 quantum of 8 broke replay there), and a 6-row
+    tile still differed from larger ones at `[R, 128] x [128, 5632]`; tiles of 12 and 24 rows
+    agreed with 1000-row calls at every Ouro weight shape, fp32 and bf16."""
+    return CPU_ROW_QUANTUM_AVX512 if cpu_isa() == "avx512_core" else CPU_ROW_QUANTUM_OTHER
+
+
 def git_commit() -> dict:
     """{git_commit: HEAD of the checkout looprl runs from (None outside one), git_dirty: whether
     tracked files differ from it (None when unknown)}."""
@@ -122,7 +165,8 @@ def git_commit() -> dict:
 def environment() -> dict:
     """What bit claims hold for (DESIGN.md §5), the one record every report carries (`looprl
     verify`'s report.json, `looprl eval`'s summary, benchmarks): jax/jaxlib/python versions,
-    backend, device kind and count, CPU model, CPU count and affinity, XLA_FLAGS,
+    backend, device kind and count, CPU model, the CPU's sgemm ISA and the kernels' row quantum
+    (`cpu_isa`, `cpu_row_quantum`), CPU count and affinity, XLA_FLAGS,
     `threads_pinned` (one intra-op thread) and `intra_op_threads`, the accelerator pins
     (`accelerator_pins`: each of ACCELERATOR_FLAGS and ACCELERATOR_ENV, in force or not;
     `accel_matmul`: LOOPRL_ACCEL_MATMUL), platform, git commit and whether the checkout is
@@ -141,7 +185,8 @@ def environment() -> dict:
     return {
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
         "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
-        "device_count": jax.device_count(), "cpu_model": cpu_model(),
+        "device_count": jax.device_count(), "cpu_model": cpu_model(), "cpu_isa": cpu_isa(),
+        "cpu_row_quantum": cpu_row_quantum(),
         "cpu_count": os.cpu_count(), "cpu_affinity": affinity, "xla_flags": flags,
         "threads_pinned": pinned, "intra_op_threads": 1 if pinned else affinity,
         "accelerator_pins": {**{f: f in flags.split() for f in ACCELERATOR_FLAGS},

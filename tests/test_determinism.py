@@ -1,9 +1,17 @@
-"""`looprl.determinism.environment`: the one environment record of every report."""
+"""`looprl.determinism.environment`: the one environment record of every report; the CPU's
+sgemm ISA and the kernels' row quantum."""
+import pytest
+
 from looprl import determinism
+from looprl.model import kernels as kn
+
+AVX512 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+AVX2 = frozenset({"avx", "avx2", "fma"})
 
 KEYS = {"jax", "jaxlib", "python", "backend", "device_kind", "device_count", "cpu_model",
         "cpu_count", "cpu_affinity", "xla_flags", "threads_pinned", "intra_op_threads",
-        "platform", "git_commit", "git_dirty", "accelerator_pins", "accel_matmul"}
+        "platform", "git_commit", "git_dirty", "accelerator_pins", "accel_matmul", "cpu_isa",
+        "cpu_row_quantum"}
 
 
 def test_environment_record_holds_the_union_of_both_former_records(monkeypatch):
@@ -16,3 +24,30 @@ def test_environment_record_holds_the_union_of_both_former_records(monkeypatch):
                                             *determinism.ACCELERATOR_ENV}
     assert env["git_dirty"] in (True, False, None)
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
+
+
+@pytest.mark.parametrize("flags, cap, isa, quantum", [
+    (AVX512, None, "avx512_core", 8),
+    (AVX512 - {"avx512bw"}, None, "avx2", 24),  # oneDNN's avx512_core needs all four
+    (AVX512, "AVX2", "avx2", 24),  # oneDNN capped below AVX-512 runs its AVX2 kernels
+    (AVX512, "AVX512_CORE_AMX", "avx512_core", 8),
+    (AVX2, None, "avx2", 24),
+    (frozenset(), None, "other", 24),  # no /proc/cpuinfo flags (another OS or architecture)
+])
+def test_row_quantum_is_the_isas_register_block_or_24(monkeypatch, flags, cap, isa, quantum):
+    monkeypatch.setattr(determinism, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert determinism.cpu_isa() == isa
+    assert determinism.cpu_row_quantum() == quantum
+
+
+def test_kernels_use_this_machines_quantum_and_record_it():
+    env = determinism.environment()
+    assert kn.ROW_QUANTUM == determinism.cpu_row_quantum() == env["cpu_row_quantum"]
+    assert kn.row_tile() == kn.ROW_QUANTUM and kn.ROW_TILE_MAX % kn.ROW_QUANTUM == 0
+    assert env["cpu_isa"] == determinism.cpu_isa()
+    assert all(kn._row_tile_for(m) % kn.ROW_QUANTUM == 0 for m in (1, 7, 300, 1000, 4096))

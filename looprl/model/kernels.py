@@ -31,9 +31,10 @@ The construction (CPU):
 
 * `matmul` (every projection, the MLP, the lm_head, the exit gate `[D, 1]` and `rowsum`): rows
   are zero-padded to a multiple of a row tile R = `_row_tile_for(M)`, the fewest tiles of at
-  most ROW_TILE_MAX = 512 rows, each the equal share of M rounded up to a multiple of
-  ROW_QUANTUM = 8 (M = 300: one 304-row tile; 1000: two of 504; 4096: eight of 512; at most 7
-  padding rows per tile), output columns to a multiple of `N_MIN` = 16 (zero columns; O = 1
+  most ROW_TILE_MAX = 512 rows (504 where the quantum is 24), each the equal share of M rounded
+  up to a multiple of ROW_QUANTUM, the sgemm register block of the machine (8 with AVX-512: M =
+  300: one 304-row tile; 1000: two of 504; 4096: eight of 512; at most 7 padding rows per tile;
+  24 elsewhere, below), output columns to a multiple of `N_MIN` = 16 (zero columns; O = 1
   would be a matrix-vector product), the contraction is cut into `K_BLOCK` = 128 long blocks
   (zero-padded) whose fp32 partial products are summed in block order: every dot the compiler
   sees is `[R, 128] x [128, O16]`, whatever M. Argument: (1) Eigen's blocking and oneDNN's
@@ -41,8 +42,8 @@ The construction (CPU):
   split (Eigen's L1 heuristic keeps k up to >= 152 for any L1 >= 32 KB, TSL keeps kc = k, so
   one sgemm call accumulates each output over the whole block), so the only K order is the
   block order, which is ours and fixed; (3) every row block handed to `dnnl_sgemm` holds a
-  multiple of 8 rows (R and TSL's 24-multiple `nc` are multiples of 8, so is R mod nc), so no
-  row falls into a leftover-row or matrix-vector path, and inside an 8-row register block every
+  multiple of the quantum (R and TSL's 24-multiple `nc` are multiples of it, so is R mod nc),
+  so no row falls into a leftover-row or matrix-vector path, and inside a register block every
   row runs the same instruction stream on its own accumulators: neither a row's position in
   its tile nor the tile size can matter, which is why R need not come from a fixed ladder (the
   previous form used 8, 16, ..., 512; a 300-row call then padded to 3 x 128 rows). The columns
@@ -54,8 +55,14 @@ The construction (CPU):
   the 2048-long exit gate) 8..32-row dots and 40..256-row dots disagreed, because the K split
   inside the library depends on the row count; with 128-long blocks all tiles agreed at every
   shape tested (tests/model/test_kernels_ouro_shapes.py forces tiles of 8..512 rows, most not
-  powers of two). (3) is stated for AVX-512 (oneDNN's sgemm N unroll 8); on AVX2 machines
-  (unroll 6) it has to be re-checked. Two loop forms, same dots and adds in the same order, so
+  powers of two). (3) depends on the ISA's register block, so the quantum is the machine's
+  (`looprl.determinism.cpu_row_quantum`, recorded as `Schedule.row_tile` and in every report's
+  environment): oneDNN's AVX-512 block is 8 rows; its AVX2 block is 6, and with the quantum of 8
+  an AVX2 machine (AMD EPYC, 2026-12-02) gave the leftover rows 6k+1..6k+3 of a call other bits
+  and broke replay, so every other machine uses 24, the least common multiple of the 4-, 6- and
+  8-row blocks (a 6-row tile still differed at O = 5632; 12 and 24 agreed everywhere). A row's
+  bits are those of a whole register block either way, so a machine's quantum changes padding,
+  not values. Two loop forms, same dots and adds in the same order, so
   the same bits: a small tile (R <= BATCHED_MAX_ROWS = 16: decode, one tile) gets all its
   partials from one batched dot (nb matmuls of the same shape, weight read in place) and sums
   them from the first; a large tile runs one `fori_loop` step per (tile, K block), adding each
@@ -168,12 +175,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from looprl.determinism import cpu_row_quantum
 from looprl.errors import ConfigError
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
-ROW_QUANTUM = 8  # CPU: a row tile is a multiple of this (oneDNN's AVX-512 sgemm row unroll)
-ROW_TILE_MAX = 512  # CPU: the largest row tile of a dot
+# CPU: a row tile is a multiple of this, the sgemm register block of the machine's ISA (8 with
+# AVX-512, 24 elsewhere: `looprl.determinism.cpu_row_quantum`), recorded as `Schedule.row_tile`
+ROW_QUANTUM = cpu_row_quantum()
+ROW_TILE_MAX = 512 // ROW_QUANTUM * ROW_QUANTUM  # CPU: the largest row tile of a dot (512, 504)
 N_MIN = 16  # CPU: output columns of a dot are padded to a multiple of this
 K_BLOCK = 128  # CPU: longest contraction of one dot (longer ones: blocks summed in order)
 BATCHED_MAX_ROWS = 16  # CPU: tiles up to this many rows get their K-block partials in one dot
@@ -227,16 +237,17 @@ def kernel_version() -> str:
 
 def row_tile() -> int:
     """The row padding quantum in force (recorded in schedules): on the CPU rows are padded to a
-    multiple of ROW_QUANTUM = 8 (the tile itself, `_row_tile_for(M)`, is a multiple of 8 and
+    multiple of ROW_QUANTUM, 8 or 24 (the tile itself, `_row_tile_for(M)`, is a multiple of it and
     gives the same bits whichever is picked); ROW_TILE elsewhere."""
     return ROW_QUANTUM if on_cpu() else ROW_TILE
 
 
 def _row_tile_for(m: int) -> int:
     """The CPU row tile for an m-row call: the fewest tiles of at most ROW_TILE_MAX rows, each
-    the equal share of m rounded up to a multiple of ROW_QUANTUM (m = 300: one 304-row tile;
-    1000: two of 504; 4096: eight of 512), so at most 7 padding rows per tile. Any multiple of
-    8 gives the same bits (module doc, argument (3)), so this choice is only about cost."""
+    the equal share of m rounded up to a multiple of ROW_QUANTUM (quantum 8: m = 300: one
+    304-row tile; 1000: two of 504; 4096: eight of 512; quantum 24: 312, two of 504, nine of
+    456), so at most ROW_QUANTUM - 1 padding rows per tile. Any multiple of the quantum gives
+    the same bits (module doc, argument (3)), so this choice is only about cost."""
     n = -(-max(m, 1) // ROW_TILE_MAX)
     share = -(-max(m, 1) // n)
     return -(-share // ROW_QUANTUM) * ROW_QUANTUM
@@ -615,7 +626,7 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
     On the CPU the key axis is padded to a multiple of 128 (masked keys) and rotated per row to
-    start at its first live key, the queries run in row tiles (multiples of 8), both dots over
+    start at its first live key, the queries run in row tiles (multiples of ROW_QUANTUM), both dots over
     the whole key axis in 128-key blocks (module doc), backward by plain dots
     (`jax.custom_vjp`); elsewhere the same rotated key blocks, scores in key blocks too, query
     tiles of ROW_TILE rows, fp32 dots at `Precision.HIGHEST` (module doc).
