@@ -33,7 +33,7 @@ def test_gpu_check_help_runs():
 def test_gpu_check_scans_every_form_and_reports_it():
     gc = _module()
     res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 9))
-    assert res["kernel_versions"] == {"cpu": kn.KERNEL_VERSION,
+    assert res["kernel_versions"] == {"cpu": kn.cpu_kernel_version(),
                                       "accel_xla": f"{kn.KERNEL_VERSION_ACCEL}/xla",
                                       "accel_pallas": f"{kn.KERNEL_VERSION_ACCEL}/pallas"}
     assert sorted(res["results"]) == sorted([f"{f}/q_proj_{d}" for f in res["kernel_versions"]
@@ -43,7 +43,7 @@ def test_gpu_check_scans_every_form_and_reports_it():
     assert all(v["rows_tested"] == [1, 9] for k, v in res["results"].items()
                if "q_proj" in k)
     assert len(res["results"]["accel_xla/attention"]["calls"]) == 6
-    assert kn.on_cpu() and kn.kernel_version() == kn.KERNEL_VERSION  # restored
+    assert kn.on_cpu() and kn.kernel_version() == kn.cpu_kernel_version()  # restored
     md = gc.report_md({"env": {"device_kind": "cpu", "jax": jax.__version__,
                                "accelerator_pins": {"NVIDIA_TF32_OVERRIDE": True}},
                        "wall_s": 1.0, "reduced": True, "scan": res, "errors": {}})

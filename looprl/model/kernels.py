@@ -175,7 +175,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looprl.determinism import cpu_row_quantum
+from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
@@ -227,11 +227,21 @@ def accel_matmul_impl() -> str:
     return impl
 
 
+def cpu_kernel_version() -> str:
+    """KERNEL_VERSION where oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`), else
+    `KERNEL_VERSION/<isa>` (`/avx2`, `/other`): the same construction, but another sgemm kernel
+    gives a row other bits (2026-12-02: the verify --quick rollouts of an AVX2 machine had the
+    AVX-512 machine's tokens and exits, and 56 % of their fp32 log-probs bit-equal, max 9.5e-7
+    apart), so a rollout is refused on a machine of another ISA instead of failing its cells."""
+    isa = cpu_isa()
+    return KERNEL_VERSION if isa == "avx512_core" else f"{KERNEL_VERSION}/{isa}"
+
+
 def kernel_version() -> str:
-    """The numerics a rollout is sampled with (`Schedule.kernel_version`): KERNEL_VERSION on
-    the CPU; off it `KERNEL_VERSION_ACCEL/<xla|pallas>` (`accel_matmul_impl`)."""
+    """The numerics a rollout is sampled with (`Schedule.kernel_version`): `cpu_kernel_version()`
+    on the CPU; off it `KERNEL_VERSION_ACCEL/<xla|pallas>` (`accel_matmul_impl`)."""
     if on_cpu():
-        return KERNEL_VERSION
+        return cpu_kernel_version()
     return f"{KERNEL_VERSION_ACCEL}/{accel_matmul_impl()}"
 
 

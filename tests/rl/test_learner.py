@@ -67,30 +67,31 @@ def test_non_finite_loss_stops_with_a_diagnostic_and_writes_no_checkpoint(tmp_pa
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-def test_forced_replay_fallback_trains_on_a_stock_kernel_sampler(tmp_path, monkeypatch):
+def test_forced_replay_fallback_trains_on_a_stock_kernel_sampler(monkeypatch):
     """`rollout.kernels=stock` has no invariant replay; `learner.replay_impl` auto picks the
     forced re-run, whose bits equal the sampler's, so the first update's ratio is exactly 1 and
-    the second minibatch (after an update) still trains on the forced re-run's values. (The
-    reward is the completion's CRC parity: a 10-step warm start answers nothing right, and a
-    step whose groups all score 0 has no gradient.)"""
+    the second minibatch (after an update) still trains on the forced re-run's values. One GRPO
+    step of the learner from fresh parameters (was a whole `train()` with a warm start and two
+    evaluations: 98 s, of which the step is a small part). The reward is the completion's CRC
+    parity, so groups score differently and the step has a gradient."""
     import zlib
 
-    from looprl.rl.learner import resolve_replay_impl
-    from looprl.tasks.arithmetic import ArithmeticTask
-    from looprl.train.run import train
+    from looprl.model.config import from_model_section
+    from looprl.model.looped import init_params
+    from looprl.rl.learner import GRPOLearner, resolve_replay_impl
+    from looprl.train.setup import build_tasks
 
-    monkeypatch.setattr(ArithmeticTask, "reward",
-                        lambda self, p, text: float(zlib.crc32(text.encode()) % 2))
-
-    cfg = apply_overrides(load_experiment(SMOKE), FAST + [
-        f"out_dir={tmp_path / 'run'}", "rollout.kernels=stock", "grpo_steps=1",
-        "learner.minibatches=2"])
+    cfg = apply_overrides(load_experiment(SMOKE), [
+        "rollout.kernels=stock", "prompts_per_step=4", "group_size=4", "learner.minibatches=2",
+        "learner.microbatch_size=0"])
     assert resolve_replay_impl(cfg) == "forced"
     assert resolve_replay_impl(apply_overrides(cfg, ["rollout.kernels=invariant"])) == "invariant"
     assert resolve_replay_impl(apply_overrides(cfg, ["rollout.kernels=invariant"]),
                                backend="gpu") == "forced"
-    train(cfg, quiet=True)
-    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mcfg = from_model_section(cfg.model)
+    _, task = build_tasks(cfg)
+    task.reward = lambda problem, text: float(zlib.crc32(text.encode()) % 2)
+    row = GRPOLearner(cfg, mcfg, init_params(mcfg, 0), task, task.tokenizer()).step(0)
     assert row["replay_impl"] == "forced" and row["replay_exact_fraction"] == 1.0
     assert 0 < row["stock_max_abs_diff"] < 1e-4 and row["grad_norm"] > 0
     assert row["ratio_min"] < 1.0 < row["ratio_max"]  # second minibatch: params moved

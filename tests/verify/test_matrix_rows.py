@@ -1,6 +1,7 @@
 """The matrix's small decode batches (rollouts of 1, 3, 5 rows; cells record `rollout_rows`) and
 the kernel version a rollout records (`verify --rollout` refuses another version's rollout)."""
 import dataclasses
+import re
 
 import pytest
 
@@ -8,7 +9,7 @@ from looprl.cli import main
 from looprl.errors import ScheduleError
 from looprl.io.checkpoint import save_model_checkpoint
 from looprl.model import init_params, preset
-from looprl.model.kernels import KERNEL_VERSION
+from looprl.model.kernels import cpu_kernel_version
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
 from looprl.tokenizer import build_char_tokenizer
@@ -35,10 +36,18 @@ def test_small_batches_are_cells_of_their_own_and_replay_exactly():
 def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
     params = init_params(CFG, 0)
     rb = generate(CFG, params, PROMPTS[:1], SamplingConfig(max_new_tokens=4, exit_threshold=0.5))
-    assert rb.schedule.kernel_version == KERNEL_VERSION
+    here = cpu_kernel_version()
+    assert rb.schedule.kernel_version == here
     old = dataclasses.replace(rb, schedule=dataclasses.replace(rb.schedule, kernel_version=""))
-    with pytest.raises(ScheduleError, match=f"none recorded.*{KERNEL_VERSION}"):
+    with pytest.raises(ScheduleError, match=f"none recorded.*{re.escape(here)}"):
         verify_rollout(CFG, params, old, VerifyOptions())
+    # a rollout of a machine with another sgemm ISA (its bits are other kernels')
+    other = "2026-12-01/avx2" if here == "2026-12-01" else "2026-12-01"
+    alien = dataclasses.replace(rb, schedule=dataclasses.replace(rb.schedule,
+                                                                 kernel_version=other))
+    with pytest.raises(ScheduleError, match=f"{re.escape(other)}, this looprl has "
+                                            f"{re.escape(here)}"):
+        verify_rollout(CFG, params, alien, VerifyOptions())
     path = tmp_path / "old.npz"
     old.save(path)
     assert RolloutBatch.load(path).schedule.kernel_version == ""
