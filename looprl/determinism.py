@@ -4,8 +4,9 @@ XLA CPU (jax 0.10.2): the newer fusion emitters compile the same elementwise ops
 numerically different loops depending on the surrounding program, so a learner program and a
 sampler program disagreed in low bits even with batch-invariant kernels; the legacy emitters do
 not (`--xla_cpu_use_fusion_emitters=false`, measured in tests/learner). The YNNPACK dot fusions
-pick kernels by row count, so they are off too (`--xla_cpu_experimental_ynn_fusion_type=`, which
-lets `looprl.model.kernels` run decode matmuls unpadded). Bits also depend on the
+pick kernels by row count, so they are off too (`--xla_cpu_experimental_ynn_fusion_type=`).
+The CPU kernels pad rows to the sgemm register block of the machine's ISA (`cpu_isa`,
+`cpu_row_quantum`: 8 with AVX-512, 24 elsewhere). Bits also depend on the
 thread count: the test suite and `looprl verify` pin XLA CPU to one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`); the flags in force are recorded in every report.
 
@@ -32,8 +33,8 @@ import subprocess
 import sys
 
 REQUIRED_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",
-                      # YNNPACK dot fusions pick M-dependent kernels; without them a dot with
-                      # K <= 128 and N >= 8 is row-invariant at every M (looprl.model.kernels)
+                      # YNNPACK dot fusions pick M-dependent kernels (looprl.model.kernels
+                      # then pads rows to whole register blocks, `cpu_row_quantum`)
                       "--xla_cpu_experimental_ynn_fusion_type=")
 PINNED_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
 ACCELERATOR_FLAGS = ("--xla_gpu_deterministic_ops=true",
@@ -119,30 +120,59 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_isa() -> str:
-    """`avx512_core` when the CPU has oneDNN's AVX-512 core set (and ONEDNN_MAX_CPU_ISA /
-    DNNL_MAX_CPU_ISA, if set, does not cap oneDNN below it), `avx2` with AVX2 + FMA, else
-    `other` (no /proc/cpuinfo, another architecture, or an older x86)."""
-    flags = cpu_flags()
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL")
-    capped = cap.upper() != "ALL" and "AVX512" not in cap.upper()
-    if all(f in flags for f in AVX512_CORE) and not capped:
-        return "avx512_core"
+# oneDNN's x86 ISA levels, lowest first (`ONEDNN_MAX_CPU_ISA` names, by prefix: AVX2_VNNI is an
+# AVX2 level, AVX512_CORE_BF16 and AVX10_1_512_AMX are AVX-512 core levels)
+ISA_LEVELS = ("sse41", "avx", "avx2", "avx512_core")
+_CAP_PREFIXES = (("AVX10", 3), ("AVX512_CORE", 3), ("AVX512_MIC", 2), ("AVX2", 2), ("AVX", 1),
+                 ("SSE41", 0))
+
+
+def _hardware_isa_level(flags) -> int | None:
+    if all(f in flags for f in AVX512_CORE):
+        return 3
     if "avx2" in flags and "fma" in flags:
-        return "avx2"
-    return "other"
+        return 2
+    if "avx" in flags:
+        return 1
+    if "sse4_1" in flags:
+        return 0
+    return None
 
 
-def cpu_row_quantum() -> int:
+def cpu_isa() -> str:
+    """The ISA level of oneDNN's sgemm kernels on this CPU (what XLA CPU's dots run): the
+    highest of ISA_LEVELS the CPU's flags allow (`avx512_core` needs all four of AVX512_CORE),
+    capped by ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA when set (oneDNN honours it inside XLA:
+    with `AVX` or `SSE41` on an AVX2 machine the same dots gave other bits and another
+    leftover-row pattern, 2026-12-02); `other` where the flags cannot be read (no
+    /proc/cpuinfo, not x86) or the cap is a name oneDNN's x86 list does not have."""
+    level = _hardware_isa_level(cpu_flags())
+    if level is None:
+        return "other"
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL")
+    cap = cap.strip().upper()
+    if cap != "ALL":
+        cap_level = next((lv for prefix, lv in _CAP_PREFIXES if cap.startswith(prefix)), None)
+        if cap_level is None:
+            return "other"
+        level = min(level, cap_level)
+    return ISA_LEVELS[level]
+
+
+def cpu_row_quantum(isa: str | None = None) -> int:
     """The CPU kernels' row quantum (`looprl.model.kernels`, argument (3)): every row tile of a
     dot is a multiple of it, so that every row of every sgemm call sits in a whole register block
     of the micro-kernel. 8 with `avx512_core` (its block is 8 rows). 24 elsewhere, the least
     common multiple of the 4-, 6- and 8-row blocks of oneDNN's x86 kernels: on AVX2 (AMD EPYC,
     2026-12-02) the block is 6 rows, the leftover rows 6k+1..6k+3 of a call came out of another
     code path with other bits (so the AVX-512 quantum of 8 broke replay there), and a 6-row
-    tile still differed from larger ones at `[R, 128] x [128, 5632]`; tiles of 12 and 24 rows
-    agreed with 1000-row calls at every Ouro weight shape, fp32 and bf16."""
-    return CPU_ROW_QUANTUM_AVX512 if cpu_isa() == "avx512_core" else CPU_ROW_QUANTUM_OTHER
+    tile still differed from larger ones at `[R, 128] x [128, 5632]`, while rows of calls of
+    1..1000 rows with 24-row tiles agreed at the q/k/v/o, gate/up and down shapes of Ouro-1.4B
+    in fp32 and bf16 (12-row tiles at the two shapes tried), and the suite's Ouro-width tests
+    (lm_head, exit gate, attention) and the real-width end-to-end replay pass. Off x86 (no
+    oneDNN) 24 is not argued: the tests decide."""
+    isa = cpu_isa() if isa is None else isa
+    return CPU_ROW_QUANTUM_AVX512 if isa == "avx512_core" else CPU_ROW_QUANTUM_OTHER
 
 
 def git_commit() -> dict:

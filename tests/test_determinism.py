@@ -36,7 +36,13 @@ def test_environment_record_holds_the_union_of_both_former_records(monkeypatch):
     (AVX512, None, "avx512_core", 8),
     (AVX512 - {"avx512bw"}, None, "avx2", 24),  # oneDNN's avx512_core needs all four
     (AVX512, "AVX2", "avx2", 24),  # oneDNN capped below AVX-512 runs its AVX2 kernels
+    (AVX512, "avx2_vnni", "avx2", 24),
     (AVX512, "AVX512_CORE_AMX", "avx512_core", 8),
+    (AVX512, "AVX10_1_512", "avx512_core", 8),
+    (AVX2, "AVX10_1_512", "avx2", 24),  # a cap never raises the hardware's level
+    (AVX2, "AVX", "avx", 24),
+    (AVX2, "SSE41", "sse41", 24),
+    (AVX2, "NO_SUCH_ISA", "other", 24),
     (AVX2, None, "avx2", 24),
     (frozenset(), None, "other", 24),  # no /proc/cpuinfo flags (another OS or architecture)
 ])

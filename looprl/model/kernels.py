@@ -23,9 +23,9 @@ fp32 path. What broke invariance (issue 14, measured at `[M, 2048] x [2048, 5632
 the same rows of a 512-row call): M = 1 is rewritten to a matrix-vector product, M = 2..7 take
 another sgemm path (all their rows differed), and M = 49 differed only in row 48, the one row
 left over after a 48-row column block (a 1-row sgemm call). Every multiple of 8 rows agreed at
-every position. The old 128-long K slices (whole-M partial products, all
-alive at once: +1.4 GB per layer matmul at 4096 rows) were right in length but could not help
-rows that were never padded.
+every position (on that AVX-512 machine; on AVX2 the block is 6 rows, see (3)). The old
+128-long K slices (whole-M partial products, all alive at once: +1.4 GB per layer matmul at
+4096 rows) were right in length but could not help rows that were never padded.
 
 The construction (CPU):
 
@@ -60,10 +60,11 @@ The construction (CPU):
   environment): oneDNN's AVX-512 block is 8 rows; its AVX2 block is 6, and with the quantum of 8
   an AVX2 machine (AMD EPYC, 2026-12-02) gave the leftover rows 6k+1..6k+3 of a call other bits
   and broke replay, so every other machine uses 24, the least common multiple of the 4-, 6- and
-  8-row blocks (a 6-row tile still differed at O = 5632; 12 and 24 agreed everywhere). A row's
+  8-row blocks (a 6-row tile still differed at O = 5632; 12 and 24 agreed where tried). A row's
   bits are those of a whole register block either way, so a machine's quantum changes padding,
   not values. Two loop forms, same dots and adds in the same order, so
-  the same bits: a small tile (R <= BATCHED_MAX_ROWS = 16: decode, one tile) gets all its
+  the same bits: a small tile (R <= BATCHED_MAX_ROWS = 16: decode with the AVX-512 quantum; with
+  the quantum of 24 every tile is large) gets all its
   partials from one batched dot (nb matmuls of the same shape, weight read in place) and sums
   them from the first; a large tile runs one `fori_loop` step per (tile, K block), adding each
   partial into an fp32 accumulator that starts at -0.0 (-0.0 + p == p bitwise for every p,
@@ -88,10 +89,11 @@ The construction (CPU):
   likewise; the max is order-free. Without the rotation a prompt whose keys straddled slot 128
   in a larger prompt bucket summed them in two blocks (the needle test,
   tests/sampling/test_needle.py). The queries are the row side, so the matmul argument applies.
-  A single query tile (a decode step: C = 1 real row in an 8-row tile) runs the softmax on its
-  C real rows alone and gives the padding rows probability 0: the softmax is row-invariant
-  (below), so the real rows' bits are those of the whole tile, and the step pays for one
-  softmax row instead of 8 (issue 18: 4.9 of 15.3 ms per layer at 128 rows went there).
+  A single query tile (a decode step: C = 1 real row in a ROW_QUANTUM-row tile) runs the
+  softmax on its C real rows alone and gives the padding rows probability 0: the softmax is
+  row-invariant (below), so the real rows' bits are those of the whole tile, and the step pays for one
+  softmax row instead of 8 or 24 (issue 18: 4.9 of 15.3 ms per layer at 128 rows went
+  there).
 * `rowsum` (RMSNorm's mean of squares, softmax sums): `matmul` of x with a literal `[D, 16]`
   ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce).
 * `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
@@ -110,7 +112,8 @@ slower than the whole-row loop (300 x 2048 x 2048: 94-105 ms vs 41-51 ms; 1000 r
 vs 137-170 ms): more, smaller dots, each packing its own slices. Memory at M = 4096 (temp +
 output of `memory_analysis`): the loop keeps one partial and one x block besides the output
 (fp32 down_proj 37 MB vs 32 MB stock; the lax.map form held a copied x tile and a separate
-accumulator, 52 MB). Decode (M <= 8) runs one 8-row dot; the stock 1-row call is a
+accumulator, 52 MB). Decode (M <= 8) runs one 8-row dot with AVX-512 (24 rows elsewhere, 3x the
+compute of a decode matmul); the stock 1-row call is a
 matrix-vector product that reads the weight once, while every sgemm (ours at 8 rows, as the
 stock 8-row call) packs it first, so the fp32 lm_head at M = 1 stays ~2-3x of stock: its bits
 must be those of the 8-row path, so the matrix-vector kernel cannot be used, and the other
@@ -182,7 +185,8 @@ from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
 # CPU: a row tile is a multiple of this, the sgemm register block of the machine's ISA (8 with
 # AVX-512, 24 elsewhere: `looprl.determinism.cpu_row_quantum`), recorded as `Schedule.row_tile`
-ROW_QUANTUM = cpu_row_quantum()
+CPU_ISA = cpu_isa()  # read once: the quantum and the kernel version must name the same ISA
+ROW_QUANTUM = cpu_row_quantum(CPU_ISA)
 ROW_TILE_MAX = 512 // ROW_QUANTUM * ROW_QUANTUM  # CPU: the largest row tile of a dot (512, 504)
 N_MIN = 16  # CPU: output columns of a dot are padded to a multiple of this
 K_BLOCK = 128  # CPU: longest contraction of one dot (longer ones: blocks summed in order)
@@ -229,12 +233,12 @@ def accel_matmul_impl() -> str:
 
 def cpu_kernel_version() -> str:
     """KERNEL_VERSION where oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`), else
-    `KERNEL_VERSION/<isa>` (`/avx2`, `/other`): the same construction, but another sgemm kernel
+    `KERNEL_VERSION/<isa>` (`/avx2`, `/avx`, `/sse41`, `/other`): the same construction, but
+    another sgemm kernel
     gives a row other bits (2026-12-02: the verify --quick rollouts of an AVX2 machine had the
     AVX-512 machine's tokens and exits, and 56 % of their fp32 log-probs bit-equal, max 9.5e-7
     apart), so a rollout is refused on a machine of another ISA instead of failing its cells."""
-    isa = cpu_isa()
-    return KERNEL_VERSION if isa == "avx512_core" else f"{KERNEL_VERSION}/{isa}"
+    return KERNEL_VERSION if CPU_ISA == "avx512_core" else f"{KERNEL_VERSION}/{CPU_ISA}"
 
 
 def kernel_version() -> str:
@@ -636,7 +640,8 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
     On the CPU the key axis is padded to a multiple of 128 (masked keys) and rotated per row to
-    start at its first live key, the queries run in row tiles (multiples of ROW_QUANTUM), both dots over
+    start at its first live key, the queries run in row tiles (multiples of ROW_QUANTUM), both
+    dots over
     the whole key axis in 128-key blocks (module doc), backward by plain dots
     (`jax.custom_vjp`); elsewhere the same rotated key blocks, scores in key blocks too, query
     tiles of ROW_TILE rows, fp32 dots at `Precision.HIGHEST` (module doc).

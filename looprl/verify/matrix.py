@@ -62,7 +62,7 @@ from looprl.learner.logprobs import METHODS as LEARNER_METHODS
 from looprl.learner.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
                                      sequence_logprobs)
 from looprl.learner.mismatch import compare_logprobs
-from looprl.model.kernels import kernel_version
+from looprl.model.kernels import KERNEL_VERSION_ACCEL, kernel_version
 from looprl.sampling.policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
@@ -356,10 +356,16 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
     with another version of the invariant kernels (its bits are another function's)."""
     here = kernel_version()
     if rb.schedule.kernels == "invariant" and rb.schedule.kernel_version != here:
+        theirs = rb.schedule.kernel_version
+        same_code = theirs.split("/")[0] == here.split("/")[0] and not theirs.startswith(
+            KERNEL_VERSION_ACCEL)
+        fix = ("verify it on a machine whose CPU runs the same sgemm kernels (the report's "
+               "env.cpu_isa), or sample it again here" if same_code
+               else "sample it again with this version")
         raise ScheduleError(f"rollout was sampled with kernel version "
-                            f"{rb.schedule.kernel_version or '(none recorded: before 2026-12-01)'}"
+                            f"{theirs or '(none recorded: before 2026-12-01)'}"
                             f", this looprl has {here}: its bits come from other "
-                            f"kernels; sample it again with this version")
+                            f"kernels; {fix}")
     fp = params_fingerprint(params)
     if fp != rb.schedule.params_fingerprint:
         raise ScheduleError(f"rollout was sampled with parameters {rb.schedule.params_fingerprint}"

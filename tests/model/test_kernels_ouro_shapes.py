@@ -153,7 +153,7 @@ def _dots(text):
 @pytest.mark.parametrize("name", ["gate/up", "down", "exit_gate"])
 def test_every_dot_of_a_weight_has_one_shape(name):
     """Structural: in the optimized program of an M-row matmul (M in 1, 3, 7, 64, 300) every dot
-    is `[T, kb] x [kb, O16]` per batch element (T a multiple of 8 up to ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded
+    is `[T, kb] x [kb, O16]` per batch element (T a multiple of ROW_QUANTUM up to ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded
     to N_MIN), and one program holds one such shape whatever M."""
     i, o = WEIGHTS[name]
     w = jax.ShapeDtypeStruct((i, o), jnp.float32)
@@ -178,7 +178,7 @@ def test_every_dot_of_a_weight_has_one_shape(name):
 
 def _check_tiles(name, dtype, tiles, rows=512, monkeypatch=None):
     """Every row of a `rows`-row call with the row tile forced to each of `tiles` (multiples of
-    8, most not powers of two) must equal the same row with the default tile."""
+    ROW_QUANTUM, most not powers of two) must equal the same row with the default tile."""
     x, w = _operands(name, dtype, rows)
     ref = _bits(jax.jit(kn.matmul)(x, w))
     bad = []
@@ -192,8 +192,9 @@ def _check_tiles(name, dtype, tiles, rows=512, monkeypatch=None):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
-    """Argument (3) of the module doc: any multiple of 8 rows gives a row the same bits, so the
-    tile is `round_up_8(ceil(M / tiles))`, not a power of two; forced tiles of 8..512 rows (the
+    """Argument (3) of the module doc: any multiple of the quantum (8 with AVX-512, 24
+    elsewhere) gives a row the same bits, so the tile is `ceil(M / tiles)` rounded up to it, not
+    a power of two; forced tiles of 8..512 rows rounded up to the quantum (the
     512 rows then sit at other offsets in other tiles, the last tile part padding) all agree."""
     q = kn.ROW_QUANTUM  # 8 with AVX-512, 24 elsewhere (the tiles below rounded up to it)
     tiles = sorted({-(-t // q) * q for t in (8, 24, 104, 304, 504)})
@@ -204,5 +205,7 @@ def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["q/k/v/o", "down", "exit_gate"])
 def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatch):
-    tiles = (8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344, 400, 456, 504, 512)
+    q = kn.ROW_QUANTUM  # 8 with AVX-512, 24 elsewhere: the tiles rounded up to it
+    tiles = sorted({-(-t // q) * q for t in (8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344,
+                                             400, 456, 504, 512)})
     assert _check_tiles(name, dtype, tiles, monkeypatch=monkeypatch) == []

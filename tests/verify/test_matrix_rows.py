@@ -9,7 +9,7 @@ from looprl.cli import main
 from looprl.errors import ScheduleError
 from looprl.io.checkpoint import save_model_checkpoint
 from looprl.model import init_params, preset
-from looprl.model.kernels import cpu_kernel_version
+from looprl.model.kernels import KERNEL_VERSION, cpu_kernel_version
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
 from looprl.tokenizer import build_char_tokenizer
@@ -42,11 +42,11 @@ def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
     with pytest.raises(ScheduleError, match=f"none recorded.*{re.escape(here)}"):
         verify_rollout(CFG, params, old, VerifyOptions())
     # a rollout of a machine with another sgemm ISA (its bits are other kernels')
-    other = "2026-12-01/avx2" if here == "2026-12-01" else "2026-12-01"
+    other = f"{KERNEL_VERSION}/avx2" if here == KERNEL_VERSION else KERNEL_VERSION
     alien = dataclasses.replace(rb, schedule=dataclasses.replace(rb.schedule,
                                                                  kernel_version=other))
     with pytest.raises(ScheduleError, match=f"{re.escape(other)}, this looprl has "
-                                            f"{re.escape(here)}"):
+                                            f"{re.escape(here)}.*same sgemm kernels"):
         verify_rollout(CFG, params, alien, VerifyOptions())
     path = tmp_path / "old.npz"
     old.save(path)
