@@ -91,9 +91,9 @@ The construction (CPU):
   tests/sampling/test_needle.py). The queries are the row side, so the matmul argument applies.
   A single query tile (a decode step: C = 1 real row in a ROW_QUANTUM-row tile) runs the
   softmax on its C real rows alone and gives the padding rows probability 0: the softmax is
-  row-invariant (below), so the real rows' bits are those of the whole tile, and the step pays for one
-  softmax row instead of 8 or 24 (issue 18: 4.9 of 15.3 ms per layer at 128 rows went
-  there).
+  row-invariant (below), so the real rows' bits are those of the whole tile, and the step
+  pays for one softmax row instead of 8 or 24 (issue 18: 4.9 of 15.3 ms per layer at 128 rows
+  went there).
 * `rowsum` (RMSNorm's mean of squares, softmax sums): `matmul` of x with a literal `[D, 16]`
   ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce).
 * `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
