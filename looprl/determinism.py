@@ -212,11 +212,12 @@ def environment() -> dict:
         affinity = None
     flags = os.environ.get("XLA_FLAGS", "")
     pinned = PINNED_THREAD_FLAG in flags
+    isa = cpu_isa()
     return {
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
         "backend": jax.default_backend(), "device_kind": getattr(dev, "device_kind", str(dev)),
-        "device_count": jax.device_count(), "cpu_model": cpu_model(), "cpu_isa": cpu_isa(),
-        "cpu_row_quantum": cpu_row_quantum(),
+        "device_count": jax.device_count(), "cpu_model": cpu_model(), "cpu_isa": isa,
+        "cpu_row_quantum": cpu_row_quantum(isa),
         "cpu_count": os.cpu_count(), "cpu_affinity": affinity, "xla_flags": flags,
         "threads_pinned": pinned, "intra_op_threads": 1 if pinned else affinity,
         "accelerator_pins": {**{f: f in flags.split() for f in ACCELERATOR_FLAGS},

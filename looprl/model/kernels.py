@@ -62,20 +62,19 @@ The construction (CPU):
   and broke replay, so every other machine uses 24, the least common multiple of the 4-, 6- and
   8-row blocks (a 6-row tile still differed at O = 5632; 12 and 24 agreed where tried). A row's
   bits are those of a whole register block either way, so a machine's quantum changes padding,
-  not values. Two loop forms, same dots and adds in the same order, so
-  the same bits: a small tile (R <= BATCHED_MAX_ROWS = 16: decode with the AVX-512 quantum; with
-  the quantum of 24 every tile is large) gets all its
-  partials from one batched dot (nb matmuls of the same shape, weight read in place) and sums
-  them from the first; a large tile runs one `fori_loop` step per (tile, K block), adding each
-  partial into an fp32 accumulator that starts at -0.0 (-0.0 + p == p bitwise for every p,
-  including +-0 and NaN, so the sum is `p0 + p1 + ...` as in the small form); for fp32 output
-  the accumulator is the output itself, updated in place through the loop carry. An fp32
-  weight is read in place; a bf16 weight is sliced as its uint16 bits and each `[128, O16]`
-  block widened to fp32 where it is used (a small tile then takes its nb partials from a loop
-  of the same nb dots), so no whole-weight fp32 copy exists (XLA's own bf16 dot widens the
-  whole weight, and in a decode loop that copy is hoisted and held: 0.4 GB for Ouro-1.4B's
-  lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the backward as
-  plain dots (no invariance needed there).
+  not values. Two loop forms, same dots and adds in the same order, so the same bits: a small
+  tile (R <= BATCHED_MAX_ROWS = 16: decode with the AVX-512 quantum; with the quantum of 24
+  every tile is large) gets all its partials from one batched dot (nb matmuls of the same shape,
+  weight read in place) and sums them from the first; a large tile runs one `fori_loop` step per
+  (tile, K block), adding each partial into an fp32 accumulator that starts at -0.0 (-0.0 + p ==
+  p bitwise for every p, including +-0 and NaN, so the sum is `p0 + p1 + ...` as in the small
+  form); for fp32 output the accumulator is the output itself, updated in place through the loop
+  carry. An fp32 weight is read in place; a bf16 weight is sliced as its uint16 bits and each
+  `[128, O16]` block widened to fp32 where it is used (a small tile then takes its nb partials
+  from a loop of the same nb dots), so no whole-weight fp32 copy exists (XLA's own bf16 dot
+  widens the whole weight, and in a decode loop that copy is hoisted and held: 0.4 GB for
+  Ouro-1.4B's lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the
+  backward as plain dots (no invariance needed there).
 * `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`) and run in
   `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
   matmuls of one shape: scores `[R, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
@@ -113,13 +112,13 @@ vs 137-170 ms): more, smaller dots, each packing its own slices. Memory at M = 4
 output of `memory_analysis`): the loop keeps one partial and one x block besides the output
 (fp32 down_proj 37 MB vs 32 MB stock; the lax.map form held a copied x tile and a separate
 accumulator, 52 MB). Decode (M <= 8) runs one 8-row dot with AVX-512 (24 rows elsewhere, 3x the
-compute of a decode matmul); the stock 1-row call is a
-matrix-vector product that reads the weight once, while every sgemm (ours at 8 rows, as the
-stock 8-row call) packs it first, so the fp32 lm_head at M = 1 stays ~2-3x of stock: its bits
-must be those of the 8-row path, so the matrix-vector kernel cannot be used, and the other
-forms of the same dot shape measured (loop instead of batched) were not cheaper. The exit gate
-`[D, 1]` (and `rowsum`) pays for 16 padded columns and 16 K blocks against a sub-millisecond
-matrix-vector product; the benchmark reports it apart (`gate_*`).
+compute of a decode matmul); the stock 1-row call is a matrix-vector product that reads the
+weight once, while every sgemm (ours at 8 rows, as the stock 8-row call) packs it first, so the
+fp32 lm_head at M = 1 stays ~2-3x of stock: its bits must be those of the 8-row path, so the
+matrix-vector kernel cannot be used, and the other forms of the same dot shape measured (loop
+instead of batched) were not cheaper. The exit gate `[D, 1]` (and `rowsum`) pays for 16 padded
+columns and 16 K blocks against a sub-millisecond matrix-vector product; the benchmark reports
+it apart (`gate_*`).
 
 On accelerators (GPU, TPU; issue 16) the same construction, with a row tile fixed for the
 backend instead of the CPU's oneDNN-specific argument (3):
@@ -234,10 +233,10 @@ def accel_matmul_impl() -> str:
 def cpu_kernel_version() -> str:
     """KERNEL_VERSION where oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`), else
     `KERNEL_VERSION/<isa>` (`/avx2`, `/avx`, `/sse41`, `/other`): the same construction, but
-    another sgemm kernel
-    gives a row other bits (2026-12-02: the verify --quick rollouts of an AVX2 machine had the
-    AVX-512 machine's tokens and exits, and 56 % of their fp32 log-probs bit-equal, max 9.5e-7
-    apart), so a rollout is refused on a machine of another ISA instead of failing its cells."""
+    another sgemm kernel gives a row other bits (2026-12-02: the verify --quick rollouts of an
+    AVX2 machine had the AVX-512 machine's tokens and exits, and 56 % of their fp32 log-probs
+    bit-equal, max 9.5e-7 apart), so a rollout is refused on a machine of another ISA instead
+    of failing its cells."""
     return KERNEL_VERSION if CPU_ISA == "avx512_core" else f"{KERNEL_VERSION}/{CPU_ISA}"
 
 
@@ -641,8 +640,7 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     probabilities cast to the compute dtype for the value product (the HF eager convention).
     On the CPU the key axis is padded to a multiple of 128 (masked keys) and rotated per row to
     start at its first live key, the queries run in row tiles (multiples of ROW_QUANTUM), both
-    dots over
-    the whole key axis in 128-key blocks (module doc), backward by plain dots
+    dots over the whole key axis in 128-key blocks (module doc), backward by plain dots
     (`jax.custom_vjp`); elsewhere the same rotated key blocks, scores in key blocks too, query
     tiles of ROW_TILE rows, fp32 dots at `Precision.HIGHEST` (module doc).
 

@@ -62,7 +62,7 @@ from looprl.learner.logprobs import METHODS as LEARNER_METHODS
 from looprl.learner.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
                                      sequence_logprobs)
 from looprl.learner.mismatch import compare_logprobs
-from looprl.model.kernels import KERNEL_VERSION_ACCEL, kernel_version
+from looprl.model.kernels import KERNEL_VERSION, kernel_version
 from looprl.sampling.policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
@@ -357,8 +357,8 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
     here = kernel_version()
     if rb.schedule.kernels == "invariant" and rb.schedule.kernel_version != here:
         theirs = rb.schedule.kernel_version
-        same_code = theirs.split("/")[0] == here.split("/")[0] and not theirs.startswith(
-            KERNEL_VERSION_ACCEL)
+        # both the CPU construction of this version, sampled on another sgemm ISA
+        same_code = theirs.split("/")[0] == here.split("/")[0] == KERNEL_VERSION
         fix = ("verify it on a machine whose CPU runs the same sgemm kernels (the report's "
                "env.cpu_isa), or sample it again here" if same_code
                else "sample it again with this version")

@@ -153,8 +153,8 @@ def _dots(text):
 @pytest.mark.parametrize("name", ["gate/up", "down", "exit_gate"])
 def test_every_dot_of_a_weight_has_one_shape(name):
     """Structural: in the optimized program of an M-row matmul (M in 1, 3, 7, 64, 300) every dot
-    is `[T, kb] x [kb, O16]` per batch element (T a multiple of ROW_QUANTUM up to ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded
-    to N_MIN), and one program holds one such shape whatever M."""
+    is `[T, kb] x [kb, O16]` per batch element (T a multiple of ROW_QUANTUM up to
+    ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded to N_MIN), and one program holds one such shape whatever M."""
     i, o = WEIGHTS[name]
     w = jax.ShapeDtypeStruct((i, o), jnp.float32)
     o16 = -(-o // kn.N_MIN) * kn.N_MIN
@@ -174,6 +174,13 @@ def test_every_dot_of_a_weight_has_one_shape(name):
         (rows, kb, cols), = shapes
         assert len(rows) == 1 and rows[0] % kn.ROW_QUANTUM == 0 and rows[0] <= kn.ROW_TILE_MAX and kb <= kn.K_BLOCK and cols == o16, \
             (m, shapes)
+
+
+def _at_quantum(tiles):
+    """The distinct tile sizes `tiles` rounded up to this machine's row quantum (8 with AVX-512,
+    24 elsewhere): a tile that is not a multiple of it leaves rows outside a register block."""
+    q = kn.ROW_QUANTUM
+    return sorted({-(-t // q) * q for t in tiles})
 
 
 def _check_tiles(name, dtype, tiles, rows=512, monkeypatch=None):
@@ -196,8 +203,7 @@ def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
     elsewhere) gives a row the same bits, so the tile is `ceil(M / tiles)` rounded up to it, not
     a power of two; forced tiles of 8..512 rows rounded up to the quantum (the
     512 rows then sit at other offsets in other tiles, the last tile part padding) all agree."""
-    q = kn.ROW_QUANTUM  # 8 with AVX-512, 24 elsewhere (the tiles below rounded up to it)
-    tiles = sorted({-(-t // q) * q for t in (8, 24, 104, 304, 504)})
+    tiles = _at_quantum((8, 24, 104, 304, 504))
     assert _check_tiles("gate/up", dtype, tiles, monkeypatch=monkeypatch) == []
 
 
@@ -205,7 +211,5 @@ def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["q/k/v/o", "down", "exit_gate"])
 def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatch):
-    q = kn.ROW_QUANTUM  # 8 with AVX-512, 24 elsewhere: the tiles rounded up to it
-    tiles = sorted({-(-t // q) * q for t in (8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344,
-                                             400, 456, 504, 512)})
+    tiles = _at_quantum((8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344, 400, 456, 504, 512))
     assert _check_tiles(name, dtype, tiles, monkeypatch=monkeypatch) == []
