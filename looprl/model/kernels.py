@@ -34,7 +34,9 @@ The construction (CPU):
   most ROW_TILE_MAX = 512 rows (504 where the quantum is 24), each the equal share of M rounded
   up to a multiple of ROW_QUANTUM, the sgemm register block of the machine (8 with AVX-512: M =
   300: one 304-row tile; 1000: two of 504; 4096: eight of 512; at most 7 padding rows per tile;
-  24 elsewhere, below), output columns to a multiple of `N_MIN` = 16 (zero columns; O = 1
+  24 elsewhere, below; a call of more than one K block and more rows than its tile pads
+  nothing: its last tile starts at M - R and overlaps the one before, `_looped_matmul`),
+  output columns to a multiple of `N_MIN` = 16 (zero columns; O = 1
   would be a matrix-vector product), the contraction is cut into `K_BLOCK` = 128 long blocks
   (zero-padded) whose fp32 partial products are summed in block order: every dot the compiler
   sees is `[R, 128] x [128, O16]`, whatever M. Argument: (1) Eigen's blocking and oneDNN's
@@ -109,12 +111,16 @@ i.e. every 128-row tile of a 2048-wide weight), and about the same as the loop a
 columns too (256- or 512-column blocks, K loop innermost, so the accumulator stays in L2) was
 slower than the whole-row loop (300 x 2048 x 2048: 94-105 ms vs 41-51 ms; 1000 rows: 181-241
 vs 137-170 ms): more, smaller dots, each packing its own slices. Memory at M = 4096 (temp +
-output of `memory_analysis`): the loop keeps one partial and one x block besides the output
-(fp32 down_proj 37 MB vs 32 MB stock; the lax.map form held a copied x tile and a separate
-accumulator, 52 MB). Decode (M <= 8) runs one 8-row dot with AVX-512 (24 rows elsewhere, 3x the
-compute of a decode matmul); the stock 1-row call is a matrix-vector product that reads the
-weight once, while every sgemm (ours at 8 rows, as the stock 8-row call) packs it first, so the
-fp32 lm_head at M = 1 stays ~2-3x of stock: its bits must be those of the 8-row path, so the
+output of `memory_analysis`): the loop keeps one partial, one x block and one weight block
+besides the output (fp32 down_proj 37 MB vs 32 MB stock; the lax.map form held a copied x tile
+and a separate accumulator, 52 MB). That needs M to be a multiple of the tile or the last tile
+to overlap: with the quantum of 24 (4096 rows: nine 456-row tiles) the padded form copied x and
+the output, 153 MB for the fp32 down_proj (`benchmarks/kernels.py` on an AVX2 machine,
+2026-12-02: `matmul_peak_mem_vs_stock_1p4b` 4.80; 1.15 with the overlap). Decode (M <= 8) runs
+one 8-row dot with AVX-512 (24 rows elsewhere, 3x the compute of a decode matmul); the stock
+1-row call is a matrix-vector product that reads the weight once, while every sgemm (ours at 8
+rows, as the stock 8-row call) packs it first, so the fp32 lm_head at M = 1 stays ~2-3x of
+stock with AVX-512 (13x on the AVX2 machine above): its bits must be those of the 8-row path, so the
 matrix-vector kernel cannot be used, and the other forms of the same dot shape measured (loop
 instead of batched) were not cheaper. The exit gate `[D, 1]` (and `rowsum`) pays for 16 padded
 columns and 16 K blocks against a sub-millisecond matrix-vector product; the benchmark reports
@@ -353,11 +359,23 @@ def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t, dtype):
     output itself, updated in place (`dynamic_update_slice` in the loop carry), so the only
     temporaries are one partial and one x block. Other output dtypes: an inner loop over the K
     blocks on a `[R, O16]` fp32 accumulator, cast into the output per tile. Same dots, same adds
-    in the same order as `_kblocked_dot`, so the same bits."""
+    in the same order as `_kblocked_dot`, so the same bits.
+
+    Rows are not padded when M >= R: the last tile starts at M - R instead of at a multiple of
+    R, so it overlaps the tile before it, and recomputes the overlapped rows from a fresh
+    accumulator (block 0 is written, not added: -0.0 + p0 == p0). The recomputed rows get the
+    bits they already had, since a row's bits do not depend on its place in a tile (module doc,
+    argument (3)), so writing them twice changes nothing. Padding M up to a multiple of R
+    instead would copy x and the output (at M = 4096 with the 456-row tiles of quantum 24, the
+    fp32 down_proj held 153 MB against stock's 32 MB)."""
     nb, kb, o16 = w_ZxIxO.shape
-    x, m = _pad_rows(rows_MxI, 0, t)
+    x, m = _pad_rows(rows_MxI, 0, t) if rows_MxI.shape[0] < t else (rows_MxI, rows_MxI.shape[0])
     x, _ = _pad_rows(x, 1, kb)
-    nt = x.shape[0] // t
+    mp = x.shape[0]  # max(M, R) rows, computed in tiles starting at 0, R, ..., and mp - R
+    nt = -(-mp // t)
+
+    def tile_start(i):
+        return jnp.minimum(i * t, mp - t)
 
     def partial(r, j):
         xb = jax.lax.dynamic_slice(x, (r, j * kb), (t, kb)).astype(jnp.float32)
@@ -365,21 +383,23 @@ def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t, dtype):
 
     if out_dtype == jnp.float32:
         def step(s, out):
-            r = (s // nb) * t
+            r, j = tile_start(s // nb), s % nb
             acc = jax.lax.dynamic_slice(out, (r, 0), (t, o16))
-            return jax.lax.dynamic_update_slice(out, acc + partial(r, s % nb), (r, 0))
+            acc = jnp.where(j == 0, jnp.float32(-0.0), acc)  # a tile's sum starts afresh
+            return jax.lax.dynamic_update_slice(out, acc + partial(r, j), (r, 0))
 
-        out = jnp.full((nt * t, o16), -0.0, jnp.float32)
-        return jax.lax.fori_loop(0, nt * nb, step, out)[:m]
+        out = jnp.full((mp, o16), -0.0, jnp.float32)
+        out = jax.lax.fori_loop(0, nt * nb, step, out)
+        return out if mp == m else out[:m]
 
     def tile(i, out):
-        r = i * t
+        r = tile_start(i)
         acc = jax.lax.fori_loop(0, nb, lambda j, acc: acc + partial(r, j),
                                 jnp.full((t, o16), -0.0, jnp.float32))
         return jax.lax.dynamic_update_slice(out, acc.astype(out_dtype), (r, 0))
 
-    out = jnp.zeros((nt * t, o16), out_dtype)
-    return jax.lax.fori_loop(0, nt, tile, out)[:m]
+    out = jax.lax.fori_loop(0, nt, tile, jnp.zeros((mp, o16), out_dtype))
+    return out if mp == m else out[:m]
 
 
 def _accel_matmul(rows_MxI, w_IxO, out_dtype):

@@ -202,7 +202,8 @@ def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
     """Argument (3) of the module doc: any multiple of the quantum (8 with AVX-512, 24
     elsewhere) gives a row the same bits, so the tile is `ceil(M / tiles)` rounded up to it, not
     a power of two; forced tiles of 8..512 rows rounded up to the quantum (the
-    512 rows then sit at other offsets in other tiles, the last tile part padding) all agree."""
+    512 rows then sit at other offsets in other tiles, the last tile overlapping the one before
+    it, `_looped_matmul`) all agree."""
     tiles = _at_quantum((8, 24, 104, 304, 504))
     assert _check_tiles("gate/up", dtype, tiles, monkeypatch=monkeypatch) == []
 
@@ -213,3 +214,24 @@ def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
 def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatch):
     tiles = _at_quantum((8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344, 400, 456, 504, 512))
     assert _check_tiles(name, dtype, tiles, monkeypatch=monkeypatch) == []
+
+
+@pytest.mark.parametrize("name, m", [("down", 1000), ("q/k/v/o", 4096)])
+def test_a_long_call_copies_neither_x_nor_the_output(name, m):
+    """fp32, `memory_analysis`: the output is stock's size and the temporaries are one `[R, O]`
+    partial, one `[R, 128]` x block and one `[128, O]` weight block (within 10 %), at row counts that are not a multiple of
+    the tile (1000: two 504-row tiles with either quantum; 4096: nine 456-row tiles with the
+    quantum of 24), where at 4096 rows that puts the peak within issue 14's 1.25x of stock's.
+    The last tile overlaps the one before instead of padding: padded, x and the output were
+    copied (the fp32 down_proj at 4096 rows held 153 MB against stock's 32 MB on an AVX2
+    machine)."""
+    i, o = WEIGHTS[name]
+    x, w = jax.ShapeDtypeStruct((m, i), jnp.float32), jax.ShapeDtypeStruct((i, o), jnp.float32)
+    ours = jax.jit(kn.matmul).lower(x, w).compile().memory_analysis()
+    stock = jax.jit(kn.stock_matmul).lower(x, w).compile().memory_analysis()
+    t = kn._row_tile_for(m)
+    assert ours.output_size_in_bytes == stock.output_size_in_bytes == m * o * 4
+    assert ours.temp_size_in_bytes <= 1.1 * 4 * (t * o + t * kn.K_BLOCK + kn.K_BLOCK * o)
+    if m == 4096:
+        assert (ours.temp_size_in_bytes + ours.output_size_in_bytes
+                <= 1.25 * (stock.temp_size_in_bytes + stock.output_size_in_bytes))
