@@ -5,6 +5,9 @@ bits on the sharded learner, checkpoints across device counts, and two processes
 
 Device counts must be fixed before jax starts, so multi-device checks run in subprocesses with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N --xla_cpu_multi_thread_eigen=false`.
+The default suite runs the 4-device sharded replay and the checkpoint round trip; the GRPO step
+on 4 devices against 1, the 8-device cases and the two-process run are under `-m slow` (each
+starts cold processes that spend most of their time compiling).
 """
 import json
 import os
@@ -133,7 +136,9 @@ def test_schedule_records_the_mesh_and_reads_files_without_one(tmp_path):
 # --- subprocesses with forced host devices -------------------------------------------------------
 
 @pytest.mark.parametrize("devices,extra", [
-    (4, []),
+    # slow (159 s on a 2-core AMD EPYC): two cold processes; the default suite's mesh checks are
+    # the sharded replay below (4 devices) and the in-process tests above
+    pytest.param(4, [], marks=pytest.mark.slow),
     # 8 devices, micro-batches of 2 rows: padded with 6 token-less rows each
     pytest.param(8, ["learner.microbatch_size=2"], marks=pytest.mark.slow)])
 def test_grpo_step_on_n_devices_matches_1_device(tmp_path, devices, extra):
@@ -201,6 +206,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two cold processes joined by gloo: 116 s on a 2-core AMD EPYC
 def test_two_processes_run_a_grpo_step_and_a_checkpoint_round_trip(tmp_path):
     """Two processes x 2 CPU devices joined by jax.distributed (gloo), parameters fsdp-sharded
     across both: one GRPO step (same numbers as one device, see above) and a checkpoint that
