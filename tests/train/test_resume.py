@@ -87,7 +87,9 @@ def runs(tmp_path_factory):
     # (tests/conftest.py), so A and the resume, started together after it, load them instead of
     # both compiling them at once (compiling is about two thirds of a cold run: 137 s cold,
     # 46 s warm on a 2-core AMD EPYC, 2026-12-02). The cache key holds the program, so a
-    # hit is the executable XLA would have built again.
+    # hit is the executable XLA would have built again. With the cache on, A runs B's compiled
+    # programs, so this checks execution across processes; with LOOPRL_TEST_JAX_CACHE=0 every
+    # process compiles its own, which also checks that compiling is deterministic.
     finish(looprl_train(f"out_dir={b}", f"stop_after={STOP}"))  # process 1
     stopped = {"metrics": read_jsonl(b / "metrics.jsonl"),
                "summary": json.loads((b / "summary.json").read_text()),
