@@ -369,7 +369,8 @@ def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t, dtype):
     instead would copy x and the output (at M = 4096 with the 456-row tiles of quantum 24, the
     fp32 down_proj held 153 MB against stock's 32 MB)."""
     nb, kb, o16 = w_ZxIxO.shape
-    x, m = _pad_rows(rows_MxI, 0, t) if rows_MxI.shape[0] < t else (rows_MxI, rows_MxI.shape[0])
+    m = rows_MxI.shape[0]
+    x = pad_to_multiple(rows_MxI, 0, t) if m < t else rows_MxI  # one tile of R rows
     x, _ = _pad_rows(x, 1, kb)
     mp = x.shape[0]  # max(M, R) rows, computed in tiles starting at 0, R, ..., and mp - R
     nt = -(-mp // t)
@@ -389,8 +390,7 @@ def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t, dtype):
             return jax.lax.dynamic_update_slice(out, acc + partial(r, j), (r, 0))
 
         out = jnp.full((mp, o16), -0.0, jnp.float32)
-        out = jax.lax.fori_loop(0, nt * nb, step, out)
-        return out if mp == m else out[:m]
+        return jax.lax.fori_loop(0, nt * nb, step, out)[:m]  # [:M] of M rows: no op (jnp)
 
     def tile(i, out):
         r = tile_start(i)
@@ -398,8 +398,7 @@ def _looped_matmul(rows_MxI, w_ZxIxO, out_dtype, t, dtype):
                                 jnp.full((t, o16), -0.0, jnp.float32))
         return jax.lax.dynamic_update_slice(out, acc.astype(out_dtype), (r, 0))
 
-    out = jax.lax.fori_loop(0, nt, tile, jnp.zeros((mp, o16), out_dtype))
-    return out if mp == m else out[:m]
+    return jax.lax.fori_loop(0, nt, tile, jnp.zeros((mp, o16), out_dtype))[:m]
 
 
 def _accel_matmul(rows_MxI, w_IxO, out_dtype):

@@ -154,7 +154,8 @@ def _dots(text):
 def test_every_dot_of_a_weight_has_one_shape(name):
     """Structural: in the optimized program of an M-row matmul (M in 1, 3, 7, 64, 300) every dot
     is `[T, kb] x [kb, O16]` per batch element (T a multiple of ROW_QUANTUM up to
-    ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded to N_MIN), and one program holds one such shape whatever M."""
+    ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded to N_MIN), and one program holds one such shape
+    whatever M."""
     i, o = WEIGHTS[name]
     w = jax.ShapeDtypeStruct((i, o), jnp.float32)
     o16 = -(-o // kn.N_MIN) * kn.N_MIN
@@ -219,9 +220,10 @@ def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatc
 @pytest.mark.parametrize("name, m", [("down", 1000), ("q/k/v/o", 4096)])
 def test_a_long_call_copies_neither_x_nor_the_output(name, m):
     """fp32, `memory_analysis`: the output is stock's size and the temporaries are one `[R, O]`
-    partial, one `[R, 128]` x block and one `[128, O]` weight block (within 10 %), at row counts that are not a multiple of
-    the tile (1000: two 504-row tiles with either quantum; 4096: nine 456-row tiles with the
-    quantum of 24), where at 4096 rows that puts the peak within issue 14's 1.25x of stock's.
+    partial, one `[R, 128]` x block and one `[128, O]` weight block (within 10 %), at row counts
+    that are not a multiple of the tile (1000: two 504-row tiles with either quantum; 4096: nine
+    456-row tiles with the quantum of 24), where at 4096 rows that puts the peak within issue
+    14's 1.25x of stock's.
     The last tile overlaps the one before instead of padding: padded, x and the output were
     copied (the fp32 down_proj at 4096 rows held 153 MB against stock's 32 MB on an AVX2
     machine)."""
