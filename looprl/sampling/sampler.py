@@ -280,7 +280,10 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
     `peel_first_loop` runs loop 1 as a chunk of the emitting position alone: in a decode step
     every other chunk position has already computed loop 1 (deferred keeps only loops >= 2
     pending), so loop 1 costs what it costs under `dense`; the kernels are row-invariant, so
-    the bits do not change. `compact_rows` (decode steps, with `st.row_menu`): each loop runs
+    the bits do not change. With `compact_rows` no peel is needed (nor compiled: it was a
+    third copy of the layer stack in the deferred decode program): at loop 1 no row has a
+    pending position needing it, so the loop's position-alone pass runs every running row and
+    its window pass runs none, the peel's computation and its `loop_rows` record. `compact_rows` (decode steps, with `st.row_menu`): each loop runs
     only the rows still running, as a sub-batch (`_compact_pass`); under `deferred` the rows
     with no pending position needing the loop run their current position alone, the others the
     whole window. Row-invariant kernels again keep every bit.
@@ -337,7 +340,7 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
     D = cfg.hidden_size
     c = (jnp.int32(0), s, exit_state_init((B,)), jnp.zeros((B,), bool),
          jnp.zeros((B,), jnp.int32), jnp.zeros((B, D), w["embed_tokens"].dtype), running_B)
-    if peel_first_loop and C > 1:
+    if peel_first_loop and C > 1 and not compact:
         c = loop(c, emit_p, 1, jnp.ones((1,), bool))
     c = jax.lax.while_loop(cond, lambda c: loop(c, w0, C, eligible_C), c)
     _, s, _, exited, exit_loop, h_exit, _ = c
