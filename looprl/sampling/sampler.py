@@ -283,10 +283,11 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
     the bits do not change. With `compact_rows` no peel is needed (nor compiled: it was a
     third copy of the layer stack in the deferred decode program): at loop 1 no row has a
     pending position needing it, so the loop's position-alone pass runs every running row and
-    its window pass runs none, the peel's computation and its `loop_rows` record. `compact_rows` (decode steps, with `st.row_menu`): each loop runs
-    only the rows still running, as a sub-batch (`_compact_pass`); under `deferred` the rows
-    with no pending position needing the loop run their current position alone, the others the
-    whole window. Row-invariant kernels again keep every bit.
+    its window pass runs none, the peel's computation and its `loop_rows` record.
+    `compact_rows` (decode steps, with `st.row_menu`): each loop runs only the rows still
+    running, as a sub-batch (`_compact_pass`); under `deferred` the rows with no pending
+    position needing the loop run their current position alone, the others the whole window.
+    Row-invariant kernels again keep every bit.
     Returns the updated state (tokens, log-probs, exits written at emit_p / emit_p + 1).
     """
     cfg, scfg = st.cfg, st.scfg

@@ -14,6 +14,7 @@ import pytest
 
 from looprl.model.config import preset
 from looprl.model.looped import init_params
+from looprl.sampling import sampler as sm
 from looprl.sampling.policies import row_menu
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
@@ -179,12 +180,9 @@ def test_decode_program_holds_one_layer_stack_per_pass_and_menu_size(policy, pas
     `deferred` the current position alone and the pending windows (two passes); loop 1 needs
     no peeled copy of its own (a third deferred pass until 2026-12-02: 24 -> 14 s of compile at
     40 rows). Traced only, nothing compiled."""
-    from looprl.sampling import sampler as sm
-
     cfg = dataclasses.replace(CFG, num_layers=3)  # no other scan in the program is 3 long
     p = jax.eval_shape(lambda: init_params(cfg, 0))
-    sc = dataclasses.replace(_scfg(policy, "float32"),
-                             deferred_max_pending=sm.policies.auto_max_pending(24))
+    sc = _scfg(policy, "float32")
     tokens, pad, P, S = sm.layout_prompts([pr for pr in PROMPTS for _ in range(G)],
                                           sc.max_new_tokens, None, sc.prompt_len_multiple)
     st = sm._Static(cfg, sc, P, S, 5, False, row_menu(24))

@@ -3,9 +3,9 @@ alone, and the same prompt (same dataset index, seed and step) inside a batch (a
 fit the same prompt bucket and (b) with a longer batch-mate that moves the batch to a larger
 bucket (more left padding, a longer KV cache), draws the same tokens and exit loops and the same
 log-prob bits under temperature-1 sampling, for every KV policy, in fp32 and bf16. The default
-suite runs `deferred` in fp32 (the policy with the most ways to group work: pending windows and flushes);
-the other five cases are under `-m slow` (dense and copy in fp32 took 54 and 29 s, the bf16
-cases 112 s together, on 2-core hosts; bf16 replay is covered by the default suite's
+suite runs `deferred` in fp32 (the policy with the most ways to group work: pending windows and
+flushes); the other five cases are under `-m slow` (dense and copy in fp32 took 54 and 29 s,
+the bf16 cases 112 s together, on 2-core hosts; bf16 replay is covered by the default suite's
 tests/learner and tests/sampling/test_resident.py).
 
 This needs all three of: noise keyed by the completion index (not the padded position), row-
