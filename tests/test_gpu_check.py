@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from looprl.model import kernels as kn
 
@@ -30,6 +31,7 @@ def test_gpu_check_help_runs():
     assert "--reduced" in out.stdout and "OUT_DIR" in out.stdout
 
 
+@pytest.mark.slow  # 75 s; the script's scan loop runs by default in the failing-form test below
 def test_gpu_check_scans_every_form_and_reports_it():
     gc = _module()
     res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 9))

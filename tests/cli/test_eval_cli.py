@@ -56,6 +56,7 @@ def test_eval_two_thresholds_writes_results_problems_and_plot(tiny, tmp_path, ca
     assert (out / "accuracy_vs_depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # 28 s; tests/sampling/test_needle.py
 @needs_data
 def test_eval_completion_does_not_depend_on_the_batch(tiny, tmp_path):
     """Problem 1's greedy completion is the same alone (batch 1) and batched with problem 0 (the

@@ -1,8 +1,9 @@
 """Subprocess worker for tests/distributed/test_mesh.py (run with N forced host devices).
 
-Usage: python mesh_worker.py MODE OUT_DIR
+Usage: python mesh_worker.py MODE OUT_DIR [POLICIES]
   replay  sample on the N-device mesh (rows split) and replay on it; the verify cells of that
-          rollout (`devices` = N); results as OUT_DIR/replay.json
+          rollout (`devices` = N); results as OUT_DIR/replay.json. POLICIES: KV policies,
+          comma-separated (default dense,deferred)
   ckpt    restore OUT_DIR/ck1 (written on one device) onto the mesh with fsdp shardings, then
           write OUT_DIR/ckN from fsdp-sharded arrays (params + optimizer state)
 """
@@ -36,13 +37,13 @@ def params0():
     return jax.tree.map(np.asarray, p)
 
 
-def replay(out: Path):
+def replay(out: Path, policies: str = "dense,deferred"):
     from looprl.verify.matrix import VerifyOptions, _cell_group, updated_params
     n = jax.device_count()
     mesh = make_mesh(MeshConfig(data=-1))
     p = params0()
     res = {"devices": n}
-    for policy in ("dense", "deferred"):
+    for policy in policies.split(","):
         scfg = SamplingConfig(max_new_tokens=8, exit_threshold=0.7, kv_policy=policy,
                               deferred_max_pending=3, stop_ids=(2, 7))
         one = generate(CFG, p, PROMPTS, scfg, group_size=4, seed=1)
@@ -88,4 +89,4 @@ def ckpt(out: Path):
 
 
 if __name__ == "__main__":
-    {"replay": replay, "ckpt": ckpt}[sys.argv[1]](Path(sys.argv[2]))
+    {"replay": replay, "ckpt": ckpt}[sys.argv[1]](Path(sys.argv[2]), *sys.argv[3:])

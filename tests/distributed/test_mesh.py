@@ -158,12 +158,16 @@ def test_grpo_step_on_n_devices_matches_1_device(tmp_path, devices, extra):
     assert not np.array_equal(w1, np.zeros_like(w1))
 
 
-@pytest.mark.parametrize("devices", [4, pytest.param(8, marks=pytest.mark.slow)])
-def test_sharded_learner_replays_the_sharded_sampler_bit_for_bit(tmp_path, devices):
-    _finish(_start([WORKER, "replay", tmp_path], devices))
+@pytest.mark.parametrize("devices, policies", [
+    (4, "deferred"),  # the default suite: deferred holds dense's work and its pending windows
+    pytest.param(4, "dense", marks=pytest.mark.slow),  # 127 s for both on a 2-core AMD EPYC
+    pytest.param(8, "dense,deferred", marks=pytest.mark.slow)])
+def test_sharded_learner_replays_the_sharded_sampler_bit_for_bit(tmp_path, devices, policies):
+    _finish(_start([WORKER, "replay", tmp_path, policies], devices))
     res = json.loads((tmp_path / "replay.json").read_text())
     assert res["devices"] == devices
-    for policy in ("dense", "deferred"):
+    assert sorted(k for k in res if k != "devices") == sorted(policies.split(","))
+    for policy in policies.split(","):
         r = res[policy]
         assert r["schedule_devices"] == devices and r["schedule_mesh"]["row_shards"] == devices
         assert r["tokens_equal_one_device"] and r["exits_equal_one_device"]
@@ -231,6 +235,7 @@ def test_two_processes_run_a_grpo_step_and_a_checkpoint_round_trip(tmp_path):
     assert np.array_equal(saved.view(np.uint32), flat.view(np.uint32))
 
 
+@pytest.mark.slow  # 31 s
 def test_verify_cells_on_one_device_keep_the_two_batchings_and_no_mesh_cells():
     """With one device visible, `looprl verify` has no `devices` > 1 cells (and its rollout
     cells are unchanged: `same` and `different` batching on one device)."""

@@ -44,7 +44,7 @@ def _exact(lp, ref, mask):
     return compare_logprobs(lp, ref, mask)["exact_fraction"]
 
 
-FAST = {("float32", "dense"), ("float32", "copy"), ("bfloat16", "deferred")}
+FAST = {("float32", "copy"), ("bfloat16", "deferred")}  # dense: test_small_dims_exact.py
 CELLS = [pytest.param(d, p, marks=[] if (d, p) in FAST else [pytest.mark.slow])
          for d in ("float32", "bfloat16") for p in ("dense", "deferred", "copy")]
 
@@ -138,7 +138,7 @@ def test_dense_gradient_agrees_with_central_finite_difference(params):
         np.testing.assert_allclose(float(g[idx]), fd, rtol=0.05, atol=2e-4, err_msg=str(path))
 
 
-@pytest.mark.parametrize("policy", ["dense", "copy"])
+@pytest.mark.parametrize("policy", [pytest.param("dense", marks=pytest.mark.slow), "copy"])
 def test_stock_negative_control_mismatches_bits_but_within_1e4(params, policy):
     rb = _rollout(params, "float32", policy)
     mask = rb.exit_loop_BxS > 0

@@ -42,8 +42,9 @@ def _exact(lp, ref, mask):
     return float(np.mean(lp.view(np.uint32)[mask] == ref.view(np.uint32)[mask]))
 
 
-@pytest.mark.parametrize("q", [1.0, 0.3])
-@pytest.mark.parametrize("policy", ["dense", "copy"])
+@pytest.mark.parametrize("policy, q", [("dense", 1.0), ("copy", 0.3),
+                                       pytest.param("dense", 0.3, marks=pytest.mark.slow),
+                                       pytest.param("copy", 1.0, marks=pytest.mark.slow)])
 def test_replay_bits_equal_sampler_one_layer_peaked_weights(params, q, policy):
     scfg = SamplingConfig(max_new_tokens=10, exit_threshold=q, kv_policy=policy, stop_ids=(2,))
     rb = generate(CFG, params, PROMPTS, scfg, group_size=2, seed=1)
@@ -60,6 +61,7 @@ def test_replay_bits_equal_sampler_one_layer_peaked_weights(params, q, policy):
         assert _exact(lp, ref, m) == 1.0
 
 
+@pytest.mark.slow  # 43 s; N = 8j + 1 columns: tests/model/test_kernels.py (n = 17, 33; vocab 49)
 def test_batch_one_rollouts_with_a_vocabulary_of_8j_plus_1_replay_exactly():
     """Regression (found by a scan of the unpadded CPU kernels): a one-row dot computed the
     last of N = 8j + 1 output columns differently from the same row in a larger call, so batch-1

@@ -37,8 +37,9 @@ def test_matmul_rows_do_not_depend_on_the_row_count(k, n, dtype, out_dtype):
     assert _rows_invariant(lambda a: kn.matmul(a, w, out_dtype), x) == []
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("seq_len", [40, 300])
+@pytest.mark.parametrize("seq_len, dtype", [(40, "float32"), (300, "bfloat16"),
+                                            pytest.param(40, "bfloat16", marks=pytest.mark.slow),
+                                            pytest.param(300, "float32", marks=pytest.mark.slow)])
 def test_attention_query_rows_do_not_depend_on_how_many_ran(dtype, seq_len):
     """A query's output must not depend on the chunk it ran in (1 decode query, a deferred
     window, a whole teacher-forced sequence) nor on the batch: 1 query row was a matrix-vector
@@ -57,8 +58,9 @@ def test_attention_query_rows_do_not_depend_on_how_many_ran(dtype, seq_len):
     assert bad == []
 
 
-@pytest.mark.parametrize("vocab", [49, 58, 64])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab, temperature", [(58, 1.0), (49, 0.7), *[
+    pytest.param(v, t, marks=pytest.mark.slow) for v, t in ((49, 1.0), (58, 0.7), (64, 1.0),
+                                                          (64, 0.7))]])
 def test_log_softmax_of_scaled_logits_does_not_depend_on_the_row_count(vocab, temperature):
     """Regression: `exp(x - max)` fused after a temperature division compiled differently for
     < 64 rows and for rows that are not whole vectors (vocab 58: 32 sampler rows vs 128 differed

@@ -51,7 +51,7 @@ def _written_out(w, tokens, pad, kv_depth=None):
     return jnp.stack(hs)
 
 
-@pytest.mark.parametrize("copy", [False, True])
+@pytest.mark.parametrize("copy", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_unrolled_loop_is_stack_pass_applied_T_times_bit_for_bit(w, copy):
     kv_depth = jnp.asarray([[1, 2, 3, 4, 1, 2], [4, 4, 1, 3, 2, 1]], jnp.int32) if copy else None
     got = jax.jit(lambda w: looped.teacher_forced_loops(

@@ -43,7 +43,9 @@ def test_mismatch_stats_on_a_hand_checked_case():
     assert mismatch_stats(learner, learner, mask, 0.2, 0.28)["mismatch_abs_max"] == 0.0
 
 
-@pytest.mark.parametrize("method", ["hybrid", "stock", "full_depth", "expected"])
+# hybrid trains in tests/rl/test_learner.py, expected in tests/learner/test_schedule_unaware.py
+@pytest.mark.parametrize("method", [pytest.param("hybrid", marks=pytest.mark.slow), "stock",
+                                    "full_depth", pytest.param("expected", marks=pytest.mark.slow)])
 def test_one_grpo_step_per_learner_mode(method):
     """fp32, deferred KV, 2 updates: a finite step; `hybrid` has zero mismatch and ratio 1 at
     the first update, the schedule-unaware modes are off the sampler."""
@@ -66,6 +68,7 @@ def test_one_grpo_step_per_learner_mode(method):
         assert m["mismatch_abs_mean"] > 1e-3
 
 
+@pytest.mark.slow  # 19 s
 def test_recompute_gives_a_tis_weight_other_than_one_for_full_depth():
     """With old log-probs recomputed by a `full_depth` learner, the TIS weight
     min(pi_old / pi_sampler, cap) is not 1; with the sampler's own log-probs it is exactly 1."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from looprl.config import apply_overrides, load_experiment
 from looprl.model.config import from_model_section
@@ -70,6 +71,7 @@ def test_without_train_gate_the_gate_stays_bit_identical_and_the_lm_moves():
     assert all(lm.values()), [k for k, v in lm.items() if not v]
 
 
+@pytest.mark.slow  # 28 s; the gate trains under train_gate in the zero-policy test below
 def test_with_train_gate_the_gate_moves_and_the_lm_still_trains():
     before, after, m = _one_step(True, _len_reward)
     gate, lm = _moved(before, after)

@@ -46,6 +46,7 @@ def _tokens(prompt_len_multiple, keying):
     return np.asarray(b.tokens_BxS)[0, P:]
 
 
+@pytest.mark.slow  # 46 s; tests/sampling/test_needle.py samples a prompt in a larger bucket too
 def test_a_prompt_draws_the_same_samples_in_a_larger_bucket():
     """Temperature-1 samples of one prompt left-padded to 6 and to 32 tokens: the same tokens
     under completion keying (the tiny model's logits agree to ~1e-6 across the two paddings, far

@@ -146,6 +146,7 @@ def test_deferred_gives_dense_greedy_tokens_and_logprobs_within_1e5(params):
     assert deferred.flush_BxS.any() and (dense.exit_loop_BxS[emit] < T).any()
 
 
+@pytest.mark.slow  # 16 s; tests/sampling/test_needle.py (sampled, not greedy)
 def test_prompt_alone_and_inside_a_batch_gives_the_same_tokens(params):
     scfg = SamplingConfig(max_new_tokens=10, temperature=0.0, exit_threshold=0.6, stop_ids=())
     alone = generate(CFG, params, [PROMPTS[0]], scfg)
@@ -324,6 +325,7 @@ def test_rollout_save_load_round_trip_keeps_bits_and_checks_version(params, tmp_
 
 # --- stock kernels ------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 36 s; forced re-runs of stock rollouts: tests/rl/test_learner.py, tests/verify
 def test_stock_kernels_same_math_and_replayed_exactly_by_forced_rerun(params):
     """`kernels="stock"` (plain matmuls) samples the same distribution (greedy tokens equal to the
     invariant sampler's, log-probs within 1e-5), records its kernels in the schedule, and its
@@ -352,6 +354,7 @@ def test_unknown_kernels_is_a_clear_error(params):
         generate(CFG, params, PROMPTS, SamplingConfig(kernels="fast"))
 
 
+@pytest.mark.slow  # 16 s; timings: tests/cli/test_generate_cli.py
 def test_timings_split_prefill_from_decode_without_changing_the_rollout(params):
     scfg = SamplingConfig(max_new_tokens=6, temperature=1.0, kv_policy="deferred",
                           exit_threshold=0.7, deferred_max_pending=2, stop_ids=())
@@ -368,6 +371,7 @@ def test_timings_split_prefill_from_decode_without_changing_the_rollout(params):
     assert np.array_equal(_bits(a.logprob_BxS), _bits(b.logprob_BxS))
 
 
+@pytest.mark.slow  # 56 s: four batch sizes
 def test_default_pending_bound_follows_the_batch_and_forced_reruns_keep_the_recorded_one(params):
     scfg = SamplingConfig(max_new_tokens=5, temperature=1.0, kv_policy="deferred",
                           exit_threshold=0.7, stop_ids=())

@@ -3,6 +3,7 @@ recorded schedule (a round trip through `generate`)."""
 import dataclasses
 
 import numpy as np
+import pytest
 
 from looprl.config import RolloutConfig
 from looprl.model.config import preset
@@ -26,20 +27,31 @@ def test_from_rollout_config_maps_every_field_and_greedy_turns_sampling_off():
     assert (g.temperature, g.top_k, g.top_p, g.exit_threshold) == (0.0, 0, 1.0, 0.8)
 
 
+SCFG = SamplingConfig(max_new_tokens=5, temperature=0.9, top_k=7, top_p=0.95, exit_threshold=0.7,
+                      kv_policy="deferred", deferred_max_pending=2, stop_ids=(3,),
+                      compute_dtype="float32")
+
+
+def _rollout():
+    return generate(CFG, init_params(CFG, 0), [[5, 9, 3], [4, 6]], SCFG, group_size=2, seed=1)
+
+
 def test_from_schedule_round_trips_what_the_schedule_records():
-    scfg = SamplingConfig(max_new_tokens=5, temperature=0.9, top_k=7, top_p=0.95,
-                          exit_threshold=0.7, kv_policy="deferred", deferred_max_pending=2,
-                          stop_ids=(3,), compute_dtype="float32")
-    rb = generate(CFG, init_params(CFG, 0), [[5, 9, 3], [4, 6]], scfg, group_size=2, seed=1)
+    rb = _rollout()
     back = SamplingConfig.from_schedule(rb.schedule)
     S = rb.schedule.seq_len
-    assert back == dataclasses.replace(scfg, max_seq_len=S)
+    assert back == dataclasses.replace(SCFG, max_seq_len=S)
     assert S - rb.schedule.prompt_len == 5
     # a fixed depth is recorded without a q: the re-run's q is 1.0
     fixed = dataclasses.replace(rb.schedule, exit_threshold=None, fixed_depth=2)
     f = SamplingConfig.from_schedule(fixed)
     assert (f.exit_threshold, f.fixed_depth) == (1.0, 2)
-    # the forced re-run through it reproduces the rollout's log-probs
+
+
+@pytest.mark.slow  # 10 s on 2 cores; forced re-runs from the schedule: tests/verify, tests/rl
+def test_the_forced_re_run_through_from_schedule_reproduces_the_logprobs():
+    rb = _rollout()
+    back = SamplingConfig.from_schedule(rb.schedule)
     out = generate(CFG, init_params(CFG, 0), [[0]], back, forced=rb.to_numpy())
     np.testing.assert_array_equal(np.asarray(out.logprob_BxS).view(np.uint32),
                                   np.asarray(rb.logprob_BxS).view(np.uint32))
