@@ -37,9 +37,9 @@ def test_matmul_rows_do_not_depend_on_the_row_count(k, n, dtype, out_dtype):
     assert _rows_invariant(lambda a: kn.matmul(a, w, out_dtype), x) == []
 
 
-@pytest.mark.parametrize("seq_len, dtype", [(40, "float32"), (300, "bfloat16"),
-                                            pytest.param(40, "bfloat16", marks=pytest.mark.slow),
-                                            pytest.param(300, "float32", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seq_len, dtype", [  # the chunks at Ouro widths: test_kernels_ouro_shapes
+    (300, "bfloat16"), *[pytest.param(s, d, marks=pytest.mark.slow)
+                         for s, d in ((40, "float32"), (40, "bfloat16"), (300, "float32"))]])
 def test_attention_query_rows_do_not_depend_on_how_many_ran(dtype, seq_len):
     """A query's output must not depend on the chunk it ran in (1 decode query, a deferred
     window, a whole teacher-forced sequence) nor on the batch: 1 query row was a matrix-vector

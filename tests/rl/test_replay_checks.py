@@ -16,7 +16,10 @@ SMOKE = Path(__file__).resolve().parents[2] / "experiments" / "tiny_arith_smoke.
 
 def _learner(monkeypatch, calls, *overrides):
     cfg = apply_overrides(load_experiment(SMOKE), [
-        "prompts_per_step=2", "group_size=4", "learner.minibatches=2", "learner.ppo_epochs=2",
+        # the rollout shape of tests/rl/test_train_gate.py (8 rows, 4 new tokens): one sampler
+        # program for both through the run's compilation cache
+        "prompts_per_step=2", "group_size=4", "rollout.max_new_tokens=4",
+        "learner.minibatches=2", "learner.ppo_epochs=2",
         "learner.microbatch_size=0", "learner.measure_stock=false", "learner.replay_impl=forced",
         *overrides])
     mcfg = from_model_section(cfg.model)

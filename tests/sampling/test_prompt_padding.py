@@ -19,8 +19,8 @@ def test_layout_rounds_the_prompt_length_up():
     assert layout_prompts(PROMPTS, 4, None, prompt_len_multiple=6)[2] == 6
 
 
-@pytest.mark.parametrize("kv_policy, dtype", [("deferred", "float32"),
-                                              pytest.param("dense", "bfloat16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kv_policy, dtype", [
+    ("deferred", "float32"), pytest.param("dense", "bfloat16", marks=pytest.mark.slow)])
 def test_padding_leaves_greedy_completions_and_exits_unchanged(kv_policy, dtype):
     params = init_params(CFG, 0)
     out = {}

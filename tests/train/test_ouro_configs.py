@@ -130,7 +130,7 @@ def test_1p4b_config_runs_one_grpo_step_on_cpu(tiny, tmp_path, monkeypatch):
     check_step(summary, metrics, tmp_path / "run", tiny[1])
 
 
-@pytest.mark.slow  # 169 s on a 2-core AMD EPYC; the step and resume path is tests/train/test_resume.py's
+@pytest.mark.slow  # 169 s on a 2-core AMD EPYC; the step and resume path: tests/train/test_resume.py
 @needs_data
 def test_2p6b_config_runs_one_grpo_step_on_cpu_and_resumes(tiny, tmp_path, monkeypatch):
     from looprl.errors import CheckpointError

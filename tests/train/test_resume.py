@@ -317,7 +317,7 @@ def _wait_for(cond, proc, timeout=300):
         time.sleep(0.05)
 
 
-@pytest.mark.slow  # 33 s; the SIGTERM test runs the same finish-the-step, checkpoint and resume path
+@pytest.mark.slow  # 33 s; the SIGTERM test runs the same finish-step, checkpoint, resume path
 def test_ctrl_c_during_grpo_finishes_the_step_checkpoints_and_resumes_exactly(runs, tmp_path):
     """A first SIGINT during GRPO does what SIGTERM does: the step finishes, a checkpoint is
     written, the resume line is printed, exit status 130, no traceback; the resumed run ends
