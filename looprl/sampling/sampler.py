@@ -220,7 +220,8 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     nothing); the M - n filler rows compute nothing (no active position) and are dropped on the
     way back. M = B runs the rows in place, without the gather. Only the chunk's window of the
     loop-d KV slots, hidden states and depths is scattered back. The kernels are row-invariant
-    (`looprl.model.kernels`), so a row's bits are those it gets in the full batch. Returns (state, M) with M an int32 scalar."""
+    (`looprl.model.kernels`), so a row's bits are those it gets in the full batch.
+    Returns (state, M), M an int32 scalar."""
     B = run_B.shape[0]
     if st.row_menu[-1] != B:  # every count n <= B must have a size: the menu ends at B
         raise SamplingError(f"row menu {st.row_menu} does not end at the {B} rows per device")

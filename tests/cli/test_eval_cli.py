@@ -146,7 +146,8 @@ def test_eval_needs_only_test_jsonl_and_records_the_resolved_data_dir(tiny, tmp_
     assert res["settings"]["data_dir"] == str(data.resolve())
     assert res["settings"]["task_config"]["data_dir"] == "data"  # as typed
     assert res["settings"]["problems"] == 1
-    rows = [json.loads(line) for line in (tmp_path / "ev" / "problems.jsonl").read_text().splitlines()]
+    problems = (tmp_path / "ev" / "problems.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in problems]
     assert [(r["id"], r["gold"], r["question"]) for r in rows] == [(0, "5", "What is 2 + 3?")]
 
 

@@ -27,10 +27,10 @@ def _rows_invariant(fn, x):
                                   (300, 4), (64, 17), (129, 33)])
 def test_matmul_rows_do_not_depend_on_the_row_count(k, n, dtype, out_dtype):
     """CPU: rows padded to a row tile (a multiple of ROW_QUANTUM: 8 with AVX-512, 24
-    elsewhere; with 8 on an AVX2 machine 8- and 32-row calls differed), K > 128 in 128-long blocks (384, 300,
-    129), N padded to a multiple of 16; without them 1 row (matrix-vector), 2..7 rows, 8..32-row
-    vs 40..256-row tiles with an unsplit K = 384, and the last column of a single row when
-    N = 8j + 1 (17, 33) differed from 256 rows."""
+    elsewhere; with 8 on an AVX2 machine 8- and 32-row calls differed), K > 128 in 128-long
+    blocks (384, 300, 129), N padded to a multiple of 16; without them 1 row (matrix-vector),
+    2..7 rows, 8..32-row vs 40..256-row tiles with an unsplit K = 384, and the last column of a
+    single row when N = 8j + 1 (17, 33) differed from 256 rows."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((256, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)

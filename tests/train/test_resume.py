@@ -293,7 +293,8 @@ def test_damaged_bytes_of_the_right_size_are_refused_and_learner_left_untouched(
     read_checkpoint_meta(step_dir(tmp_path, 2))
     _, _, other = _learner()
     before = jax.tree.map(np.asarray, other.params)
-    with pytest.raises(CheckpointError, match="damaged checkpoint file|damaged parameters|cannot restore"):
+    with pytest.raises(CheckpointError,
+                       match="damaged checkpoint file|damaged parameters|cannot restore"):
         restore_training_checkpoint(step_dir(tmp_path, 2), other)
     assert_trees_bit_equal(jax.tree.map(np.asarray, other.params), before)
 
