@@ -2,11 +2,11 @@
 patched to False the sampler and the learner both run the accelerator form (fixed 64-row tiles,
 128-long K blocks, attention in key blocks; the XLA form and the Pallas kernel, interpreted), and
 the learner's replay equals the sampler's log-probs bit for bit for every KV policy, in fp32 and
-bf16, for a one-row decode batch and a five-row one, while the stock control mismatches (one
-case in the default suite, the rest under `-m slow`). On the CPU this shows the form is
-consistent between the sampler's programs (prefill, one-query decode steps, deferred chunks)
-and the learner's teacher-forced pass; on a device the same is what
-`reproducibility/gpu_check.py` measures."""
+bf16, for a one-row decode batch and a five-row one, while the stock control mismatches (all
+cases under `-m slow`; the default suite checks the accelerator forms kernel by kernel). On
+the CPU this shows the form is consistent between the sampler's programs (prefill, one-query
+decode steps, deferred chunks) and the learner's teacher-forced pass; on a device the same is
+what `reproducibility/gpu_check.py` measures."""
 import jax
 import numpy as np
 import pytest

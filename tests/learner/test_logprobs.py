@@ -44,7 +44,7 @@ def _exact(lp, ref, mask):
     return compare_logprobs(lp, ref, mask)["exact_fraction"]
 
 
-FAST = {("float32", "copy"), ("bfloat16", "deferred")}  # dense: test_small_dims_exact.py
+FAST = {("float32", "copy"), ("bfloat16", "deferred")}  # dense, early exits: test_small_dims_exact
 CELLS = [pytest.param(d, p, marks=[] if (d, p) in FAST else [pytest.mark.slow])
          for d in ("float32", "bfloat16") for p in ("dense", "deferred", "copy")]
 

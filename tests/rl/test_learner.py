@@ -106,7 +106,6 @@ def test_stock_kernels_with_invariant_replay_is_rejected():
                                                  "learner.replay_impl=invariant"])
 
 
-@pytest.mark.slow  # 63 s; hybrid value = replay, dense gradient: tests/learner/test_logprobs.py
 def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
     """The trainer's loss with `forced_replay`: the hybrid's value is mb['replay_lp'] bit for bit
     (old = replay gives a ratio of exactly 1 at every token), its gradient is dense's."""
@@ -170,7 +169,6 @@ def _force_inexact_replay(monkeypatch):
     monkeypatch.setattr(rl_learner, "batch_logprobs", stock_replay)
 
 
-@pytest.mark.slow  # 35 s; an inexact step stops a require_exact run in the test below
 def test_inexact_replay_warns_on_the_console_and_is_counted_in_the_summary(tmp_path, capsys,
                                                                            monkeypatch):
     from looprl.train.run import train

@@ -123,14 +123,14 @@ def check_step(summary, metrics, out, tokenizer_json):
     assert Path(ref["checkpoint"]).is_absolute() and len(ref["params_sha256"]) == 64
 
 
-@pytest.mark.slow  # 131 s on a 2-core AMD EPYC; the 2.6B test below runs the same step path
+@pytest.mark.slow  # 131 s on a 2-core AMD EPYC; the 2.6B test below (also slow) runs the same path
 @needs_data
 def test_1p4b_config_runs_one_grpo_step_on_cpu(tiny, tmp_path, monkeypatch):
     summary, metrics = run_one_step(CFG_1P4B, tiny[0], tmp_path / "run", monkeypatch)
     check_step(summary, metrics, tmp_path / "run", tiny[1])
 
 
-@pytest.mark.slow  # 169 s on a 2-core AMD EPYC; the step and resume path: tests/train/test_resume.py
+@pytest.mark.slow  # 169 s on 2 cores; no default test runs an Ouro config's step (bf16, KL)
 @needs_data
 def test_2p6b_config_runs_one_grpo_step_on_cpu_and_resumes(tiny, tmp_path, monkeypatch):
     from looprl.errors import CheckpointError
