@@ -1,9 +1,9 @@
 """Subprocess worker for tests/distributed/test_mesh.py (run with N forced host devices).
 
-Usage: python mesh_worker.py MODE OUT_DIR [POLICIES]
+Usage: python mesh_worker.py replay OUT_DIR POLICIES | ckpt OUT_DIR
   replay  sample on the N-device mesh (rows split) and replay on it; the verify cells of that
           rollout (`devices` = N); results as OUT_DIR/replay.json. POLICIES: KV policies,
-          comma-separated (default dense,deferred)
+          comma-separated, e.g. dense,deferred
   ckpt    restore OUT_DIR/ck1 (written on one device) onto the mesh with fsdp shardings, then
           write OUT_DIR/ckN from fsdp-sharded arrays (params + optimizer state)
 """
@@ -37,7 +37,7 @@ def params0():
     return jax.tree.map(np.asarray, p)
 
 
-def replay(out: Path, policies: str = "dense,deferred"):
+def replay(out: Path, policies: str):
     from looprl.verify.matrix import VerifyOptions, _cell_group, updated_params
     n = jax.device_count()
     mesh = make_mesh(MeshConfig(data=-1))

@@ -31,16 +31,16 @@ def _bits(a):
     return np.asarray(a, np.float32).view(np.uint32)
 
 
-_SLOW = pytest.mark.slow
-# every cell runs under -m slow (27-53 s each on 2 cores); the default suite checks the
-# accelerator forms kernel by kernel (tests/model/test_accel_kernels.py)
-CASES = [pytest.param(p, i, d, marks=_SLOW) for p, i, d in (
-    ("deferred", "xla", "float32"), ("dense", "xla", "float32"), ("copy", "xla", "float32"),
-    ("deferred", "pallas", "float32"), ("dense", "pallas", "float32"),
-    ("copy", "pallas", "float32"), ("dense", "xla", "bfloat16"), ("deferred", "xla", "bfloat16"),
-    ("copy", "xla", "bfloat16"), ("deferred", "pallas", "bfloat16"))]
+CASES = [("deferred", "xla", "float32"), ("dense", "xla", "float32"), ("copy", "xla", "float32"),
+         ("deferred", "pallas", "float32"), ("dense", "pallas", "float32"),
+         ("copy", "pallas", "float32"), ("dense", "xla", "bfloat16"),
+         ("deferred", "xla", "bfloat16"), ("copy", "xla", "bfloat16"),
+         ("deferred", "pallas", "bfloat16")]
 
 
+# every case: 27-53 s on 2 cores; the default suite checks the accelerator forms kernel by kernel
+# (tests/model/test_accel_kernels.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,impl,dtype", CASES)
 def test_accelerator_form_replays_bit_for_bit(params, policy, impl, dtype, monkeypatch):
     monkeypatch.setattr(kn, "on_cpu", lambda: False)

@@ -116,10 +116,10 @@ def test_streamed_load_of_a_checkpoint_without_file_digests_checks_the_params_di
         load_model_checkpoint(path, leaf_fn=ComputeWeights("bfloat16"))
 
 
-# -m slow (25-34 s a policy on 2 cores); by default the held weights are checked to be the
-# master's cast bit for bit, with its fingerprint (the tests above)
-@pytest.mark.parametrize("kv_policy", [pytest.param(p, marks=pytest.mark.slow)
-                                       for p in ("dense", "deferred", "copy")])
+# 25-34 s a policy on 2 cores; by default the held weights are checked to be the master's cast
+# bit for bit, with its fingerprint (the tests above)
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_policy", ["dense", "deferred", "copy"])
 def test_bf16_sampling_from_held_weights_gives_the_master_bits(kv_policy):
     master = _params(1)
     weights = ComputeWeights("bfloat16")

@@ -32,12 +32,12 @@ SCFG = SamplingConfig(max_new_tokens=5, temperature=0.9, top_k=7, top_p=0.95, ex
                       compute_dtype="float32")
 
 
-def _rollout():
+@pytest.fixture(scope="module")
+def rb():
     return generate(CFG, init_params(CFG, 0), [[5, 9, 3], [4, 6]], SCFG, group_size=2, seed=1)
 
 
-def test_from_schedule_round_trips_what_the_schedule_records():
-    rb = _rollout()
+def test_from_schedule_round_trips_what_the_schedule_records(rb):
     back = SamplingConfig.from_schedule(rb.schedule)
     S = rb.schedule.seq_len
     assert back == dataclasses.replace(SCFG, max_seq_len=S)
@@ -49,8 +49,7 @@ def test_from_schedule_round_trips_what_the_schedule_records():
 
 
 @pytest.mark.slow  # 10 s on 2 cores; forced re-runs from the schedule: tests/verify, tests/rl
-def test_the_forced_re_run_through_from_schedule_reproduces_the_logprobs():
-    rb = _rollout()
+def test_the_forced_re_run_through_from_schedule_reproduces_the_logprobs(rb):
     back = SamplingConfig.from_schedule(rb.schedule)
     out = generate(CFG, init_params(CFG, 0), [[0]], back, forced=rb.to_numpy())
     np.testing.assert_array_equal(np.asarray(out.logprob_BxS).view(np.uint32),
