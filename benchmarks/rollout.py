@@ -10,15 +10,20 @@ loops, and `*_work_share_of_dense_b256`: the rows x positions the policy's loops
 recorded `loop_rows`, a deferred window counting all its positions) over dense's, i.e. its
 share of dense's matmul FLOPs; `compaction_speedup_b256`: each policy with row compaction
 over the same policy without it (`row_compaction=False`), and `uncompacted_vs_dense_b256`
-(speedups against the compacted dense). `*_1p4b_width_b64`: the same for one layer of ouro-1.4b width
-(random weights, gate biased toward early exits), 64 rows, 8 new tokens.
+(speedups against the compacted dense). `*_1p4b_width_b64`: the same for one layer of
+ouro-1.4b width (random weights, gate biased toward early exits), 64 rows, 8 new tokens.
 `flax_vs_torch_decode_b{1,16,128}`: the PyTorch reference's seconds / Flax's (invariant
-kernels), greedy, all loops.
+kernels), greedy, all loops, each side on all the CPU's cores: torch with its intra-op threads
+(the faster of its default and 1 thread), Flax with its rows split over a data mesh of one XLA
+CPU device per core (`--xla_force_host_platform_device_count`, set below before jax starts;
+`generate(mesh=)`), which gives every row the bits of one device (row-invariant kernels,
+checked here: the tokens and log-prob bits of both Flax runs must be equal, or the run fails).
+`flax_1device_vs_torch_decode_b{1,16,128}`: the same with Flax on one device.
 
 Model: preset `tiny` (hidden 128, 2 layers, 4 heads, T = 4; vocab of the arithmetic task's char
-tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate is trained),
-the same weights, prompts (arithmetic task prompts) and seed for every configuration, in one
-run. Each configuration samples at temperature 1 with stop ids off, so every row decodes a fixed
+tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate
+is trained), the same weights, prompts (arithmetic task prompts) and seed for every
+configuration, in one run. Each configuration samples at temperature 1 with stop ids off, so every row decodes a fixed
 number of new tokens: `MAX_NEW` = 32 in the sweep over batch sizes and thresholds, `B1_MAX_NEW`
 = 128 for the `_b1` keys. At 32 tokens the sequence (prompt ~20 + 32) is so short that a loop
 costs little more than the per-step work outside the loops and a deferred window is hardly
@@ -45,31 +50,37 @@ Run: `python benchmarks/rollout.py` (no arguments; <= 400 s on 2 CPU cores). Las
 """
 from __future__ import annotations
 
-import functools
-import json
 import os
-import platform
-import statistics
-import sys
-import time
 
-import jax
-import numpy as np
-import torch
+# one XLA CPU device per core for the Flax-vs-torch comparison's row mesh (module doc); every
+# other measurement runs on device 0 as before. Must be set before jax starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={len(os.sched_getaffinity(0))}").strip()
 
-from pathlib import Path
+import functools  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import jax.numpy as jnp
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-from looprl.config import load_experiment
-from looprl.io import hf
-from looprl.model.config import from_model_section, preset
-from looprl.model.looped import init_params
-from looprl.reference.torch_ouro import TorchOuro
-from looprl.sampling.sampler import SamplingConfig, generate
-from looprl.tasks.arithmetic import ArithmeticTask
-from looprl.train.setup import build_tasks
-from looprl.train.warm_start import warm_start
+from looprl.config import MeshConfig, load_experiment  # noqa: E402
+from looprl.distributed.mesh import make_mesh  # noqa: E402
+from looprl.io import hf  # noqa: E402
+from looprl.model.config import from_model_section, preset  # noqa: E402
+from looprl.model.looped import init_params  # noqa: E402
+from looprl.reference.torch_ouro import TorchOuro  # noqa: E402
+from looprl.sampling.sampler import SamplingConfig, generate  # noqa: E402
+from looprl.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from looprl.train.setup import build_tasks  # noqa: E402
+from looprl.train.warm_start import warm_start  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -246,38 +257,49 @@ def main() -> dict:
     state = hf.hf_state_from_params(params, cfg)
     ref = TorchOuro(cfg, {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
     default_threads = torch.get_num_threads()
+    mesh = make_mesh(MeshConfig(data=-1))  # one device per core (module doc)
     torch_vs = {}
     for B in (1, 16, 128):
         P = min(len(p) for p in prompts_all[:B])
         prompts = [p[:P] for p in prompts_all[:B]]  # the reference takes equal-length prompts
         arr = np.asarray(prompts)
+        out = {}
 
-        def flax_run(kernels):
-            generate(cfg, params, prompts, SamplingConfig(
+        def flax_run(name, kernels, mesh=None):
+            out[name] = generate(cfg, params, prompts, SamplingConfig(
                 max_new_tokens=MAX_NEW, temperature=0.0, exit_threshold=1.0, kv_policy="dense",
-                stop_ids=(), kernels=kernels))
+                stop_ids=(), kernels=kernels), mesh=mesh)
 
         def torch_run(threads):
             torch.set_num_threads(threads)
             ref.generate_greedy(arr, MAX_NEW)
 
-        secs = _interleaved({"invariant": functools.partial(flax_run, "invariant"),
-                             "stock": functools.partial(flax_run, "stock"),
-                             "torch": functools.partial(torch_run, default_threads),
-                             "torch_1thread": functools.partial(torch_run, 1)},
-                            repeats=3 if B > 16 else None)
+        fns = {"invariant": functools.partial(flax_run, "invariant", "invariant"),
+               "invariant_mesh": functools.partial(flax_run, "invariant_mesh", "invariant", mesh),
+               "stock": functools.partial(flax_run, "stock", "stock"),
+               "torch": functools.partial(torch_run, default_threads),
+               "torch_1thread": functools.partial(torch_run, 1)}
+        secs = _interleaved(fns, repeats=3 if B > 16 else None)
         torch.set_num_threads(default_threads)
-        flax_s = {k: secs[k] for k in ("invariant", "stock")}
+        one, many = out["invariant"], out["invariant_mesh"]
+        if not (np.array_equal(np.asarray(one.tokens_BxS), np.asarray(many.tokens_BxS))
+                and np.array_equal(np.asarray(one.logprob_BxS).view(np.uint32),
+                                   np.asarray(many.logprob_BxS).view(np.uint32))):
+            raise SystemExit(f"B={B}: the {mesh.size}-device rollout's tokens or log-prob bits "
+                             "differ from one device's (row invariance broken)")
         torch_s = {k: secs[k] for k in ("torch", "torch_1thread")}
         best = min(torch_s, key=torch_s.get)
-        torch_vs[B] = {"flax_tokens_per_s": B * MAX_NEW / flax_s["invariant"],
-                       "flax_stock_tokens_per_s": B * MAX_NEW / flax_s["stock"],
+        tps = {k: B * MAX_NEW / secs[k] for k in ("invariant_mesh", "invariant", "stock")}
+        torch_vs[B] = {"flax_tokens_per_s": tps["invariant_mesh"],
+                       "flax_1device_tokens_per_s": tps["invariant"],
+                       "flax_stock_tokens_per_s": tps["stock"], "flax_devices": mesh.size,
                        "torch_tokens_per_s": B * MAX_NEW / torch_s[best], "torch_setting": best,
-                       "flax_vs_torch": torch_s[best] / flax_s["invariant"],
-                       "flax_stock_vs_torch": torch_s[best] / flax_s["stock"]}
-        print(f"B={B} greedy dense: flax {B * MAX_NEW / flax_s['invariant']:.1f} tok/s "
-              f"(stock kernels {B * MAX_NEW / flax_s['stock']:.1f}), torch "
-              f"{B * MAX_NEW / torch_s[best]:.1f} tok/s ({best})", file=sys.stderr)
+                       "flax_vs_torch": torch_s[best] / secs["invariant_mesh"],
+                       "flax_1device_vs_torch": torch_s[best] / secs["invariant"],
+                       "flax_stock_vs_torch": torch_s[best] / secs["stock"]}
+        print(f"B={B} greedy dense: flax {tps['invariant_mesh']:.1f} tok/s on {mesh.size} "
+              f"devices ({tps['invariant']:.1f} on one; stock kernels {tps['stock']:.1f}), "
+              f"torch {B * MAX_NEW / torch_s[best]:.1f} tok/s ({best})", file=sys.stderr)
 
     rl = _rl_batch()
     wide = _wide_layer()
@@ -309,6 +331,7 @@ def main() -> dict:
         "decode_tokens_per_s_1p4b_width_b64": {p: round(wide[p]["decode_tokens_per_s"], 2)
                                                for p in POLICIES},
         "flax_vs_torch_decode_b128": r3(torch_vs[128]["flax_vs_torch"]),
+        "flax_1device_vs_torch_decode_b128": r3(torch_vs[128]["flax_1device_vs_torch"]),
     }
     b1 = {p: rows[(p, B1_Q, 1, B1_MAX_NEW)] for p in POLICIES}
     short = {p: rows[(p, B1_Q, 1, MAX_NEW)] for p in POLICIES}
@@ -333,6 +356,8 @@ def main() -> dict:
         f"fraction_of_ideal_copy_b1_new{MAX_NEW}": round(short["copy"]["fraction_of_ideal"], 3),
         "flax_vs_torch_decode": round(torch_vs[1]["flax_vs_torch"], 3),
         "flax_vs_torch_decode_b16": round(torch_vs[16]["flax_vs_torch"], 3),
+        "flax_1device_vs_torch_decode": round(torch_vs[1]["flax_1device_vs_torch"], 3),
+        "flax_1device_vs_torch_decode_b16": round(torch_vs[16]["flax_1device_vs_torch"], 3),
         "flax_stock_vs_torch_decode": round(torch_vs[1]["flax_stock_vs_torch"], 3),
         "flax_stock_vs_torch_decode_b16": round(torch_vs[16]["flax_stock_vs_torch"], 3),
         "deferred_vs_dense_b1_max_pending_4": round(

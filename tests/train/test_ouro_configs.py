@@ -123,14 +123,15 @@ def check_step(summary, metrics, out, tokenizer_json):
     assert Path(ref["checkpoint"]).is_absolute() and len(ref["params_sha256"]) == 64
 
 
-@pytest.mark.slow  # 131 s on a 2-core AMD EPYC; the 2.6B test below (also slow) runs the same path
+# in the default suite (35 s on a 2-core AMD EPYC): the only default test of the path users with
+# real checkpoints take (bf16 training, the KL term, a start from model.checkpoint)
 @needs_data
 def test_1p4b_config_runs_one_grpo_step_on_cpu(tiny, tmp_path, monkeypatch):
     summary, metrics = run_one_step(CFG_1P4B, tiny[0], tmp_path / "run", monkeypatch)
     check_step(summary, metrics, tmp_path / "run", tiny[1])
 
 
-@pytest.mark.slow  # 169 s on 2 cores; no default test runs an Ouro config's step (bf16, KL)
+@pytest.mark.slow  # 169 s on 2 cores; the 1.4B test above runs its first step by default
 @needs_data
 def test_2p6b_config_runs_one_grpo_step_on_cpu_and_resumes(tiny, tmp_path, monkeypatch):
     from looprl.errors import CheckpointError
