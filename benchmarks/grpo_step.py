@@ -16,6 +16,13 @@ step seconds / dense learner seconds, the speedup a free rollout would give. The
 `deferred_vs_dense_step` / `deferred_vs_dense_rollout` keys stay time ratios (policy / dense,
 below 1: faster), as they were first reported.
 
+The learner runs on each batch's live prefix (`learner.seq_bucket`, default 64: P + the longest
+completion rounded up to 64 positions, instead of P + 128; the same bits). A fourth
+configuration, `dense_whole_layout` (dense with `learner.seq_bucket=0`, the learner on all
+P + 128 positions), runs in the same blocks: `live_prefix_learner_speedup_b256` = its learner
+seconds / dense's, `live_prefix_step_speedup_b256` the same for the whole step (higher is
+better), and `*_learner_seq_len` the positions each learner ran on.
+
 Run: `python benchmarks/grpo_step.py` (no arguments; well under 400 s on 2 CPU cores). The last
 line is one JSON object.
 """
@@ -42,6 +49,8 @@ from looprl.train.warm_start import warm_start
 ROOT = Path(__file__).resolve().parents[1]
 WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 2
 POLICIES = ("dense", "deferred", "copy")
+CONFIGS = {p: [f"rollout.kv_policy={p}"] for p in POLICIES}
+CONFIGS["dense_whole_layout"] = ["rollout.kv_policy=dense", "learner.seq_bucket=0"]
 MAX_NEW = 128  # rollout.max_new_tokens: the rollout a real share of the step (issue 18)
 
 
@@ -59,11 +68,10 @@ def main() -> dict:
     params = jax.tree.map(np.asarray, params)
     warm_s = time.time() - t_start
 
-    rows: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    rows: dict[str, list[dict]] = {p: [] for p in CONFIGS}
     compile_s: dict[str, float] = {}
-    for policy in POLICIES + POLICIES[::-1]:  # ABC CBA blocks
-        pcfg = apply_overrides(cfg, [f"rollout.kv_policy={policy}",
-                                     f"rollout.max_new_tokens={MAX_NEW}"])
+    for policy in [*CONFIGS, *list(CONFIGS)[::-1]]:  # ABCD DCBA blocks
+        pcfg = apply_overrides(cfg, CONFIGS[policy] + [f"rollout.max_new_tokens={MAX_NEW}"])
         learner = GRPOLearner(pcfg, mcfg, params, rl_task, tok)
         t0 = time.perf_counter()
         learner.step(0)                       # compile (first block) / warm caches
@@ -71,15 +79,16 @@ def main() -> dict:
         for i in range(1, STEPS + 1):
             m = learner.step(i)
             rows[policy].append({k: m[k] for k in ("rollout_s", "learner_s", "mean_exit_loop",
-                                                   "response_length")})
+                                                   "response_length", "learner_seq_len")})
 
     def med(policy, key):
         return statistics.median(r[key] for r in rows[policy])
 
     out: dict = {"benchmark": "grpo_step"}
-    for p in POLICIES:
+    for p in CONFIGS:
         out[f"{p}_response_length"] = round(med(p, "response_length"), 2)
-    for p in POLICIES:
+        out[f"{p}_learner_seq_len"] = max(r["learner_seq_len"] for r in rows[p])
+    for p in CONFIGS:
         out[f"{p}_rollout_s"] = round(med(p, "rollout_s"), 4)
         out[f"{p}_learner_s"] = round(med(p, "learner_s"), 4)
         out[f"{p}_step_s"] = round(statistics.median(r["rollout_s"] + r["learner_s"]
@@ -107,6 +116,10 @@ def main() -> dict:
         "copy_vs_dense_step_b256": round(out["dense_step_s"] / out["copy_step_s"], 3),
         "amdahl_bound_step_b256": round(out["dense_step_s"] / out["dense_learner_s"], 3),
         "rollout_share_of_dense_step": round(out["dense_rollout_s"] / out["dense_step_s"], 3),
+        "live_prefix_learner_speedup_b256": round(out["dense_whole_layout_learner_s"]
+                                                  / out["dense_learner_s"], 3),
+        "live_prefix_step_speedup_b256": round(out["dense_whole_layout_step_s"]
+                                               / out["dense_step_s"], 3),
         "wall_s": round(time.time() - t_start, 1),
     })
     return out

@@ -222,6 +222,11 @@ class LearnerConfig(_Section):
     # recorded log-prob itself (what replay means at the sampler's own parameters), which saves
     # the forced re-run of `replay_impl=forced` there; 0 = never check
     replay_check_every: int = 1
+    # the learner's passes run on the rollout batch's live prefix: P + its longest completion
+    # rounded up to a multiple of this many positions (at most P + max_new_tokens), the same
+    # bits at every emitting position (`looprl.learner.logprobs.live_seq_len`); bounds the
+    # compiled lengths to max_new_tokens / seq_bucket + 1; 0 = always the whole layout
+    seq_bucket: int = 64
 
     def _validate(self):
         self._require(self.logprob_method != "replay", "logprob_method",
@@ -231,6 +236,7 @@ class LearnerConfig(_Section):
         self._require(self.minibatches >= 1, "minibatches", "a positive int")
         self._require(self.microbatch_size >= 0, "microbatch_size", "an int >= 0")
         self._require(self.replay_check_every >= 0, "replay_check_every", "an int >= 0")
+        self._require(self.seq_bucket >= 0, "seq_bucket", "an int >= 0 (0 = off)")
         self._require(self.gate_loss_coef >= 0, "gate_loss_coef", "a float >= 0")
 
 

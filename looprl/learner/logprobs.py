@@ -8,7 +8,9 @@ elsewhere. Logits are built only at each position's exit loop (`[B, S, V]`, neve
 - `dense`: teacher-forced, differentiable pass over the whole sequence with the batch-invariant
   kernels; KV as the policy implies (dense/deferred: every loop's own K/V; copy: at loop d a
   position's K/V from loop min(d, k)). Because every matmul is row-tiled and attention runs
-  over the recorded cache length S, it reproduces the sampler's bits (tests/learner).
+  over key blocks aligned to each row's first live key, it reproduces the sampler's bits
+  (tests/learner), over the recorded cache length S or over the batch's live prefix
+  (`live_seq_len`, below).
 - `replay`: the recorded schedule re-executed under stop_gradient. `replay_impl="invariant"`
   (default) is the dense pass under stop_gradient, exact where the kernels are invariant (XLA CPU,
   checked by `looprl verify`); `replay_impl="forced"` re-runs the sampler itself in forced mode
@@ -29,6 +31,24 @@ looprl computes (`experiments/mismatch_study.py`; both differentiable, dense gra
   and bias-free, `sum_t p_t W h_t = W sum_t p_t h_t`: the mixture is accumulated loop by loop
   on the hidden state `[B, S, D]` (never `[T, B, S, V]`) and projected once. p_t carries the
   gate's gradient, so the gate trains, as in HF.
+
+**The live prefix** (`live_seq_len`, the learner's `learner.seq_bucket`): a rollout's layout is
+P + max_new_tokens positions long, but no row emits past P + its completion length. The passes
+may run on the first S' = P + (the longest completion, rounded up to a multiple of the bucket)
+positions only (at most S), the rest padded back with zeros. Why the bits at every emitting
+position are those of the whole length: (1) every pass is causal: position i reads tokens,
+exits and KV depths at positions <= i < S' only; (2) the matmuls are row-invariant, so fewer
+rows change no row; (3) attention: a query's live keys sit in the same 128-key blocks, cut at
+its row's first live key (`looprl.model.kernels`), at any key-axis length; the cut removes only
+key blocks in which every key is masked for every live query (a query at i < S' sees keys
+<= i), and such a block's value partial is +0 (`0 * v` summed from +0, v finite) and its
+softmax-sum partial +0, which leave a running block sum x unchanged (x + 0 == x for every x but
+-0: the caveat the kernels' exact-zero argument for masked keys inside a block has too); the
+max is order-free. The scores dot's column count is the key-axis length, so it changes too:
+that a key's score does not depend on it is what the needle test's larger prompt bucket
+already relies on, tested rather than argued (`looprl.model.kernels`). The logits are per
+position. Bucketing bounds the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked
+bit for bit against the recorded log-probs by tests/learner/test_live_prefix.py.
 """
 from __future__ import annotations
 
@@ -152,12 +172,26 @@ def _jit_logprobs(params, tokens, pad, exit_loop, kv_depth, *, cfg, kv_policy, c
                              method=method, top_k=top_k, top_p=top_p, remat=remat)
 
 
+def live_seq_len(batch, bucket: int) -> int:
+    """The live prefix of a `RolloutBatch` the learner's passes run on (module doc): P + the
+    longest completion (stop token included) rounded up to a multiple of `bucket`, at most the
+    layout's length S; S when `bucket` is 0 (off). Every emitting position and the token it
+    emits lie inside it."""
+    S, P = batch.schedule.seq_len, batch.schedule.prompt_len
+    if bucket <= 0:
+        return S
+    longest = int(np.max(np.asarray(batch.completion_len_B), initial=1))
+    return min(S, P + -(-max(longest, 1) // bucket) * bucket)
+
+
 def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=None,
-                   remat: bool = False, mesh=None):
+                   remat: bool = False, mesh=None, seq_len: int | None = None):
     """Learner log-probs for rows `rows` of a `RolloutBatch` (all rows by default), as numpy.
 
+    `seq_len`: run on the first `seq_len` positions (`live_seq_len`; the same bits at every
+    emitting position, module doc) and pad the result back to S with zeros; default S.
     `stock` trims the layout to the live prefix (P + the longest completion), as common code
-    does; the others keep the recorded cache length S. A rollout sampled with `kernels="stock"`
+    does, whatever `seq_len` is. A rollout sampled with `kernels="stock"`
     has no invariant pass that reproduces it: its `replay` (and `hybrid`, whose value is
     replay's) is `forced_replay_logprobs`. With a `mesh` of several devices the rows are split
     over its row axes and each device runs this one-device program on its rows
@@ -169,9 +203,13 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
     tokens, pad = np.asarray(sub.tokens_BxS), np.asarray(sub.pad_B)
     exit_loop, kv_depth = np.asarray(sub.exit_loop_BxS), sub.kv_depth_BxS()
     S = sch.seq_len
+    live = S if seq_len is None else seq_len
+    if not sch.prompt_len < live <= S:
+        raise ValueError(f"seq_len {seq_len}: expected a length in ({sch.prompt_len}, {S}]")
     if method == "stock":
         live = int(sch.prompt_len + np.max(np.asarray(sub.completion_len_B), initial=1))
         live = min(live, S)
+    if live < S:
         tokens, exit_loop, kv_depth = tokens[:, :live], exit_loop[:, :live], kv_depth[:, :live]
     static = dict(cfg=cfg, kv_policy=sch.kv_policy, compute_dtype=sch.compute_dtype,
                   temperature=float(sch.temperature), method=method, top_k=int(sch.top_k),

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as PS
 from looprl.config import ExperimentConfig
 from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
-from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs
+from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs, live_seq_len
 from looprl.learner.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
@@ -237,20 +237,21 @@ class GRPOLearner:
                   ml.put_global(np.float32(gate_norm), rep))
 
     # --- the learner's own log-probs -------------------------------------------------------------
-    def _learner_logprobs(self, batch, replay_lp, replay_lpp, stock=None):
+    def _learner_logprobs(self, batch, replay_lp, replay_lpp, stock=None, seq_len=None):
         """(full, processed) log-probs `[B, S]` of the learner's method at the current
         parameters (before any update of this step): replay's for `hybrid` (its value), the
         `stock` pass already run for `stock_max_abs_diff` when there is one (`stock`), the
-        method's own pass otherwise."""
+        method's own pass otherwise (on the first `seq_len` positions, `batch_logprobs`)."""
         method = self.exp_cfg.learner.logprob_method
         if method == "stock" and stock is not None:
             return stock
         if method == "hybrid":
             if replay_lpp is None:
                 _, replay_lpp = batch_logprobs(self.model_cfg, self.params, batch, "replay",
-                                               mesh=self.mesh)
+                                               mesh=self.mesh, seq_len=seq_len)
             return replay_lp, replay_lpp
-        return batch_logprobs(self.model_cfg, self.params, batch, method, mesh=self.mesh)
+        return batch_logprobs(self.model_cfg, self.params, batch, method, mesh=self.mesh,
+                              seq_len=seq_len)
 
     def _old_logprobs(self, batch, own_lp, own_lpp):
         """The PPO ratio's old log-probs `[B, S]` fp32 (`learner.old_logprobs`): the rollout's
@@ -283,6 +284,8 @@ class GRPOLearner:
         adv_B = np.asarray(adv.advantages_NxG).reshape(-1)
         emit = np.asarray(batch.exit_loop_BxS) > 0
         recorded = np.asarray(batch.logprob_BxS)
+        # every pass below runs on the batch's live prefix (same bits: learner.logprobs doc)
+        live = live_seq_len(batch, exp_cfg.learner.seq_bucket)
         # measurements at the sampler's parameters (the first update of this rollout batch)
         forced = self.replay_impl == "forced"
         every = exp_cfg.learner.replay_check_every
@@ -296,7 +299,7 @@ class GRPOLearner:
                                                            mesh=self.mesh)
         else:
             replay_lp, replay_lpp = batch_logprobs(self.model_cfg, self.params, batch,
-                                                   "replay", mesh=self.mesh)
+                                                   "replay", mesh=self.mesh, seq_len=live)
         if checked:
             replay_exact = bits_equal_fraction(replay_lp, recorded, emit)
         if self.require_exact and replay_exact is not None and replay_exact < 1.0:
@@ -313,12 +316,12 @@ class GRPOLearner:
         ref_lp = replay_lp
         if not self._params_at_ref:
             ref_lp, _ = batch_logprobs(self.model_cfg, self.ref_params, batch, "replay",
-                                       mesh=self.mesh)
+                                       mesh=self.mesh, seq_len=live)
         x = (ref_lp - recorded)[emit]
         kl_ref = float(np.mean(np.expm1(x) - x)) if x.size else 0.0
         # the learner's own log-probs at the sampler's parameters: its mismatch with the
         # sampler, and with learner.old_logprobs=recompute the PPO ratio's old log-probs
-        own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp, stock)
+        own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp, stock, live)
         mismatch = mismatch_stats(own_lp, recorded, emit, exp_cfg.grpo.eps_low,
                                   exp_cfg.grpo.eps_high)
         if not checked and exp_cfg.learner.logprob_method == "hybrid":  # own = recorded: unmeasured
@@ -332,6 +335,11 @@ class GRPOLearner:
                   "kv_depth": batch.kv_depth_BxS(), "adv": adv_B.astype(np.float32),
                   "old_lp": self._old_logprobs(batch, own_lp, own_lpp),
                   "sampler_lp": recorded.astype(np.float32), "ref_lp": ref_lp.astype(np.float32)}
+        hybrid_forced = forced and spec.method == "hybrid"
+        if hybrid_forced:
+            arrays["replay_lp"], arrays["replay_lpp"] = replay_lp, replay_lpp
+        # the loss and the old loop pass on the live prefix too (rows x positions)
+        arrays = {k: v if v.ndim == 1 else v[..., :live] for k, v in arrays.items()}
         if spec.loop_credit != "none":
             loop_in = tuple(arrays[k] for k in ("tokens", "pad", "exit_loop", "kv_depth"))
             if self.mesh is not None:
@@ -343,9 +351,6 @@ class GRPOLearner:
                                               spec=spec)
             arrays["old_lp_T"] = np.asarray(old_T)
             arrays["old_gate_z"] = np.asarray(old_z)
-        hybrid_forced = forced and spec.method == "hybrid"
-        if hybrid_forced:
-            arrays["replay_lp"], arrays["replay_lpp"] = replay_lp, replay_lpp
         # per-row arrays: move the T axis of loop arrays behind the row axis for slicing
         B = arrays["tokens"].shape[0]
         stats_acc: dict[str, list[float]] = {}
@@ -355,8 +360,9 @@ class GRPOLearner:
         for epoch in range(exp_cfg.learner.ppo_epochs):
             for m in range(exp_cfg.learner.minibatches):
                 if hybrid_forced and (epoch or m):  # the sampler re-run at the updated params
-                    arrays["replay_lp"], arrays["replay_lpp"] = forced_replay_logprobs(
-                        self.model_cfg, self.params, batch, mesh=self.mesh)
+                    lp_f, lpp_f = forced_replay_logprobs(self.model_cfg, self.params, batch,
+                                                         mesh=self.mesh)
+                    arrays["replay_lp"], arrays["replay_lpp"] = lp_f[:, :live], lpp_f[:, :live]
                 rows = np.arange(m * mb_rows, (m + 1) * mb_rows)
                 mask = arrays["exit_loop"][rows] > 0
                 norm = grpo.loss_normalizer(jnp.asarray(mask), exp_cfg.grpo.loss_agg,
@@ -411,7 +417,8 @@ class GRPOLearner:
                "approx_kl_old": wmean("approx_kl"),
                "degenerate_groups": int(adv.num_degenerate),
                **mismatch,
-               "tokens": int(emit.sum()), "rollout_s": rollout_s, "learner_s": learner_s,
+               "tokens": int(emit.sum()), "learner_seq_len": live,
+               "rollout_s": rollout_s, "learner_s": learner_s,
                "rollout_sha256": rollout_sha256(batch)}
         if "gate_loss" in stats_acc:
             out["gate_loss"] = wmean("gate_loss")
