@@ -98,7 +98,9 @@ def to_json(cfg: ExperimentConfig, indent: int | None = 2) -> str:
 
 # Keys that a config file written before they existed means differently from their default:
 # {section: {key: the value such a file implies}}.
-LEGACY_VALUES = {"rollout": {"noise_keying": "layout"}}
+LEGACY_VALUES = {"rollout": {"noise_keying": "layout"},
+                 # the learner ran on the whole layout before its live prefix (2026-12-03)
+                 "learner": {"seq_bucket": 0}}
 
 
 def _from_dict(cls, d: Any, where: str):

@@ -38,17 +38,23 @@ may run on the first S' = P + (the longest completion, rounded up to a multiple 
 positions only (at most S), the rest padded back with zeros. Why the bits at every emitting
 position are those of the whole length: (1) every pass is causal: position i reads tokens,
 exits and KV depths at positions <= i < S' only; (2) the matmuls are row-invariant, so fewer
-rows change no row; (3) attention: a query's live keys sit in the same 128-key blocks, cut at
-its row's first live key (`looprl.model.kernels`), at any key-axis length; the cut removes only
-key blocks in which every key is masked for every live query (a query at i < S' sees keys
-<= i), and such a block's value partial is +0 (`0 * v` summed from +0, v finite) and its
-softmax-sum partial +0, which leave a running block sum x unchanged (x + 0 == x for every x but
--0: the caveat the kernels' exact-zero argument for masked keys inside a block has too); the
-max is order-free. The scores dot's column count is the key-axis length, so it changes too:
-that a key's score does not depend on it is what the needle test's larger prompt bucket
-already relies on, tested rather than argued (`looprl.model.kernels`). The logits are per
-position. Bucketing bounds the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked
-bit for bit against the recorded log-probs by tests/learner/test_live_prefix.py.
+rows change no row; (3) attention: a query's live keys sit in the same slots of the same 128-key
+blocks, cut at its row's first live key (`looprl.model.kernels`), at any key-axis length, and
+every other slot is masked for it (a query at i < S' sees keys <= i). What the cut changes is
+masked slots only: whole blocks of them go (the key axis is shorter), and since the rotation is
+modulo the padded length, the row's left-padding keys move into the last kept block, into slots
+that held future keys at the whole length. A masked slot adds `0 * v` (v finite) to its block's
+value partial and 0 to its softmax sum, and a block of masked slots alone gives partials of +0
+(summed from +0), which leave a running block sum x unchanged: x + 0 == x for every x but -0,
+the caveat the kernels' exact-zero argument for masked keys has anyway. The max is order-free.
+The scores dot's column count is the key-axis length, so it changes too: that a key's score
+does not depend on it is what the needle test's larger prompt bucket already relies on, tested
+rather than argued (`looprl.model.kernels`). The logits are per position. Bucketing bounds
+the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked bit for bit against the
+recorded log-probs by tests/learner/test_live_prefix.py (a reviewer also cut `attention` alone
+at head_dim 64 and 128, fp32 and bf16, pads 0-23, S of 155-700 cut to 37-640: 0 bits differed).
+The loss and gradient sum their terms over S' positions, so they equal the whole length's to
+fp32 rounding, not bit for bit (a resumed run keeps its own `seq_bucket`).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A run resumes with the noise keying it started with (issue 14): a checkpoint whose config
-predates `rollout.noise_keying` was sampled with the layout keying, and keeps it."""
+predates `rollout.noise_keying` was sampled with the layout keying, and keeps it; one that
+predates `learner.seq_bucket` trained on the whole layout, and keeps doing so."""
 import json
 
 from looprl.config import ExperimentConfig, to_json
@@ -9,14 +10,17 @@ from looprl.train.resume import CONFIG_IN_CHECKPOINT, load_resume_point
 def test_resume_keeps_the_checkpoints_noise_keying(tmp_path):
     cfg = ExperimentConfig()
     d = json.loads(to_json(cfg))
-    del d["rollout"]["noise_keying"]  # written before the key existed
+    del d["rollout"]["noise_keying"]  # written before the keys existed
+    del d["learner"]["seq_bucket"]
     (tmp_path / CONFIG_IN_CHECKPOINT).write_text(json.dumps(d))
     said = []
     resumed = load_resume_point(tmp_path, cfg, said.append)
-    assert cfg.rollout.noise_keying == "completion"
-    assert resumed.rollout.noise_keying == "layout"
-    assert said == ["resuming with the run's own rollout.noise_keying='layout'"]
-    assert resumed.replace(rollout=resumed.rollout.replace(noise_keying="completion")) == cfg
+    assert (cfg.rollout.noise_keying, cfg.learner.seq_bucket) == ("completion", 64)
+    assert (resumed.rollout.noise_keying, resumed.learner.seq_bucket) == ("layout", 0)
+    assert said == ["resuming with the run's own rollout.noise_keying='layout'",
+                    "resuming with the run's own learner.seq_bucket=0"]
+    assert resumed.replace(rollout=resumed.rollout.replace(noise_keying="completion"),
+                           learner=resumed.learner.replace(seq_bucket=64)) == cfg
 
 
 def test_resume_of_a_new_run_changes_nothing(tmp_path):
