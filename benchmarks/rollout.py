@@ -21,16 +21,16 @@ checked here: the tokens and log-prob bits of both Flax runs must be equal, or t
 `flax_1device_vs_torch_decode_b{1,16,128}`: the same with Flax on one device.
 
 Model: preset `tiny` (hidden 128, 2 layers, 4 heads, T = 4; vocab of the arithmetic task's char
-tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate
-is trained), the same weights, prompts (arithmetic task prompts) and seed for every
-configuration, in one run. Each configuration samples at temperature 1 with stop ids off, so every row decodes a fixed
-number of new tokens: `MAX_NEW` = 32 in the sweep over batch sizes and thresholds, `B1_MAX_NEW`
-= 128 for the `_b1` keys. At 32 tokens the sequence (prompt ~20 + 32) is so short that a loop
-costs little more than the per-step work outside the loops and a deferred window is hardly
-used, so edge effects dominate; 128 tokens is closer to an RL rollout (the GSM8K configs sample
-up to 512) and shows the policies' steady state. Both are reported (`*_b1_new32` keys for the
-short one). The KV policies change the decode steps, so the policy ratios use decode tokens/s
-= rows x (new tokens - 1) / wall seconds of the decode steps (`generate(timings=)`; the
+tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate is
+trained), the same weights, prompts (arithmetic task prompts) and seed for every configuration,
+in one run. Each configuration samples at temperature 1 with stop ids off, so every row decodes
+a fixed number of new tokens: `MAX_NEW` = 32 in the sweep over batch sizes and thresholds,
+`B1_MAX_NEW` = 128 for the `_b1` keys. At 32 tokens the sequence (prompt ~20 + 32) is so short
+that a loop costs little more than the per-step work outside the loops and a deferred window is
+hardly used, so edge effects dominate; 128 tokens is closer to an RL rollout (the GSM8K configs
+sample up to 512) and shows the policies' steady state. Both are reported (`*_b1_new32` keys for
+the short one). The KV policies change the decode steps, so the policy ratios use decode
+tokens/s = rows x (new tokens - 1) / wall seconds of the decode steps (`generate(timings=)`; the
 prefill, which runs every loop for every prompt position under any policy and emits the first
 token, is timed apart); whole-call tokens/s (rows x new tokens / the whole `generate` call) are
 reported next to them. Parameters are device arrays, as in training. After a compile/warm-up

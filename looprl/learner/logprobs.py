@@ -212,9 +212,8 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
     live = S if seq_len is None else seq_len
     if not sch.prompt_len < live <= S:
         raise ValueError(f"seq_len {seq_len}: expected a length in ({sch.prompt_len}, {S}]")
-    if method == "stock":
-        live = int(sch.prompt_len + np.max(np.asarray(sub.completion_len_B), initial=1))
-        live = min(live, S)
+    if method == "stock":  # the exact live prefix, unbucketed
+        live = live_seq_len(sub, 1)
     if live < S:
         tokens, exit_loop, kv_depth = tokens[:, :live], exit_loop[:, :live], kv_depth[:, :live]
     static = dict(cfg=cfg, kv_policy=sch.kv_policy, compute_dtype=sch.compute_dtype,
