@@ -491,12 +491,10 @@ def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
 
 
 def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, dtype, prec,
-                            softmax_fn, key_block=None, live_rows=None, score_blocks=False):
-    """The attention math on one block of queries: fp32 scores, mask, fp32 softmax, probs cast
-    to the compute dtype, value product accumulated in fp32, cast to `dtype`. `live_rows` = n
-    (static): only the first n query rows are real; the softmax runs on those alone and the
-    padding rows get probabilities 0 (the softmax is row-invariant, so the real rows' bits are
-    the same; a decode step's one query in an 8-row tile then pays for one softmax row, not 8).
+                            softmax_fn, key_block=None, score_blocks=False):
+    """The attention math on one block of queries (the accelerator form and the plain backward;
+    the CPU form is `_attention_cpu_impl`): fp32 scores, mask, fp32 softmax, probs cast to the
+    compute dtype, value product accumulated in fp32, cast to `dtype`.
     `score_blocks` (the accelerator form): the scores too in `key_block`-key blocks, one
     `[R, K] x [K, key_block]` dot per (b, h, block), so no dot's shape depends on S."""
     if score_blocks:
@@ -510,14 +508,9 @@ def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, 
     else:
         scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxRxK, k_BxHxSxK,
                             preferred_element_type=jnp.float32, precision=prec)
-    R = scores.shape[2]
-    if live_rows is not None and live_rows < R:
-        scores, mask_BxRxS = scores[:, :, :live_rows], mask_BxRxS[:, :live_rows]
     scores = scores * jnp.float32(scale)
     scores = jnp.where(mask_BxRxS[:, None], scores, MASK_VALUE)
     probs = softmax_fn(scores).astype(dtype).astype(v_BxHxSxK.dtype)
-    if probs.shape[2] < R:
-        probs = jnp.pad(probs, [(0, 0), (0, 0), (0, R - probs.shape[2]), (0, 0)])
     S = v_BxHxSxK.shape[2]
     if key_block is None or S <= key_block:
         return jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK, precision=prec,
@@ -586,26 +579,73 @@ def _map_query_tiles(tile, q_BxHxCxK, mask_BxCxS, t: int):
     return jnp.moveaxis(jax.lax.map(tile, (qs, ms)), 0, 2).reshape(B, H, tiles * t, K)
 
 
+def _live_key_blocks(mask_BxRxS):
+    """How many K_BLOCK-key blocks, from slot 0, hold every key any query row of the tile may see:
+    int32 scalar, 0 when no row sees a key (a tile of padding rows)."""
+    S = mask_BxRxS.shape[-1]
+    live_S = jnp.any(mask_BxRxS, axis=(0, 1))
+    last = jnp.max(jnp.where(live_S, jnp.arange(1, S + 1, dtype=jnp.int32), 0))
+    return (last + K_BLOCK - 1) // K_BLOCK
+
+
 def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
-    """CPU form: key axis padded to a multiple of K_BLOCK (masked) and rotated per row so that
-    the row's first live key sits in slot 0 (key blocks aligned to the row's token positions,
-    not to its left padding), K/V cast to fp32 once (XLA would convert bf16 operands at every
-    dot), queries in row tiles (`_row_tile_for(C)`) in one `lax.map`."""
+    """CPU form (module doc): key axis padded to a multiple of K_BLOCK (masked), each row's keys
+    rotated to start at its first live key, queries in row tiles (`_row_tile_for(C)`, one
+    `lax.map` when there is more than one), and per tile both dots in K_BLOCK-key blocks over
+    the live blocks only (`_live_key_blocks`; a `fori_loop` per dot): block j's scores are one
+    `[R, K] x [K, 128]` dot per (b, h) written into an fp32 `[B, H, R, S]` buffer, the masked
+    fp32 softmax runs over the whole key axis (the real query rows only when there is one
+    tile), and block j's value partial, one `[R, 128] x [128, K]` dot per (b, h), is added in
+    block order to an accumulator that starts at -0.0. Each block of K/V is gathered (rotated)
+    and cast to fp32 where it is used, so no whole-cache copy is made and a decode step's
+    attention costs what its live keys cost, not the cache length."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    k32, v32, mask = _keys_in_blocks_from_first_live(k_BxHxSxK.astype(jnp.float32),
-                                                     v_BxHxSxK.astype(jnp.float32), mask_BxCxS)
+    k, _ = _pad_rows(k_BxHxSxK, 2, K_BLOCK)
+    v, _ = _pad_rows(v_BxHxSxK, 2, K_BLOCK)
+    mask, _ = _pad_rows(mask_BxCxS, 2, K_BLOCK)
+    S = k.shape[2]
+    offset_B = jnp.argmax(jnp.any(mask, axis=1), axis=-1)  # first key any query may see
+    mask = _keys_from_first_live(mask, offset_B, 2)
+
+    def key_block(x_BxHxSxK, j):
+        """Block j of the rotated key axis of x, fp32 `[B, H, K_BLOCK, K]` (an exact gather)."""
+        idx_BxZ = (j * K_BLOCK + jnp.arange(K_BLOCK)[None, :] + offset_B[:, None]) % S
+        return jnp.take_along_axis(x_BxHxSxK, idx_BxZ[:, None, :, None],
+                                   axis=2).astype(jnp.float32)
 
     def tile(qm, live_rows=None):
         q_BxHxRxK, mask_BxRxS = qm
-        return _attention_probs_values(q_BxHxRxK.astype(jnp.float32), k32, v32, mask_BxRxS,
-                                       scale, dtype, None, softmax, K_BLOCK, live_rows)
+        q32 = q_BxHxRxK.astype(jnp.float32)
+        R = q32.shape[2]
+        n = _live_key_blocks(mask_BxRxS)
+
+        def scores_block(j, buf_BxHxRxS):
+            s = jnp.einsum("bhck,bhsk->bhcs", q32, key_block(k, j),
+                           preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_slice_in_dim(buf_BxHxRxS, s, j * K_BLOCK, axis=3)
+
+        scores = jax.lax.fori_loop(0, n, scores_block, jnp.zeros((B, H, R, S), jnp.float32))
+        if live_rows is not None and live_rows < R:  # the softmax on the real query rows only
+            scores, mask_BxRxS = scores[:, :, :live_rows], mask_BxRxS[:, :live_rows]
+        scores = jnp.where(mask_BxRxS[:, None], scores * jnp.float32(scale), MASK_VALUE)
+        probs = softmax(scores).astype(dtype).astype(jnp.float32)
+        if probs.shape[2] < R:
+            probs = jnp.pad(probs, [(0, 0), (0, 0), (0, R - probs.shape[2]), (0, 0)])
+
+        def values_block(j, acc_BxHxRxK):
+            p = jax.lax.dynamic_slice_in_dim(probs, j * K_BLOCK, K_BLOCK, axis=3)
+            return acc_BxHxRxK + jnp.einsum("bhcs,bhsk->bhck", p, key_block(v, j),
+                                            preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, n, values_block,
+                                jnp.full((B, H, R, v.shape[-1]), -0.0, jnp.float32))
+        return acc.astype(dtype)
 
     t = _row_tile_for(C)
     q_pad, _ = _pad_rows(q_BxHxCxK, 2, t)
     m_pad, _ = _pad_rows(mask, 1, t)
-    tiles = q_pad.shape[2] // t
-    if tiles == 1:  # the softmax on the C real query rows only
+    if q_pad.shape[2] == t:  # one query tile (a decode step)
         out = tile((q_pad, m_pad), live_rows=C)
     else:
         out = _map_query_tiles(tile, q_pad, m_pad, t)
