@@ -47,9 +47,10 @@ that held future keys at the whole length. A masked slot adds `0 * v` (v finite)
 value partial and 0 to its softmax sum, and a block of masked slots alone gives partials of +0
 (summed from +0), which leave a running block sum x unchanged: x + 0 == x for every x but -0,
 the caveat the kernels' exact-zero argument for masked keys has anyway. The max is order-free.
-The scores dot's column count is the key-axis length, so it changes too: that a key's score
-does not depend on it is what the needle test's larger prompt bucket already relies on, tested
-rather than argued (`looprl.model.kernels`). The logits are per position. Bucketing bounds
+No dot's shape depends on the key-axis length: scores and values are one `[R, K] x [K, 128]`
+and `[R, 128] x [128, K]` dot per (b, h, key block), over the blocks holding a live key only
+(`looprl.model.kernels`; tests/model/test_kernels_ouro_shapes.py checks the program's dots and
+the bits at Ouro widths for caches of 384 to 2048 slots). The logits are per position. Bucketing bounds
 the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked bit for bit against the
 recorded log-probs by tests/learner/test_live_prefix.py (a reviewer also cut `attention` alone
 at head_dim 64 and 128, fp32 and bf16, pads 0-23, S of 155-700 cut to 37-640: 0 bits differed).

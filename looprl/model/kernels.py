@@ -77,24 +77,35 @@ The construction (CPU):
   widens the whole weight, and in a decode loop that copy is hoisted and held: 0.4 GB for
   Ouro-1.4B's lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the
   backward as plain dots (no invariance needed there).
-* `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`) and run in
-  `lax.map` over query tiles; both dots are batched, which the DotThunk runs as separate
-  matmuls of one shape: scores `[R, K] x [K, S']` per (b, h) (K = head_dim <= 128, one block)
-  and the value product `[R, 128] x [128, K]` per (b, h, key block), the key axis padded to a
-  multiple of 128 (masked keys, probability exactly 0) and its blocks summed in order. Before
-  the dots each row's key axis is rotated (an exact gather) so that its first live key sits in
-  slot 0: the blocks are then cut at the row's own token positions 0, 128, 256, ..., whatever
-  its left padding or the batch's cache length. Argument: a row's live keys meet the same
-  block boundaries in every batch; the slots after them are masked, so their blocks add exact
-  zeros (`p * 0 = 0`, `x + 0 = x`) and the softmax sum (a `rowsum`, the same 128-long blocks)
-  likewise; the max is order-free. Without the rotation a prompt whose keys straddled slot 128
-  in a larger prompt bucket summed them in two blocks (the needle test,
-  tests/sampling/test_needle.py). The queries are the row side, so the matmul argument applies.
-  A single query tile (a decode step: C = 1 real row in a ROW_QUANTUM-row tile) runs the
-  softmax on its C real rows alone and gives the padding rows probability 0: the softmax is
-  row-invariant (below), so the real rows' bits are those of the whole tile, and the step
-  pays for one softmax row instead of 8 or 24 (issue 18: 4.9 of 15.3 ms per layer at 128 rows
-  went there).
+* `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`, several in one
+  `lax.map`). The key axis is padded to a multiple of 128 (masked keys, probability exactly 0)
+  and each row's key axis is rotated (an exact gather) so that its first live key sits in slot
+  0: the 128-key blocks are then cut at the row's own token positions 0, 128, 256, ..., whatever
+  its left padding or the batch's cache length. Both dots run per 128-key block, each block one
+  step of a `fori_loop` over the blocks holding a key that any query of the tile may see
+  (`_live_key_blocks`): block j's scores are `[R, K] x [K, 128]` per (b, h) (K = head_dim <=
+  128, one contraction block), written into an fp32 `[B, H, R, S']` buffer; the masked fp32
+  softmax runs over the whole key axis; block j's value partial is `[R, 128] x [128, K]` per
+  (b, h), added in block order to an fp32 accumulator that starts at -0.0. So every dot has one
+  shape, whatever the cache length, the batch or the live count (the DotThunk runs a batched
+  dot as separate matmuls of that shape). Argument: a row's live keys meet the same block
+  boundaries in the same dots in every batch; a slot after them is masked, so a block partly
+  live adds `0 * v` for it and the softmax sum (a `rowsum`, 128-long blocks) adds 0; blocks
+  past the tile's last live key are skipped, which drops only adds of exact zeros (`x + 0 =
+  x`, for every x but -0); blocks live for another query of the tile but not this one add
+  zeros likewise; the max is order-free. Without the rotation a prompt whose keys straddled
+  slot 128 in a larger prompt bucket summed them in two blocks (the needle test,
+  tests/sampling/test_needle.py). The queries are the row side, so the matmul argument
+  applies. K/V are gathered and cast to fp32 one block at a time where a dot uses them, so no
+  whole-cache copy is made, and a decode step costs what its live keys cost, not the cache
+  length (one layer at Ouro-1.4B width, 16 rows, a 768-slot cache: 3.2x faster than the
+  whole-axis form at 200 live keys, 2.0x at 500, 0.94x when every block is live; 2026-12-03).
+  Only a query row with no live key (a padding row) gets other bits than that form, and its
+  output is never used. A single query tile (a decode step: C = 1 real row in a
+  ROW_QUANTUM-row tile) runs the softmax on its C real rows alone and gives the padding rows
+  probability 0: the softmax is row-invariant (below), so the real rows' bits are those of the
+  whole tile, and the step pays for one softmax row instead of 8 or 24 (issue 18: 4.9 of 15.3
+  ms per layer at 128 rows went there).
 * `rowsum` (RMSNorm's mean of squares, softmax sums): `matmul` of x with a literal `[D, 16]`
   ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce).
 * `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
@@ -199,7 +210,7 @@ BATCHED_MAX_ROWS = 16  # CPU: tiles up to this many rows get their K-block parti
 # The numerics of the invariant kernels: a rollout records it (`Schedule.kernel_version`), and
 # `looprl verify --rollout` refuses a rollout sampled under another version (its bits are
 # another function's). Bump it whenever a kernel's arithmetic changes.
-KERNEL_VERSION = "2026-12-01"
+KERNEL_VERSION = "2026-12-03"
 KERNEL_VERSION_ACCEL = "2026-12-02-accel"  # the accelerator form (module doc), same rule
 ACCEL_MATMUL_IMPLS = ("xla", "pallas")  # LOOPRL_ACCEL_MATMUL: the accelerator matmul's form
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
@@ -490,6 +501,13 @@ def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
     return y.reshape(*lead, o)
 
 
+def _masked_probs(scores_BxHxRxS, mask_BxRxS, scale, dtype, softmax_fn):
+    """fp32 scores -> probabilities in the compute dtype: scaled, masked slots set to MASK_VALUE
+    (probability exactly 0), fp32 softmax over the key axis, cast to `dtype`."""
+    scores = jnp.where(mask_BxRxS[:, None], scores_BxHxRxS * jnp.float32(scale), MASK_VALUE)
+    return softmax_fn(scores).astype(dtype)
+
+
 def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, dtype, prec,
                             softmax_fn, key_block=None, score_blocks=False):
     """The attention math on one block of queries (the accelerator form and the plain backward;
@@ -508,9 +526,7 @@ def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, 
     else:
         scores = jnp.einsum("bhck,bhsk->bhcs", q_BxHxRxK, k_BxHxSxK,
                             preferred_element_type=jnp.float32, precision=prec)
-    scores = scores * jnp.float32(scale)
-    scores = jnp.where(mask_BxRxS[:, None], scores, MASK_VALUE)
-    probs = softmax_fn(scores).astype(dtype).astype(v_BxHxSxK.dtype)
+    probs = _masked_probs(scores, mask_BxRxS, scale, dtype, softmax_fn).astype(v_BxHxSxK.dtype)
     S = v_BxHxSxK.shape[2]
     if key_block is None or S <= key_block:
         return jnp.einsum("bhcs,bhsk->bhck", probs, v_BxHxSxK, precision=prec,
@@ -529,25 +545,32 @@ def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, 
     return acc.astype(dtype)
 
 
-def _keys_from_first_live(x, offset_B, axis: int):
-    """`x` with each row's key axis rotated left by its offset: key slot s holds the key at
-    `(s + offset_b) mod S`. Exact (a gather); the rotated-out leading slots are masked ones."""
+def _keys_from_first_live(x, offset_B, axis: int, start=0, length=None):
+    """Slots `start .. start + length` (default: all S) of `x`'s key axis rotated left per row by
+    its offset: rotated slot s holds the key at `(s + offset_b) mod S`. Exact (a gather); the
+    rotated-out leading slots are masked ones. `start` may be traced (a loop's block index)."""
     S = x.shape[axis]
-    idx = (jnp.arange(S)[None, :] + offset_B[:, None]) % S  # [B, S]
+    length = S if length is None else length
+    idx = (start + jnp.arange(length)[None, :] + offset_B[:, None]) % S  # [B, length]
     shape = [1] * x.ndim
     shape[0], shape[axis] = idx.shape
     return jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
 
 
-def _keys_in_blocks_from_first_live(k_BxHxSxK, v_BxHxSxK, mask_BxCxS):
-    """K, V and the mask with the key axis padded to a multiple of K_BLOCK (masked slots) and
-    rotated per row so that the row's first live key sits in slot 0 (exact: pads and gathers)."""
+def _keys_padded_to_blocks(k_BxHxSxK, v_BxHxSxK, mask_BxCxS):
+    """K, V and the mask with the key axis padded to a multiple of K_BLOCK (masked slots), and
+    each row's first key any of its queries may see (`offset_B`, int `[B]`, the rotation)."""
     k, _ = _pad_rows(k_BxHxSxK, 2, K_BLOCK)
     v, _ = _pad_rows(v_BxHxSxK, 2, K_BLOCK)
     mask, _ = _pad_rows(mask_BxCxS, 2, K_BLOCK)
-    offset_B = jnp.argmax(jnp.any(mask, axis=1), axis=-1)  # first key any query may see
-    return (_keys_from_first_live(k, offset_B, 2), _keys_from_first_live(v, offset_B, 2),
-            _keys_from_first_live(mask, offset_B, 2))
+    return k, v, mask, jnp.argmax(jnp.any(mask, axis=1), axis=-1)
+
+
+def _keys_in_blocks_from_first_live(k_BxHxSxK, v_BxHxSxK, mask_BxCxS):
+    """K, V and the mask padded to K_BLOCK multiples and rotated per row so that the row's first
+    live key sits in slot 0 (exact: pads and gathers)."""
+    k, v, mask, offset_B = _keys_padded_to_blocks(k_BxHxSxK, v_BxHxSxK, mask_BxCxS)
+    return tuple(_keys_from_first_live(x, offset_B, 2) for x in (k, v, mask))
 
 
 def _attention_accel_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
@@ -601,18 +624,14 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     attention costs what its live keys cost, not the cache length."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    k, _ = _pad_rows(k_BxHxSxK, 2, K_BLOCK)
-    v, _ = _pad_rows(v_BxHxSxK, 2, K_BLOCK)
-    mask, _ = _pad_rows(mask_BxCxS, 2, K_BLOCK)
+    k, v, mask, offset_B = _keys_padded_to_blocks(k_BxHxSxK, v_BxHxSxK, mask_BxCxS)
     S = k.shape[2]
-    offset_B = jnp.argmax(jnp.any(mask, axis=1), axis=-1)  # first key any query may see
     mask = _keys_from_first_live(mask, offset_B, 2)
 
     def key_block(x_BxHxSxK, j):
         """Block j of the rotated key axis of x, fp32 `[B, H, K_BLOCK, K]` (an exact gather)."""
-        idx_BxZ = (j * K_BLOCK + jnp.arange(K_BLOCK)[None, :] + offset_B[:, None]) % S
-        return jnp.take_along_axis(x_BxHxSxK, idx_BxZ[:, None, :, None],
-                                   axis=2).astype(jnp.float32)
+        return _keys_from_first_live(x_BxHxSxK, offset_B, 2, j * K_BLOCK,
+                                     K_BLOCK).astype(jnp.float32)
 
     def tile(qm, live_rows=None):
         q_BxHxRxK, mask_BxRxS = qm
@@ -628,8 +647,7 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
         scores = jax.lax.fori_loop(0, n, scores_block, jnp.zeros((B, H, R, S), jnp.float32))
         if live_rows is not None and live_rows < R:  # the softmax on the real query rows only
             scores, mask_BxRxS = scores[:, :, :live_rows], mask_BxRxS[:, :live_rows]
-        scores = jnp.where(mask_BxRxS[:, None], scores * jnp.float32(scale), MASK_VALUE)
-        probs = softmax(scores).astype(dtype).astype(jnp.float32)
+        probs = _masked_probs(scores, mask_BxRxS, scale, dtype, softmax).astype(jnp.float32)
         if probs.shape[2] < R:
             probs = jnp.pad(probs, [(0, 0), (0, 0), (0, R - probs.shape[2]), (0, 0)])
 

@@ -130,6 +130,54 @@ def test_attention_query_rows_all_counts(dtype, S, pad):
                                 C_big=512) == []
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("C", [1, 17])  # a decode step; a deferred window
+def test_attention_does_not_depend_on_the_cache_length_at_ouro_widths(dtype, C):
+    """Rows with left pads 0, 37, 200 and 5 whose C queries sit at their last live positions
+    (33, 300, 130 and 260 live keys): the same queries over the same keys in a cache of 384,
+    768 and 1536 slots, the slots past the live keys filled with other values (masked), give the
+    same bits. What the live-prefix learner and a decode step's skipped key blocks rely on:
+    every dot is one `[R, K] x [K, 128]` or `[R, 128] x [128, K]` per (b, h, block), whatever
+    the cache length (module doc)."""
+    rng = np.random.default_rng(7)
+    pads, live = np.array([0, 37, 200, 5]), np.array([33, 300, 130, 260])
+    B, S_max = len(pads), 1536
+    q = jnp.asarray(rng.standard_normal((B, C, H, K)), dtype)
+    kv = rng.standard_normal((2, B, S_max, H, K)).astype(np.float32)
+    f = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5))
+    outs = []
+    for S in (384, 768, 1536):
+        k, v = kv[0, :, :S].copy(), kv[1, :, :S].copy()
+        k[:, 340:] = -k[:, 340:]  # other values past every row's live keys (pad + live <= 337)
+        s = np.arange(S)
+        qpos = (pads + live)[:, None] - C + np.arange(C)[None, :]  # [B, C]
+        mask = (s[None, None, :] >= pads[:, None, None]) & (s[None, None, :] <= qpos[:, :, None])
+        outs.append(_bits(f(q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(mask))))
+    assert [np.array_equal(o, outs[0]) for o in outs[1:]] == [True, True]
+
+
+def test_every_attention_dot_has_one_shape_whatever_the_cache_length():
+    """Structural: in the optimized program of a 1-query (decode) and a 17-query call at Ouro
+    widths, the attention dots (batched over b, h) are `[R, K] x [K, 128]` and `[R, 128] x
+    [128, K]` per (b, h), R = `_row_tile_for(C)`, and the program's dots are the same for a
+    cache of 256, 1000 and 2048 slots (the softmax's `rowsum` dots are `matmul`'s, whose rows
+    are the row side)."""
+    for C in (1, 17):
+        progs = []
+        for S in (256, 1000, 2048):
+            q = jax.ShapeDtypeStruct((2, C, H, K), jnp.bfloat16)
+            kv = jax.ShapeDtypeStruct((2, S, H, K), jnp.bfloat16)
+            m = jax.ShapeDtypeStruct((2, C, S), jnp.bool_)
+            text = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5)).lower(
+                q, kv, kv, m).compile().as_text()
+            progs.append(sorted({(tuple(lhs), tuple(rhs), tuple(out))
+                                 for lhs, rhs, out, _ in _dots(text)}))
+        assert progs[1] == progs[0] and progs[2] == progs[0], (C, progs)
+        R = kn._row_tile_for(C)
+        batched = {d for d in progs[0] if len(d[0]) == 4}
+        assert batched == {((2, H, R, K), (2, H, kn.K_BLOCK, K), (2, H, R, K))}, (C, progs[0])
+
+
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w\-]+)\((.*?)\)(.*)$")
 
 
