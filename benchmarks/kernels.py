@@ -18,6 +18,14 @@ as `gate_*` for the exit gate `[2048, 1]` alone (whose stock call is a ~1 ms mat
 product with a near-zero peak, `gate_stock_ms_M1000`, so its ratios say little about a step's
 cost), plus every figure.
 
+Attention at decode (`attention_decode_*`): one query per row, ATTN_ROWS = 16 rows, Ouro-1.4B
+width (16 heads x 128), a cache of ATTN_CACHE = 768 slots (a GSM8K rollout: a ~256-token prompt
+bucket + 512 new tokens) whose first `live` slots are the row's keys (128, 384, 768: early, middle
+and last decode step), fp32 and bf16, `kernels.attention` over `kernels.stock_attention` on the
+same arguments (the sampler's stock path too attends over the whole masked cache), ATTN_REPEATS
+interleaved pairs; `attention_decode_vs_stock_1p4b` is the worst. The invariant form runs only
+the 128-key blocks that hold a live key, so its cost follows `live`; stock's follows the cache.
+
 Two whole-program figures (issue 14), on one layer of Ouro-1.4B width (`preset("ouro-1.4b",
 num_layers=1)`: hidden 2048, 16 heads x 128, MLP 5632, the full 49152 vocabulary, T = 4) with
 random weights (`init_params(cfg, 0)`, exit-gate bias 0; at q = 0.5 the sampled tokens exit at
@@ -81,6 +89,7 @@ TIMED_MAX_ROWS = {"lm_head": 1000}
 MODEL = preset("ouro-1.4b", num_layers=1)  # the whole-program figures' model (module doc)
 EXIT_Q = 0.5
 SAMPLER_ROWS, SAMPLER_PROMPT, SAMPLER_NEW, SAMPLER_REPEATS = 8, 64, 64, 3
+ATTN_ROWS, ATTN_CACHE, ATTN_LIVE, ATTN_REPEATS = 16, 768, (128, 384, 768), 5
 STEP_ROWS, STEP_LEN, STEP_REPEATS = 8, 512, 1
 
 
@@ -143,6 +152,35 @@ def _sampler(params) -> tuple[dict, np.ndarray]:
             "sampler_invariant_s": round(med["invariant"], 3),
             "sampler_stock_s": round(med["stock"], 3),
             "sampler_mean_exit_loop": round(float(exits.mean()), 3)}, exits
+
+
+def _attention_decode() -> dict:
+    """`attention_decode_*` figures (module doc): one decode query per row over a cache of
+    ATTN_CACHE slots at Ouro-1.4B width, the row's live keys the first `live` slots."""
+    H, K = MODEL.num_heads, MODEL.head_dim
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((ATTN_ROWS, 1, H, K)).astype(np.float32)
+    kv = rng.standard_normal((2, ATTN_ROWS, ATTN_CACHE, H, K)).astype(np.float32)
+    inv = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5))
+    stock = jax.jit(lambda q, k, v, m: kn.stock_attention(q, k, v, m, K ** -0.5))
+    figures = {}
+    for dtype in ("float32", "bfloat16"):
+        args = [jnp.asarray(a, dtype) for a in (q, kv[0], kv[1])]
+        for live in ATTN_LIVE:
+            mask = jnp.asarray(np.broadcast_to(np.arange(ATTN_CACHE) < live,
+                                               (ATTN_ROWS, 1, ATTN_CACHE)))
+            fns = {"inv": functools.partial(inv, *args, mask),
+                   "stock": functools.partial(stock, *args, mask)}
+            for fn in fns.values():
+                jax.block_until_ready(fn())
+            med = _interleaved(fns, ATTN_REPEATS)
+            tag = f"attention_decode_{dtype}_live{live}"
+            figures[tag] = round(med["inv"] / med["stock"], 3)
+            print(f"{tag:34s} invariant/stock {figures[tag]:5.2f}  (invariant "
+                  f"{med['inv'] * 1e3:7.2f} ms, stock {med['stock'] * 1e3:7.2f} ms)", flush=True)
+    worst = max(figures, key=figures.get)
+    return {"attention_decode_vs_stock_1p4b": figures[worst],
+            "attention_decode_vs_stock_worst": worst, "attention_decode": figures}
 
 
 def _learner_step(params, exits) -> dict:
@@ -219,11 +257,12 @@ def main() -> dict:
     p = init_params(MODEL, 0)
     p["early_exit_gate"]["bias"] = jnp.zeros_like(p["early_exit_gate"]["bias"])
     params = jax.device_put(jax.tree.map(np.asarray, p))
+    attn = _attention_decode()
     sampler, exits = _sampler(params)
     step = _learner_step(params, exits)
     env = environment()
     return {
-        **out, **sampler, **step,
+        **out, **attn, **sampler, **step,
         "gate_stock_ms_M1000": gate_ms.get("float32"),
         "figures": figures, "peak_mem_vs_stock_M4096": {k: round(v, 3) for k, v in mem.items()},
         "kernels_file": kn.__file__, "threads": 1, "xla_flags": env["xla_flags"], "cpu_model": env["cpu_model"],

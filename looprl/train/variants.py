@@ -9,6 +9,7 @@ from typing import Any
 
 from looprl.config import ExperimentConfig, apply_overrides
 from looprl.errors import ConfigError
+from looprl.programs import release_programs_near_map_limit
 from looprl.train.plots import plot_runs
 from looprl.train.run import train
 
@@ -57,6 +58,7 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
             return result
         result["variants"][name] = {"overrides": list(over), "dir": str(parent / name),
                                     **{k: summary[k] for k in HEADLINE_KEYS}}
+        release_programs_near_map_limit()
     result["wall_s"] = time.time() - t0
     (parent / "variants.json").write_text(json.dumps(result, indent=2) + "\n")
     try:

@@ -63,6 +63,7 @@ from looprl.learner.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_re
                                      sequence_logprobs)
 from looprl.learner.mismatch import compare_logprobs
 from looprl.model.kernels import KERNEL_VERSION, kernel_version
+from looprl.programs import release_programs_near_map_limit
 from looprl.sampling.policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
@@ -346,6 +347,7 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
                 log(f"  {name}: rollout on {n_devices} devices {time.time() - t0:.1f}s")
                 cells += _cell_group(cfg, params, params_u, rbm, weights=weights, opts=opts,
                                      n_devices=n_devices, log=log, notes=notes)
+            release_programs_near_map_limit()  # `looprl.programs`: the map limit
     return cells
 
 
