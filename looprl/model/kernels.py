@@ -78,28 +78,34 @@ The construction (CPU):
   Ouro-1.4B's lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the
   backward as plain dots (no invariance needed there).
 * `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`, several in one
-  `lax.map`). The key axis is padded to a multiple of 128 (masked keys, probability exactly 0)
-  and each row's key axis is rotated (an exact gather) so that its first live key sits in slot
-  0: the 128-key blocks are then cut at the row's own token positions 0, 128, 256, ..., whatever
-  its left padding or the batch's cache length. Both dots run per 128-key block, each block one
-  step of a `fori_loop` over the blocks holding a key that any query of the tile may see
-  (`_live_key_blocks`): block j's scores are `[R, K] x [K, 128]` per (b, h) (K = head_dim <=
-  128, one contraction block), written into an fp32 `[B, H, R, S']` buffer; the masked fp32
-  softmax runs over the whole key axis; block j's value partial is `[R, 128] x [128, K]` per
-  (b, h), added in block order to an fp32 accumulator that starts at -0.0. So every dot has one
-  shape, whatever the cache length, the batch or the live count (the DotThunk runs a batched
-  dot as separate matmuls of that shape). Argument: a row's live keys meet the same block
-  boundaries in the same dots in every batch; a slot after them is masked, so a block partly
-  live adds `0 * v` for it and the softmax sum (a `rowsum`, 128-long blocks) adds 0; blocks
-  past the tile's last live key are skipped, which drops only adds of exact zeros (`x + 0 =
-  x`, for every x but -0); blocks live for another query of the tile but not this one add
-  zeros likewise; the max is order-free. Without the rotation a prompt whose keys straddled
-  slot 128 in a larger prompt bucket summed them in two blocks (the needle test,
-  tests/sampling/test_needle.py). The queries are the row side, so the matmul argument
-  applies. K/V are gathered and cast to fp32 one block at a time where a dot uses them, so no
-  whole-cache copy is made, and a decode step costs what its live keys cost, not the cache
-  length (one layer at Ouro-1.4B width, 16 rows, a 768-slot cache: 3.2x faster than the
-  whole-axis form at 200 live keys, 2.0x at 500, 0.94x when every block is live; 2026-12-03).
+  `lax.map`). The key axis is taken in 128-key blocks: the mask is padded to a multiple of 128
+  (masked slots, probability exactly 0; K/V are not padded, a block's slots past the cache read
+  its last key, any finite value serving under probability +0), and each row's key axis is
+  rotated (an exact gather) so that its first live key sits in slot 0: the blocks are then cut
+  at the row's own token positions 0, 128, 256, ..., whatever its left padding or the batch's
+  cache length. Both dots run per 128-key block, each block one step of a `fori_loop` over the
+  blocks holding a key that any query of the tile may see (`_live_key_blocks`): block j's
+  scores are `[R, K] x [K, 128]` per (b, h) (K = head_dim <= 128, one contraction block),
+  written into an fp32 `[B, H, R, S']` buffer; the masked fp32 softmax runs over the whole key
+  axis; block j's value partial is `[R, 128] x [128, K]` per (b, h), added in block order to an
+  fp32 accumulator that starts at -0.0. So every dot has one shape, whatever the cache length,
+  the batch or the live count (the DotThunk runs a batched dot as separate matmuls of that
+  shape). Argument: a row's live keys meet the same block boundaries in the same dots in every
+  batch; a slot after them is masked, so a block partly live adds `0 * v` for it and the
+  softmax sum (a `rowsum`, 128-long blocks) adds 0; blocks past the tile's last live key are
+  skipped, which drops only adds of exact zeros (`x + 0 = x`, for every x but -0); blocks live
+  for another query of the tile but not this one add zeros likewise; the max is order-free.
+  Without the rotation a prompt whose keys straddled slot 128 in a larger prompt bucket summed
+  them in two blocks (the needle test, tests/sampling/test_needle.py). The queries are the row
+  side, so the matmul argument applies. Each block of K/V is gathered from the cache's own
+  `[B, S, H, K]` layout and cast to fp32 where a dot uses it, so no whole-cache copy is made
+  (a head-major or padded copy, as the previous form made, costs the cache length at every
+  call), and a decode step costs what its live keys cost. One layer of Ouro-1.4B width, 16
+  rows, a 768-slot cache, this form over the previous whole-axis one (2026-12-03, AVX2, one
+  thread, `attention` on the same arguments): 2.24x faster at 200 live keys, 1.48x at 500,
+  0.82x (slower) in bf16 at 760, where every block is live and a `[24, 128] x [128, 128]` dot
+  per (b, h, block) does what one `[24, 128] x [128, 768]` did; the learner's 4 x 512 and
+  2 x 1024 calls 0.99x and 1.00x; the main job's 256-row decode 1.00x.
   Only a query row with no live key (a padding row) gets other bits than that form, and its
   output is never used. A single query tile (a decode step: C = 1 real row in a
   ROW_QUANTUM-row tile) runs the softmax on its C real rows alone and gives the padding rows
@@ -545,42 +551,50 @@ def _attention_probs_values(q_BxHxRxK, k_BxHxSxK, v_BxHxSxK, mask_BxRxS, scale, 
     return acc.astype(dtype)
 
 
-def _keys_from_first_live(x, offset_B, axis: int, start=0, length=None):
-    """Slots `start .. start + length` (default: all S) of `x`'s key axis rotated left per row by
-    its offset: rotated slot s holds the key at `(s + offset_b) mod S`. Exact (a gather); the
-    rotated-out leading slots are masked ones. `start` may be traced (a loop's block index)."""
+def _keys_from_first_live(x, offset_B, axis: int, start=0, length=None, period=None):
+    """Slots `start .. start + length` (default: all) of `x`'s key axis rotated left per row by
+    its offset modulo `period` (default: the axis length S): rotated slot s holds the key at
+    `(s + offset_b) mod period`. Exact (a gather); the rotated-out leading slots are masked
+    ones. With `period` > S (x not padded to the blocks the mask is padded to), the slots at S or
+    past it are padding slots, masked, and read x's last key instead: any finite value serves
+    there (its probability is exactly +0, and `+0 * v` is a zero). `start` may be traced (a
+    loop's block index)."""
     S = x.shape[axis]
-    length = S if length is None else length
-    idx = (start + jnp.arange(length)[None, :] + offset_B[:, None]) % S  # [B, length]
+    period = S if period is None else period
+    length = period if length is None else length
+    idx = (start + jnp.arange(length)[None, :] + offset_B[:, None]) % period  # [B, length]
+    if period > S:
+        idx = jnp.minimum(idx, S - 1)
     shape = [1] * x.ndim
     shape[0], shape[axis] = idx.shape
     return jnp.take_along_axis(x, idx.reshape(shape), axis=axis)
 
 
-def _keys_padded_to_blocks(k_BxHxSxK, v_BxHxSxK, mask_BxCxS):
-    """K, V and the mask with the key axis padded to a multiple of K_BLOCK (masked slots), and
-    each row's first key any of its queries may see (`offset_B`, int `[B]`, the rotation)."""
-    k, _ = _pad_rows(k_BxHxSxK, 2, K_BLOCK)
-    v, _ = _pad_rows(v_BxHxSxK, 2, K_BLOCK)
+def _mask_in_blocks(mask_BxCxS):
+    """The mask padded to a multiple of K_BLOCK key slots (the new slots masked), and each row's
+    first key any of its queries may see (`offset_B`, int `[B]`: the rotation)."""
     mask, _ = _pad_rows(mask_BxCxS, 2, K_BLOCK)
-    return k, v, mask, jnp.argmax(jnp.any(mask, axis=1), axis=-1)
+    return mask, jnp.argmax(jnp.any(mask, axis=1), axis=-1)
 
 
 def _keys_in_blocks_from_first_live(k_BxHxSxK, v_BxHxSxK, mask_BxCxS):
     """K, V and the mask padded to K_BLOCK multiples and rotated per row so that the row's first
     live key sits in slot 0 (exact: pads and gathers)."""
-    k, v, mask, offset_B = _keys_padded_to_blocks(k_BxHxSxK, v_BxHxSxK, mask_BxCxS)
+    mask, offset_B = _mask_in_blocks(mask_BxCxS)
+    k, _ = _pad_rows(k_BxHxSxK, 2, K_BLOCK)
+    v, _ = _pad_rows(v_BxHxSxK, 2, K_BLOCK)
     return tuple(_keys_from_first_live(x, offset_B, 2) for x in (k, v, mask))
 
 
-def _attention_accel_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
+def _attention_accel_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
     """Accelerator form (module doc): the CPU form's rotated 128-key blocks, K/V in the compute
     dtype, scores in key blocks too, query tiles of a fixed ROW_TILE rows, always in one
     `lax.map` (a decode step's one query is a 64-row tile), fp32 dots at `Precision.HIGHEST`."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    prec = _fp32_precision(q_BxHxCxK, k_BxHxSxK)
-    k, v, mask = _keys_in_blocks_from_first_live(k_BxHxSxK, v_BxHxSxK, mask_BxCxS)
+    prec = _fp32_precision(q_BxHxCxK, k_BxSxHxK)
+    k, v, mask = _keys_in_blocks_from_first_live(jnp.swapaxes(k_BxSxHxK, 1, 2),
+                                                 jnp.swapaxes(v_BxSxHxK, 1, 2), mask_BxCxS)
 
     def tile(qm):
         q_BxHxRxK, mask_BxRxS = qm
@@ -611,9 +625,9 @@ def _live_key_blocks(mask_BxRxS):
     return (last + K_BLOCK - 1) // K_BLOCK
 
 
-def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
-    """CPU form (module doc): key axis padded to a multiple of K_BLOCK (masked), each row's keys
-    rotated to start at its first live key, queries in row tiles (`_row_tile_for(C)`, one
+def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
+    """CPU form (module doc): key axis taken in K_BLOCK-key blocks (the mask padded to a multiple
+    of K_BLOCK, the new slots masked), each row's keys rotated to start at its first live key, queries in row tiles (`_row_tile_for(C)`, one
     `lax.map` when there is more than one), and per tile both dots in K_BLOCK-key blocks over
     the live blocks only (`_live_key_blocks`; a `fori_loop` per dot): block j's scores are one
     `[R, K] x [K, 128]` dot per (b, h) written into an fp32 `[B, H, R, S]` buffer, the masked
@@ -624,14 +638,19 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
     attention costs what its live keys cost, not the cache length."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    k, v, mask, offset_B = _keys_padded_to_blocks(k_BxHxSxK, v_BxHxSxK, mask_BxCxS)
-    S = k.shape[2]
+    mask, offset_B = _mask_in_blocks(mask_BxCxS)
+    S = mask.shape[2]
     mask = _keys_from_first_live(mask, offset_B, 2)
+    # K/V are not padded: a padded copy made XLA slow the block loop down 2.5-3x when S is not a
+    # multiple of K_BLOCK (2026-12-03: 29 vs 11 ms at 256 rows, S = 50); the gather reads the
+    # padding slots from the last key instead (`_keys_from_first_live`, `period`)
 
-    def key_block(x_BxHxSxK, j):
-        """Block j of the rotated key axis of x, fp32 `[B, H, K_BLOCK, K]` (an exact gather)."""
-        return _keys_from_first_live(x_BxHxSxK, offset_B, 2, j * K_BLOCK,
-                                     K_BLOCK).astype(jnp.float32)
+    def key_block(x_BxSxHxK, j):
+        """Block j of the rotated key axis of x, fp32 `[B, H, K_BLOCK, K]` (an exact gather from
+        the cache's own layout: a head-major copy of the whole cache would cost the cache
+        length, not the live keys)."""
+        x_BxZxHxK = _keys_from_first_live(x_BxSxHxK, offset_B, 1, j * K_BLOCK, K_BLOCK, period=S)
+        return jnp.swapaxes(x_BxZxHxK, 1, 2).astype(jnp.float32)
 
     def tile(qm, live_rows=None):
         q_BxHxRxK, mask_BxRxS = qm
@@ -640,7 +659,7 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
         n = _live_key_blocks(mask_BxRxS)
 
         def scores_block(j, buf_BxHxRxS):
-            s = jnp.einsum("bhck,bhsk->bhcs", q32, key_block(k, j),
+            s = jnp.einsum("bhck,bhsk->bhcs", q32, key_block(k_BxSxHxK, j),
                            preferred_element_type=jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(buf_BxHxRxS, s, j * K_BLOCK, axis=3)
 
@@ -653,11 +672,11 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, scale):
 
         def values_block(j, acc_BxHxRxK):
             p = jax.lax.dynamic_slice_in_dim(probs, j * K_BLOCK, K_BLOCK, axis=3)
-            return acc_BxHxRxK + jnp.einsum("bhcs,bhsk->bhck", p, key_block(v, j),
+            return acc_BxHxRxK + jnp.einsum("bhcs,bhsk->bhck", p, key_block(v_BxSxHxK, j),
                                             preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, n, values_block,
-                                jnp.full((B, H, R, v.shape[-1]), -0.0, jnp.float32))
+                                jnp.full((B, H, R, K), -0.0, jnp.float32))
         return acc.astype(dtype)
 
     t = _row_tile_for(C)
@@ -680,8 +699,10 @@ def _attention_tiled(q, k, v, mask, scale):
     return _attention_tiled_impl(q, k, v, mask, scale)
 
 
-def _attention_plain(q, k, v, mask, scale):
-    return _attention_probs_values(q, k, v, mask, scale, q.dtype, _fp32_precision(q, k),
+def _attention_plain(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask, scale):
+    return _attention_probs_values(q_BxHxCxK, jnp.swapaxes(k_BxSxHxK, 1, 2),
+                                   jnp.swapaxes(v_BxSxHxK, 1, 2), mask, scale, q_BxHxCxK.dtype,
+                                   _fp32_precision(q_BxHxCxK, k_BxSxHxK),
                                    functools.partial(jax.nn.softmax, axis=-1))
 
 
@@ -715,9 +736,9 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
 
     Scores are accumulated in fp32, masked with a finite large negative value, softmax in fp32,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
-    On the CPU the key axis is padded to a multiple of 128 (masked keys) and rotated per row to
-    start at its first live key, the queries run in row tiles (multiples of ROW_QUANTUM), both
-    dots over the whole key axis in 128-key blocks (module doc), backward by plain dots
+    On the CPU the key axis is cut into 128-key blocks rotated per row to start at its first
+    live key, the queries run in row tiles (multiples of ROW_QUANTUM), both dots per 128-key
+    block over the blocks holding a live key only (module doc), backward by plain dots
     (`jax.custom_vjp`); elsewhere the same rotated key blocks, scores in key blocks too, query
     tiles of ROW_TILE rows, fp32 dots at `Precision.HIGHEST` (module doc).
 
@@ -729,10 +750,8 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """
     B, C, H, K = q_BxCxHxK.shape
     k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
-    q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)
-    k_BxHxSxK = jnp.swapaxes(k_BxSxHxK, 1, 2)
-    v_BxHxSxK = jnp.swapaxes(v_BxSxHxK, 1, 2)
-    out = _attention_tiled(q_BxHxCxK, k_BxHxSxK, v_BxHxSxK, mask_BxCxS, float(scale))
+    q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)  # K/V stay in the cache's layout [B, S, H, K]
+    out = _attention_tiled(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, float(scale))
     return jnp.swapaxes(out, 1, 2)
 
 
