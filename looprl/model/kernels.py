@@ -627,15 +627,16 @@ def _live_key_blocks(mask_BxRxS):
 
 def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
     """CPU form (module doc): key axis taken in K_BLOCK-key blocks (the mask padded to a multiple
-    of K_BLOCK, the new slots masked), each row's keys rotated to start at its first live key, queries in row tiles (`_row_tile_for(C)`, one
-    `lax.map` when there is more than one), and per tile both dots in K_BLOCK-key blocks over
-    the live blocks only (`_live_key_blocks`; a `fori_loop` per dot): block j's scores are one
-    `[R, K] x [K, 128]` dot per (b, h) written into an fp32 `[B, H, R, S]` buffer, the masked
-    fp32 softmax runs over the whole key axis (the real query rows only when there is one
-    tile), and block j's value partial, one `[R, 128] x [128, K]` dot per (b, h), is added in
-    block order to an accumulator that starts at -0.0. Each block of K/V is gathered (rotated)
-    and cast to fp32 where it is used, so no whole-cache copy is made and a decode step's
-    attention costs what its live keys cost, not the cache length."""
+    of K_BLOCK, the new slots masked), each row's keys rotated to start at its first live key,
+    queries in row tiles (`_row_tile_for(C)`, one `lax.map` when there is more than one), and
+    per tile both dots in K_BLOCK-key blocks over the live blocks only (`_live_key_blocks`; a
+    `fori_loop` per dot): block j's scores are one `[R, K] x [K, 128]` dot per (b, h) written
+    into an fp32 `[B, H, R, S]` buffer, the masked fp32 softmax runs over the whole key axis
+    (the real query rows only when there is one tile), and block j's value partial, one
+    `[R, 128] x [128, K]` dot per (b, h), is added in block order to an accumulator that starts
+    at -0.0. Each block of K/V is gathered (rotated) from the cache's `[B, S, H, K]` layout and
+    cast to fp32 where it is used, so no whole-cache copy is made and a decode step's attention
+    costs what its live keys cost, not the cache length."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
     mask, offset_B = _mask_in_blocks(mask_BxCxS)
