@@ -659,12 +659,19 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
         R = q32.shape[2]
         n = _live_key_blocks(mask_BxRxS)
 
+        def over_live_blocks(body, init):
+            """`body(j, carry)` for j < n; one block is run directly (no loop: a decode step of
+            a short cache pays no loop overhead, and a live row has n = 1 there anyway)."""
+            if S == K_BLOCK:
+                return body(0, init)
+            return jax.lax.fori_loop(0, n, body, init)
+
         def scores_block(j, buf_BxHxRxS):
             s = jnp.einsum("bhck,bhsk->bhcs", q32, key_block(k_BxSxHxK, j),
                            preferred_element_type=jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(buf_BxHxRxS, s, j * K_BLOCK, axis=3)
 
-        scores = jax.lax.fori_loop(0, n, scores_block, jnp.zeros((B, H, R, S), jnp.float32))
+        scores = over_live_blocks(scores_block, jnp.zeros((B, H, R, S), jnp.float32))
         if live_rows is not None and live_rows < R:  # the softmax on the real query rows only
             scores, mask_BxRxS = scores[:, :, :live_rows], mask_BxRxS[:, :live_rows]
         probs = _masked_probs(scores, mask_BxRxS, scale, dtype, softmax).astype(jnp.float32)
@@ -676,8 +683,7 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
             return acc_BxHxRxK + jnp.einsum("bhcs,bhsk->bhck", p, key_block(v_BxSxHxK, j),
                                             preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, n, values_block,
-                                jnp.full((B, H, R, K), -0.0, jnp.float32))
+        acc = over_live_blocks(values_block, jnp.full((B, H, R, K), -0.0, jnp.float32))
         return acc.astype(dtype)
 
     t = _row_tile_for(C)
