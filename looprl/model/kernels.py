@@ -100,12 +100,14 @@ The construction (CPU):
   side, so the matmul argument applies. Each block of K/V is gathered from the cache's own
   `[B, S, H, K]` layout and cast to fp32 where a dot uses it, so no whole-cache copy is made
   (a head-major or padded copy, as the previous form made, costs the cache length at every
-  call), and a decode step costs what its live keys cost. One layer of Ouro-1.4B width, 16
-  rows, a 768-slot cache, this form over the previous whole-axis one (2026-12-03, AVX2, one
-  thread, `attention` on the same arguments): 2.24x faster at 200 live keys, 1.48x at 500,
-  0.82x (slower) in bf16 at 760, where every block is live and a `[24, 128] x [128, 128]` dot
-  per (b, h, block) does what one `[24, 128] x [128, 768]` did; the learner's 4 x 512 and
-  2 x 1024 calls 0.99x and 1.00x; the main job's 256-row decode 1.00x.
+  call), and a decode step costs what its live keys cost. A bf16 block is gathered as its
+  uint16 bits (XLA CPU widens a bf16 gather's whole operand to fp32 first, as it does a
+  dynamic slice: `looprl.model.layers.layer_bits`). One layer of Ouro-1.4B width, one query
+  per row, a 768-slot cache, this form over the previous whole-axis one (2026-12-03, AVX2, one
+  XLA thread, `attention` on the same arguments): 16 rows fp32 2.48x faster at 200 live keys,
+  1.47x at 500; bf16 with every block live (760) 1.23x; 64 rows bf16 at 300 live keys 1.87x;
+  the learner's 4 x 512 fp32 and 2 x 1024 bf16 calls 0.99x and 1.09x; the main job's shapes
+  (one block, which runs without a loop) 0.98-1.08x.
   Only a query row with no live key (a padding row) gets other bits than that form, and its
   output is never used. A single query tile (a decode step: C = 1 real row in a
   ROW_QUANTUM-row tile) runs the softmax on its C real rows alone and gives the padding rows
@@ -650,7 +652,13 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
         """Block j of the rotated key axis of x, fp32 `[B, H, K_BLOCK, K]` (an exact gather from
         the cache's own layout: a head-major copy of the whole cache would cost the cache
         length, not the live keys)."""
-        x_BxZxHxK = _keys_from_first_live(x_BxSxHxK, offset_B, 1, j * K_BLOCK, K_BLOCK, period=S)
+        if x_BxSxHxK.dtype == jnp.bfloat16:  # gather the bits: XLA CPU widens a bf16 gather's
+            bits = jax.lax.bitcast_convert_type(x_BxSxHxK, jnp.uint16)  # whole operand first
+            x_BxZxHxK = jax.lax.bitcast_convert_type(_keys_from_first_live(
+                bits, offset_B, 1, j * K_BLOCK, K_BLOCK, period=S), jnp.bfloat16)
+        else:
+            x_BxZxHxK = _keys_from_first_live(x_BxSxHxK, offset_B, 1, j * K_BLOCK, K_BLOCK,
+                                              period=S)
         return jnp.swapaxes(x_BxZxHxK, 1, 2).astype(jnp.float32)
 
     def tile(qm, live_rows=None):
