@@ -1,4 +1,4 @@
-"""A run resumes with the noise keying it started with (issue 14): a checkpoint whose config
+"""A run resumes with the settings it started with (issue 14): a checkpoint whose config
 predates `rollout.noise_keying` was sampled with the layout keying, and keeps it; one that
 predates `learner.seq_bucket` trained on the whole layout, and keeps doing so."""
 import json
@@ -7,7 +7,7 @@ from looprl.config import ExperimentConfig, to_json
 from looprl.train.resume import CONFIG_IN_CHECKPOINT, load_resume_point
 
 
-def test_resume_keeps_the_checkpoints_noise_keying(tmp_path):
+def test_resume_keeps_the_keys_its_checkpoint_predates(tmp_path):
     cfg = ExperimentConfig()
     d = json.loads(to_json(cfg))
     del d["rollout"]["noise_keying"]  # written before the keys existed
