@@ -50,10 +50,11 @@ the caveat the kernels' exact-zero argument for masked keys has anyway. The max 
 No dot's shape depends on the key-axis length: scores and values are one `[R, K] x [K, 128]`
 and `[R, 128] x [128, K]` dot per (b, h, key block), over the blocks holding a live key only
 (`looprl.model.kernels`; tests/model/test_kernels_ouro_shapes.py checks the program's dots and
-the bits at Ouro widths for caches of 384 to 2048 slots). The logits are per position. Bucketing bounds
-the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked bit for bit against the
-recorded log-probs by tests/learner/test_live_prefix.py (a reviewer also cut `attention` alone
-at head_dim 64 and 128, fp32 and bf16, pads 0-23, S of 155-700 cut to 37-640: 0 bits differed).
+the bits at Ouro widths for caches of 384 to 2048 slots). The logits are per position.
+Bucketing bounds the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked bit for
+bit against the recorded log-probs by tests/learner/test_live_prefix.py (a reviewer also cut
+`attention` alone at head_dim 64 and 128, fp32 and bf16, pads 0-23, S of 155-700 cut to
+37-640: 0 bits differed).
 The loss and gradient sum their terms over S' positions, so they equal the whole length's to
 fp32 rounding, not bit for bit (a resumed run keeps its own `seq_bucket`).
 """

@@ -560,7 +560,11 @@ def _keys_from_first_live(x, offset_B, axis: int, start=0, length=None, period=N
     ones. With `period` > S (x not padded to the blocks the mask is padded to), the slots at S or
     past it are padding slots, masked, and read x's last key instead: any finite value serves
     there (its probability is exactly +0, and `+0 * v` is a zero). `start` may be traced (a
-    loop's block index)."""
+    loop's block index). A bf16 x is gathered as its uint16 bits (the same values)."""
+    if x.dtype == jnp.bfloat16:  # gather the bits: XLA CPU widens the whole operand of a bf16
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16)  # gather to fp32 first
+        return jax.lax.bitcast_convert_type(
+            _keys_from_first_live(bits, offset_B, axis, start, length, period), jnp.bfloat16)
     S = x.shape[axis]
     period = S if period is None else period
     length = period if length is None else length
@@ -652,13 +656,8 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
         """Block j of the rotated key axis of x, fp32 `[B, H, K_BLOCK, K]` (an exact gather from
         the cache's own layout: a head-major copy of the whole cache would cost the cache
         length, not the live keys)."""
-        if x_BxSxHxK.dtype == jnp.bfloat16:  # gather the bits: XLA CPU widens a bf16 gather's
-            bits = jax.lax.bitcast_convert_type(x_BxSxHxK, jnp.uint16)  # whole operand first
-            x_BxZxHxK = jax.lax.bitcast_convert_type(_keys_from_first_live(
-                bits, offset_B, 1, j * K_BLOCK, K_BLOCK, period=S), jnp.bfloat16)
-        else:
-            x_BxZxHxK = _keys_from_first_live(x_BxSxHxK, offset_B, 1, j * K_BLOCK, K_BLOCK,
-                                              period=S)
+        x_BxZxHxK = _keys_from_first_live(x_BxSxHxK, offset_B, 1, j * K_BLOCK, K_BLOCK,
+                                          period=S)
         return jnp.swapaxes(x_BxZxHxK, 1, 2).astype(jnp.float32)
 
     def tile(qm, live_rows=None):
