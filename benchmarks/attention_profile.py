@@ -1,0 +1,139 @@
+"""Where a decode step's attention spends its time: a profile, per XLA op (issue 18).
+
+`flax_vs_torch_decode_b16` / `_b128` (benchmarks/rollout.py) are missed, and a decode layer of
+the tiny preset at 128 rows spends most of its time in attention (2026-12-03, AVX2 host: 15.6 ms
+of ~17.5 ms per layer and loop; the seven matmuls ~1.7 ms). This script shows what inside the
+attention costs it, from a `jax.profiler` trace rather than by guessing: one decode step's
+`kernels.attention` (one query per row, C = 1) at the tiny preset's widths (4 heads of 32) over a
+64-slot cache, for `invariant` and `stock` kernels, each jitted in a `fori_loop` of REPEATS
+calls and traced once. Per XLA op (thunk) of the compiled program it reports microseconds per
+call, summed over the trace, largest first (a loop's ops are counted themselves, the loop
+container not); the op names are XLA's (`dot_general.N` are the
+score and value dots, `transpose_copy_fusion*` the rotated K/V block gathers into head-major
+order, `bitcast_pad_fusion*` the query and probability padding and the masked scores).
+
+Next to them, the floor of the construction: one unbatched dot with the FLOPs of the padded
+score dots (B x H x R rows of `[R, K] x [K, 128]`, R = the row quantum), what the padded query
+tiles cost without any per-(row, head) call. The JSON line carries, per batch size,
+`invariant_us`, `stock_us`, their ratio, the dots' share of the invariant op time and
+`padded_dot_floor_us`.
+
+Run: `python benchmarks/attention_profile.py` (no arguments; about a minute on 2 CPU cores).
+Last line: JSON. Times are trace times (the profiler adds a little per op); compare the rows of
+one run, not runs.
+"""
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from looprl import determinism  # noqa: F401  (XLA CPU flags: one thread, no fusion emitters)
+from looprl.model import kernels
+
+BATCHES = (16, 128)
+SLOTS, LIVE, HEADS, HEAD_DIM = 64, 59, 4, 32  # the tiny preset's heads; a short decode cache
+REPEATS = 20
+# trace events that are not one XLA op: Python frames, the executor, and loop containers (a
+# `while` thunk's time is its body's ops, which are counted themselves)
+_NOT_OPS = ("$", "ThunkExecutor", "Pjit", "Common", "while")
+
+
+def _looped(fn, repeats):
+    """`fn(q, *args)` called `repeats` times in one jitted `fori_loop`, each call fed by the
+    last one's output (its sum times 0, so every output element is computed and used)."""
+    @jax.jit
+    def run(q, *args):
+        def body(_, c):
+            return jnp.sum(fn(q + c, *args)) * 0
+        return jax.lax.fori_loop(0, repeats, body, jnp.float32(0))
+    return run
+
+
+def _op_times(run, args, repeats) -> dict[str, float]:
+    """Microseconds per call of each XLA op of `run(*args)`'s program, from one trace."""
+    run(*args).block_until_ready()  # compile outside the trace
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            run(*args).block_until_ready()
+        trace = next(Path(d).rglob("*.trace.json.gz"))
+        events = json.load(gzip.open(trace))["traceEvents"]
+    total = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or "dur" not in e or name.startswith(_NOT_OPS):
+            continue
+        total[name] += e["dur"]
+    return {name: us / repeats for name, us in total.most_common()}
+
+
+def _wall_us(run, args, repeats, rounds=5) -> float:
+    """Median wall microseconds per call, after a warm-up call."""
+    run(*args).block_until_ready()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / repeats * 1e6
+
+
+def _case(B: int, rng) -> dict:
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.1)
+
+    q, k, v = arr(B, 1, HEADS, HEAD_DIM), arr(B, SLOTS, HEADS, HEAD_DIM), arr(B, SLOTS, HEADS,
+                                                                             HEAD_DIM)
+    pad = rng.integers(0, SLOTS - LIVE + 1, B)
+    s = np.arange(SLOTS)
+    mask = jnp.asarray((s[None, :] >= pad[:, None]) & (s[None, :] < pad[:, None] + LIVE))[:, None]
+    scale = HEAD_DIM ** -0.5
+    out = {}
+    for name, attend in (("invariant", kernels.attention), ("stock", kernels.stock_attention)):
+        run = _looped(lambda q, k, v, m, f=attend: f(q, k, v, m, scale), REPEATS)
+        ops = _op_times(run, (q, k, v, mask), REPEATS)
+        out[name] = {"wall_us": _wall_us(run, (q, k, v, mask), REPEATS), "ops_us": ops}
+    R = kernels.row_tile()
+    x, w = arr(B * HEADS * R, HEAD_DIM), arr(HEAD_DIM, kernels.K_BLOCK)
+    floor = _looped(lambda x, w: jnp.dot(x, w), REPEATS)
+    out["padded_dot_floor_us"] = _wall_us(floor, (x, w), REPEATS)
+    ops = out["invariant"]["ops_us"]
+    dots = sum(us for name, us in ops.items() if name.startswith("dot_general"))
+    out["dot_share_of_invariant_ops"] = dots / sum(ops.values())
+    return out
+
+
+def main() -> dict:
+    rng = np.random.default_rng(0)
+    result = {"benchmark": "attention_profile", "row_quantum": kernels.row_tile(),
+              "kernel_version": kernels.kernel_version(), "slots": SLOTS, "live_keys": LIVE,
+              "heads": HEADS, "head_dim": HEAD_DIM}
+    for B in BATCHES:
+        c = _case(B, rng)
+        inv, st = c["invariant"], c["stock"]
+        print(f"B={B}: invariant {inv['wall_us']:.0f} us, stock {st['wall_us']:.0f} us per "
+              f"call; one unbatched dot of the padded score FLOPs {c['padded_dot_floor_us']:.0f}"
+              " us", file=sys.stderr)
+        for name, us in list(inv["ops_us"].items())[:8]:
+            print(f"  {us:9.1f} us  {name}", file=sys.stderr)
+        result[f"b{B}"] = {
+            "invariant_us": round(inv["wall_us"], 1), "stock_us": round(st["wall_us"], 1),
+            "invariant_vs_stock": round(inv["wall_us"] / st["wall_us"], 2),
+            "dot_share_of_invariant_ops": round(c["dot_share_of_invariant_ops"], 3),
+            "padded_dot_floor_us": round(c["padded_dot_floor_us"], 1),
+            "invariant_ops_us": {k: round(v, 1) for k, v in list(inv["ops_us"].items())[:8]},
+            "stock_ops_us": {k: round(v, 1) for k, v in list(st["ops_us"].items())[:6]}}
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
