@@ -19,9 +19,9 @@ split over a data mesh of one XLA CPU device per core (`--xla_force_host_platfor
 set below before jax starts; `generate(mesh=)`), which gives every row the bits of one device
 (row-invariant kernels, checked here: the tokens and log-prob bits of both Flax runs must be
 equal, or the run fails). At one row the mesh has nothing to split and only adds its overhead
-(2026-12-03: 0.73 on the mesh, 1.22 on one device), as 1 thread beats torch's default there;
-`torch_decode` records which setting each side took. `flax_{mesh,1device}_vs_torch_decode_*`:
-each Flax setting alone.
+(2026-12-03, two runs: 0.73 / 1.03 on the mesh, 1.22 / 1.51 on one device), as 1 thread beats
+torch's default there; `torch_decode` records which setting each side took.
+`flax_{mesh,1device}_vs_torch_decode_*`: each Flax setting alone.
 
 Model: preset `tiny` (hidden 128, 2 layers, 4 heads, T = 4; vocab of the arithmetic task's char
 tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate is
@@ -48,7 +48,9 @@ reference (`TorchOuro.generate_greedy`, its own KV cache of one slot per (loop, 
 loop for every token): greedy decoding, all T loops, same weights, batch 1, 16 and 128, 32 new
 tokens, whole calls on both sides (prefill included), each side at its better setting (above).
 
-Run: `python benchmarks/rollout.py` (no arguments; <= 400 s on 2 CPU cores). Last line: JSON.
+Run: `python benchmarks/rollout.py` (no arguments; budget 400 s on 2 CPU cores: 284 s on the
+AVX-512 host of 2026-12-02, 457 s on an AVX2 host on 2026-12-03, 811 s on a slower one later
+that day). Last line: JSON.
 """
 from __future__ import annotations
 
@@ -293,7 +295,8 @@ def main() -> dict:
         torch_vs[B] = {"flax_tokens_per_s": tps[flax_best],
                        "flax_mesh_tokens_per_s": tps["invariant_mesh"],
                        "flax_1device_tokens_per_s": tps["invariant"],
-                       "flax_stock_tokens_per_s": tps["stock"], "flax_devices": mesh.size,
+                       "flax_stock_tokens_per_s": tps["stock"],
+                       "flax_devices": mesh.size if flax_best == "invariant_mesh" else 1,
                        "torch_tokens_per_s": B * MAX_NEW / torch_s[best], "torch_setting": best,
                        "flax_setting": flax_best,
                        "flax_vs_torch": torch_s[best] / secs[flax_best],
