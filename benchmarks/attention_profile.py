@@ -17,14 +17,16 @@ scores). The dots' share counts every op named `dot*`.
 Next to them, the floor of the construction: both dots unbatched at the padded FLOPs (one
 `[B H R, K] x [K, 128]` dot and one `[B H R, 128] x [128, K]` dot, R = the row quantum, and the
 key axis padded to 128 as the invariant form pads it), what the padded query tiles cost
-without a call per (row, head). Wall times are medians of 5 runs of REPEATS calls. The JSON line
+without a call per (row, head). The three programs' times are medians of ROUNDS interleaved
+rounds (`benchmarks/timing.py`), in wall seconds like the trace's (XLA splits some loop
+fusions over both cores, which CPU seconds would count twice). The JSON line
 carries, per batch size, `invariant_us`, `stock_us`, their ratio, the dots' share of the
 invariant op time and `padded_dots_floor_us`.
 
 Run: `python benchmarks/attention_profile.py` (no arguments; under a minute on 2 CPU cores).
 Last line: JSON. Trace times carry the profiler's small cost per op, and the ratios vary
-between runs on a shared machine (b16 6.0x and 10.6x in two runs of 2026-12-03): compare the
-rows of one run, and run it more than once.
+between runs on a shared machine (b16 7.4x and 13.8x in two runs of 2026-12-03, before the
+three programs were interleaved): compare the rows of one run, and run it more than once.
 """
 from __future__ import annotations
 
@@ -36,9 +38,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_cpu_multi_thread_eigen=false").strip()
 
 import collections  # noqa: E402
+import functools  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -48,12 +50,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from looprl import determinism  # noqa: E402,F401  (looprl's XLA CPU flags)
-from looprl.model import kernels  # noqa: E402
+from looprl.model import kernels  # noqa: E402  (importing looprl sets its XLA CPU flags)
+from timing import interleaved  # noqa: E402  (benchmarks/timing.py)
 
 BATCHES = (16, 128)
 SLOTS, LIVE, HEADS, HEAD_DIM = 64, 59, 4, 32  # the tiny preset's heads; a short decode cache
-REPEATS = 20
+REPEATS = 20  # calls per timed program
+ROUNDS = 5  # interleaved rounds of the three programs (invariant, stock, floor) per batch size
 # trace events that are not one XLA op: Python frames (`$...`), `end: ...` markers, loop
 # containers (a `while` thunk's time is its body's ops, which are counted themselves); runtime
 # events have spaces or `::` in their names, XLA's op names never do
@@ -89,17 +92,6 @@ def _op_times(run, args, repeats) -> dict[str, float]:
     return {name: us / repeats for name, us in total.most_common()}
 
 
-def _wall_us(run, args, repeats, rounds=5) -> float:
-    """Median wall microseconds per call, after a warm-up call."""
-    run(*args).block_until_ready()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        run(*args).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / repeats * 1e6
-
-
 def _case(B: int, rng) -> dict:
     def arr(*shape):
         return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 0.1)
@@ -110,11 +102,11 @@ def _case(B: int, rng) -> dict:
     s = np.arange(SLOTS)
     mask = jnp.asarray((s[None, :] >= pad[:, None]) & (s[None, :] < pad[:, None] + LIVE))[:, None]
     scale = HEAD_DIM ** -0.5
-    out = {}
+    out, fns = {}, {}
     for name, attend in (("invariant", kernels.attention), ("stock", kernels.stock_attention)):
         run = _looped(lambda q, k, v, m, f=attend: f(q, k, v, m, scale), REPEATS)
-        ops = _op_times(run, (q, k, v, mask), REPEATS)
-        out[name] = {"wall_us": _wall_us(run, (q, k, v, mask), REPEATS), "ops_us": ops}
+        out[name] = {"ops_us": _op_times(run, (q, k, v, mask), REPEATS)}  # compiles, warms
+        fns[name] = functools.partial(run, q, k, v, mask)
     R = kernels.row_tile()
     x = arr(B * HEADS * R, HEAD_DIM)
     w_s, w_v = arr(HEAD_DIM, kernels.K_BLOCK), arr(kernels.K_BLOCK, HEAD_DIM)
@@ -123,7 +115,12 @@ def _case(B: int, rng) -> dict:
     def floor(x, w_s, w_v):  # both dots, unbatched; each call's output feeds the next call
         return jax.lax.fori_loop(0, REPEATS, lambda _, c: jnp.dot(jnp.dot(x + c * 0, w_s), w_v),
                                  jnp.zeros_like(x))
-    out["padded_dots_floor_us"] = _wall_us(floor, (x, w_s, w_v), REPEATS)
+    fns["floor"] = functools.partial(floor, x, w_s, w_v)
+    fns["floor"]().block_until_ready()  # compile
+    med = interleaved(fns, ROUNDS, clock=time.perf_counter)  # wall, as the trace's times
+    for name in ("invariant", "stock"):
+        out[name]["us"] = med[name] / REPEATS * 1e6
+    out["padded_dots_floor_us"] = med["floor"] / REPEATS * 1e6
     ops = out["invariant"]["ops_us"]
     dots = sum(us for name, us in ops.items() if name.startswith("dot"))
     if dots == 0:
@@ -141,14 +138,14 @@ def main() -> dict:
     for B in BATCHES:
         c = _case(B, rng)
         inv, st = c["invariant"], c["stock"]
-        print(f"B={B}: invariant {inv['wall_us']:.0f} us, stock {st['wall_us']:.0f} us per "
+        print(f"B={B}: invariant {inv['us']:.0f} us, stock {st['us']:.0f} us per "
               f"call; both dots unbatched at the padded FLOPs {c['padded_dots_floor_us']:.0f}"
               " us", file=sys.stderr)
         for name, us in list(inv["ops_us"].items())[:8]:
             print(f"  {us:9.1f} us  {name}", file=sys.stderr)
         result[f"b{B}"] = {
-            "invariant_us": round(inv["wall_us"], 1), "stock_us": round(st["wall_us"], 1),
-            "invariant_vs_stock": round(inv["wall_us"] / st["wall_us"], 2),
+            "invariant_us": round(inv["us"], 1), "stock_us": round(st["us"], 1),
+            "invariant_vs_stock": round(inv["us"] / st["us"], 2),
             "dot_share_of_invariant_ops": round(c["dot_share_of_invariant_ops"], 3),
             "padded_dots_floor_us": round(c["padded_dots_floor_us"], 1),
             "invariant_ops_us": {k: round(v, 1) for k, v in list(inv["ops_us"].items())[:8]},

@@ -5,7 +5,7 @@ For every weight shape, fp32 and bf16 (lm_head with fp32 output, as lm_logits), 
 {1, 2, 3, 5, 7, 8, 16, 256, 300, 1000, 4096} rows, both jitted functions run interleaved
 (invariant, stock, invariant, stock, ... after one warm-up call each) in the same process; a
 figure is median(invariant CPU seconds) / median(stock CPU seconds) (`time.process_time`, see
-`_interleaved`), lower is better. The lm_head is timed up to M = 1000 (at 4096 one call is
+`timing.interleaved`), lower is better. The lm_head is timed up to M = 1000 (at 4096 one call is
 ~10 s on one core); its 4096-row memory is still measured. Peak memory = temp + output
 bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`, recorded).
@@ -67,7 +67,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 import functools  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -80,6 +79,8 @@ from looprl.model import kernels as kn  # noqa: E402
 from looprl.model.config import preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
 from looprl.sampling.sampler import SamplingConfig, generate  # noqa: E402
+
+from timing import CLOCK, interleaved  # noqa: E402  (benchmarks/timing.py)
 
 D, F, V = 2048, 5632, 49152
 WEIGHTS = {"qkvo": (D, D), "gate_up": (D, F), "down": (F, D), "lm_head": (D, V),
@@ -102,26 +103,6 @@ def _peak_bytes(fn, *args) -> int:
     return int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
 
 
-# CPU seconds where XLA runs on this process's thread; wall seconds on an accelerator, whose work
-# the host's CPU clock does not see (the host only waits)
-CLOCK = time.process_time if jax.default_backend() == "cpu" else time.perf_counter
-
-
-def _interleaved(fns: dict, repeats: int) -> dict:
-    """Median seconds by `CLOCK` (CPU seconds of this process, every thread; wall seconds off
-    the CPU) of each zero-argument callable in `fns` (name -> fn, already compiled) over
-    `repeats` rounds that call every fn once in turn. XLA runs one intra-op thread here, so on
-    a quiet machine CPU seconds are wall seconds; on a shared one they do not count the time
-    other processes held the core (wall-clock pairs moved by 1.6x between two loaded runs)."""
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = CLOCK()
-            jax.block_until_ready(fn())
-            times[name].append(CLOCK() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def _sampler(params) -> tuple[dict, np.ndarray]:
     """`sampler_*` figures (module doc) and the exit loops the invariant rollout recorded."""
     rng = np.random.default_rng(1)
@@ -142,7 +123,7 @@ def _sampler(params) -> tuple[dict, np.ndarray]:
     for k, rb in rollouts.items():
         if not np.all(rb.completion_len_B == SAMPLER_NEW):
             raise RuntimeError(f"{k} sampler stopped early: {rb.completion_len_B}")
-    med = _interleaved(fns, SAMPLER_REPEATS)
+    med = interleaved(fns, SAMPLER_REPEATS)
     rb = rollouts["invariant"]
     exits = rb.exit_loop_BxS[rb.exit_loop_BxS > 0]
     print(f"sampler {SAMPLER_ROWS}x({SAMPLER_PROMPT}+{SAMPLER_NEW}) invariant/stock "
@@ -173,7 +154,7 @@ def _attention_decode() -> dict:
                    "stock": functools.partial(stock, *args, mask)}
             for fn in fns.values():
                 jax.block_until_ready(fn())
-            med = _interleaved(fns, ATTN_REPEATS)
+            med = interleaved(fns, ATTN_REPEATS)
             tag = f"attention_decode_{dtype}_live{live}"
             figures[tag] = round(med["inv"] / med["stock"], 3)
             print(f"{tag:34s} invariant/stock {figures[tag]:5.2f}  (invariant "
@@ -202,7 +183,7 @@ def _learner_step(params, exits) -> dict:
 
     steps = {m: jax.jit(jax.value_and_grad(functools.partial(loss, method=m)))
              .lower(*args).compile() for m in ("hybrid", "stock")}
-    med = _interleaved({m: functools.partial(f, *args) for m, f in steps.items()}, STEP_REPEATS)
+    med = interleaved({m: functools.partial(f, *args) for m, f in steps.items()}, STEP_REPEATS)
     print(f"learner step {B}x{S} hybrid/stock {med['hybrid'] / med['stock']:5.2f}  (stock "
           f"{med['stock']:7.2f} s)", flush=True)
     return {"hybrid_vs_stock_step_1p4b": round(med["hybrid"] / med["stock"], 3),
@@ -235,7 +216,7 @@ def main() -> dict:
                        "stock": functools.partial(stock, x, w)}
                 for fn in fns.values():
                     jax.block_until_ready(fn())
-                med = _interleaved(fns, _repeats(m))
+                med = interleaved(fns, _repeats(m))
                 ratio = med["inv"] / med["stock"]
                 if name == "exit_gate" and m == 1000:
                     gate_ms[dtype] = round(med["stock"] * 1e3, 3)
