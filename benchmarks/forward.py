@@ -34,29 +34,10 @@ from looprl.model import looped
 from looprl.model.config import preset
 from looprl.model.looped import all_loop_outputs, cast_weights
 from looprl.reference.torch_ouro import TorchOuro
+from timing import abba  # benchmarks/timing.py
 
 B, S = 16, 128
 WARMUP, REPEATS = 2, 7
-
-
-def _abba_seconds(contenders: dict, warmup=WARMUP, repeats=REPEATS) -> dict:
-    """`{name: (setup, fn)}` -> `{name: [seconds per call]}`. Each contender runs a block of
-    `warmup` untimed then `repeats` timed calls, in the given order and then in reverse (ABBA),
-    so slow drift of a shared machine hits all alike and the spinning worker threads one library
-    leaves behind are absorbed by the next block's warm-up."""
-    times = {name: [] for name in contenders}
-    order = list(contenders)
-    for names in (order, order[::-1]):
-        for name in names:
-            setup, fn = contenders[name]
-            setup()
-            for _ in range(warmup):
-                fn()
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def main() -> dict:
@@ -77,11 +58,12 @@ def main() -> dict:
     jax.block_until_ready(forward(weights, tokens_j))
     compile_s = time.perf_counter() - t0
     default_threads = torch.get_num_threads()
-    times = _abba_seconds({
-        "flax": (lambda: None, lambda: jax.block_until_ready(forward(weights, tokens_j))),
-        "torch": (lambda: torch.set_num_threads(default_threads), lambda: ref.forward(tokens)),
-        "torch_1thread": (lambda: torch.set_num_threads(1), lambda: ref.forward(tokens)),
-    })
+    times = abba({"flax": lambda: forward(weights, tokens_j),
+                  "torch": lambda: ref.forward(tokens),
+                  "torch_1thread": lambda: ref.forward(tokens)},
+                 REPEATS, warmup=WARMUP,
+                 setups={"torch": lambda: torch.set_num_threads(default_threads),
+                         "torch_1thread": lambda: torch.set_num_threads(1)})
     torch.set_num_threads(default_threads)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     flax_s = med["flax"]

@@ -32,6 +32,7 @@ from looprl.learner.logprobs import sequence_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate
+from timing import abba  # benchmarks/timing.py
 
 N_PROMPTS, GROUP, MAX_NEW = 16, 8, 32
 REPEATS = 5
@@ -83,16 +84,7 @@ def main() -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         compile_s[name] = round(time.perf_counter() - t0, 2)
-    times = {name: [] for name in contenders}
-    order = list(contenders)
-    for names in (order, order[::-1]):
-        for name in names:
-            fn = contenders[name]
-            jax.block_until_ready(fn())
-            for _ in range(REPEATS):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn())
-                times[name].append(time.perf_counter() - t0)
+    times = abba(contenders, REPEATS)
     med = {k: statistics.median(v) for k, v in times.items()}
     # the hybrid value is the sampler's bits (a sanity check, not a timing)
     hyb_lp = np.asarray(jax.jit(lambda p: sequence_logprobs(

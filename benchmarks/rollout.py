@@ -85,6 +85,7 @@ from looprl.sampling.sampler import SamplingConfig, generate  # noqa: E402
 from looprl.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from looprl.train.setup import build_tasks  # noqa: E402
 from looprl.train.warm_start import warm_start  # noqa: E402
+from timing import interleaved  # noqa: E402  (benchmarks/timing.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,18 +103,9 @@ REPEATS = 3
 
 
 def _interleaved(fns, repeats=None):
-    """Median seconds of each callable in `fns` (name -> fn): one warm-up call each, then
-    `repeats` (default REPEATS) rounds calling every fn once, so a change in machine load hits
-    all of them alike."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats or REPEATS):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median wall seconds of each callable in `fns` (name -> fn): one warm-up call each, then
+    `repeats` (default REPEATS) rounds calling every fn once (`timing.interleaved`)."""
+    return interleaved(fns, repeats or REPEATS, clock=time.perf_counter, warmup=1)
 
 
 def _measure_group(cfg, params, prompts, configs, T, max_new=MAX_NEW, keep=None,

@@ -1,7 +1,11 @@
-"""Side-by-side timing shared by the kernel benchmarks (`kernels.py`, `attention_profile.py`).
+"""Side-by-side timing shared by the benchmarks (`kernels.py`, `attention_profile.py`,
+`rollout.py`, `forward.py`, `learner.py`).
 
-`interleaved` calls every compiled function once per round, in turn, so a change in machine
-load hits all of them alike, and returns each one's median by `CLOCK`.
+Two orders, both so that a change in machine load hits every contender alike:
+`interleaved` calls every compiled function once per round, in turn, and returns each one's
+median; `abba` runs each contender in a block of calls, in the given order and then in reverse,
+for contenders that need a setup between blocks (torch's thread count) or leave worker threads
+spinning behind them.
 """
 from __future__ import annotations
 
@@ -15,14 +19,17 @@ import jax
 CLOCK = time.process_time if jax.default_backend() == "cpu" else time.perf_counter
 
 
-def interleaved(fns: dict, repeats: int, clock=CLOCK) -> dict:
-    """Median seconds by `CLOCK` (CPU seconds of this process, every thread; wall seconds off
-    the CPU) of each zero-argument callable in `fns` (name -> fn, already compiled) over
-    `repeats` rounds that call every fn once in turn. With one intra-op XLA thread, on a quiet
-    machine CPU seconds are wall seconds; on a shared one they do not count the time other
-    processes held the core (wall-clock pairs moved by 1.6x between two loaded runs), and they
-    count both cores where XLA splits a loop fusion over them. `clock=time.perf_counter` for wall
-    seconds."""
+def interleaved(fns: dict, repeats: int, clock=CLOCK, warmup: int = 0) -> dict:
+    """Median seconds by `clock` (default `CLOCK`: CPU seconds of this process, every thread;
+    wall seconds off the CPU) of each zero-argument callable in `fns` (name -> fn) over
+    `repeats` rounds that call every fn once in turn, after `warmup` untimed calls of each (0:
+    the fns are already compiled). With one intra-op XLA thread, on a quiet machine CPU seconds
+    are wall seconds; on a shared one they do not count the time other processes held the core
+    (wall-clock pairs moved by 1.6x between two loaded runs), and they count both cores where XLA
+    splits a loop fusion over them. `clock=time.perf_counter` for wall seconds."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -30,3 +37,26 @@ def interleaved(fns: dict, repeats: int, clock=CLOCK) -> dict:
             jax.block_until_ready(fn())
             times[name].append(clock() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def abba(fns: dict, repeats: int, warmup: int = 1, setups: dict | None = None,
+         clock=time.perf_counter) -> dict:
+    """Seconds by `clock` (default wall) of every call: `{name: [2 * repeats floats]}`. Each
+    zero-argument callable in `fns` runs a block of `warmup` untimed then `repeats` timed calls,
+    in the given order and then in reverse (ABBA), so slow drift of a shared machine hits all
+    alike and the spinning worker threads one library leaves behind are absorbed by the next
+    block's warm-up. `setups` (name -> zero-argument callable, optional) runs before the
+    contender's block (torch's thread count)."""
+    setups = setups or {}
+    times = {name: [] for name in fns}
+    order = list(fns)
+    for names in (order, order[::-1]):
+        for name in names:
+            setups.get(name, lambda: None)()
+            for _ in range(warmup):
+                jax.block_until_ready(fns[name]())
+            for _ in range(repeats):
+                t0 = clock()
+                jax.block_until_ready(fns[name]())
+                times[name].append(clock() - t0)
+    return times
