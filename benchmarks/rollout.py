@@ -21,7 +21,9 @@ set below before jax starts; `generate(mesh=)`), which gives every row the bits 
 equal, or the run fails). At one row the mesh has nothing to split and only adds its overhead
 (2026-12-03, two runs: 0.73 / 1.03 on the mesh, 1.22 / 1.51 on one device), as 1 thread beats
 torch's default there; `torch_decode` records which setting each side took.
-`flax_{mesh,1device}_vs_torch_decode_*`: each Flax setting alone.
+`flax_{mesh,1device}_vs_torch_decode_*`: each Flax setting alone. The comparison is
+`decode_vs_torch.flax_vs_torch`, which `benchmarks/decode_vs_torch.py` also runs at one layer
+of Ouro-1.4B width.
 
 Model: preset `tiny` (hidden 128, 2 layers, 4 heads, T = 4; vocab of the arithmetic task's char
 tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate is
@@ -49,18 +51,17 @@ loop for every token): greedy decoding, all T loops, same weights, batch 1, 16 a
 tokens, whole calls on both sides (prefill included), each side at its better setting (above).
 
 Run: `python benchmarks/rollout.py` (no arguments; budget 400 s on 2 CPU cores: 284 s on the
-AVX-512 host of 2026-12-02, 457 s on an AVX2 host on 2026-12-03, 811 s on a slower one later
-that day). Last line: JSON.
+AVX-512 host of 2026-12-02, 457 s on an AVX2 host on 2026-12-03, 811 s and 925 s on a slower
+one later that day). Last line: JSON.
 """
 from __future__ import annotations
 
 import os
 
-# one XLA CPU device per core for the Flax-vs-torch comparison's row mesh (module doc); every
-# other measurement runs on device 0 as before. Must be set before jax starts.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
-                               f"device_count={len(os.sched_getaffinity(0))}").strip()
+# decode_vs_torch sets one XLA CPU device per core for the Flax-vs-torch comparison's row mesh
+# (module doc) before jax starts, so it is imported first; every other measurement runs on
+# device 0 as before
+from decode_vs_torch import flax_vs_torch, reference  # noqa: E402  (benchmarks/)
 
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -77,10 +78,8 @@ import torch  # noqa: E402
 
 from looprl.config import MeshConfig, load_experiment  # noqa: E402
 from looprl.distributed.mesh import make_mesh  # noqa: E402
-from looprl.io import hf  # noqa: E402
 from looprl.model.config import from_model_section, preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
-from looprl.reference.torch_ouro import TorchOuro  # noqa: E402
 from looprl.sampling.sampler import SamplingConfig, generate  # noqa: E402
 from looprl.tasks.arithmetic import ArithmeticTask  # noqa: E402
 from looprl.train.setup import build_tasks  # noqa: E402
@@ -247,58 +246,13 @@ def main() -> dict:
         r["vs_dense_whole_call"] = r["tokens_per_s"] / dense["tokens_per_s"]
 
     # Flax vs the PyTorch reference decode (greedy, all T loops per token, same weights).
-    state = hf.hf_state_from_params(params, cfg)
-    ref = TorchOuro(cfg, {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
-    default_threads = torch.get_num_threads()
+    ref = reference(cfg, params)
     mesh = make_mesh(MeshConfig(data=-1))  # one device per core (module doc)
     torch_vs = {}
     for B in (1, 16, 128):
-        P = min(len(p) for p in prompts_all[:B])
-        prompts = [p[:P] for p in prompts_all[:B]]  # the reference takes equal-length prompts
-        arr = np.asarray(prompts)
-        out = {}
-
-        def flax_run(name, kernels, mesh=None):
-            out[name] = generate(cfg, params, prompts, SamplingConfig(
-                max_new_tokens=MAX_NEW, temperature=0.0, exit_threshold=1.0, kv_policy="dense",
-                stop_ids=(), kernels=kernels), mesh=mesh)
-
-        def torch_run(threads):
-            torch.set_num_threads(threads)
-            ref.generate_greedy(arr, MAX_NEW)
-
-        fns = {"invariant": functools.partial(flax_run, "invariant", "invariant"),
-               "invariant_mesh": functools.partial(flax_run, "invariant_mesh", "invariant", mesh),
-               "stock": functools.partial(flax_run, "stock", "stock"),
-               "torch": functools.partial(torch_run, default_threads),
-               "torch_1thread": functools.partial(torch_run, 1)}
-        secs = _interleaved(fns, repeats=3 if B > 16 else None)
-        torch.set_num_threads(default_threads)
-        one, many = out["invariant"], out["invariant_mesh"]
-        if not (np.array_equal(np.asarray(one.tokens_BxS), np.asarray(many.tokens_BxS))
-                and np.array_equal(np.asarray(one.logprob_BxS).view(np.uint32),
-                                   np.asarray(many.logprob_BxS).view(np.uint32))):
-            raise SystemExit(f"B={B}: the {mesh.size}-device rollout's tokens or log-prob bits "
-                             "differ from one device's (row invariance broken)")
-        torch_s = {k: secs[k] for k in ("torch", "torch_1thread")}
-        best = min(torch_s, key=torch_s.get)
-        flax_best = min(("invariant_mesh", "invariant"), key=secs.get)
-        tps = {k: B * MAX_NEW / secs[k] for k in ("invariant_mesh", "invariant", "stock")}
-        torch_vs[B] = {"flax_tokens_per_s": tps[flax_best],
-                       "flax_mesh_tokens_per_s": tps["invariant_mesh"],
-                       "flax_1device_tokens_per_s": tps["invariant"],
-                       "flax_stock_tokens_per_s": tps["stock"],
-                       "flax_devices": mesh.size if flax_best == "invariant_mesh" else 1,
-                       "torch_tokens_per_s": B * MAX_NEW / torch_s[best], "torch_setting": best,
-                       "flax_setting": flax_best,
-                       "flax_vs_torch": torch_s[best] / secs[flax_best],
-                       "flax_mesh_vs_torch": torch_s[best] / secs["invariant_mesh"],
-                       "flax_1device_vs_torch": torch_s[best] / secs["invariant"],
-                       "flax_stock_vs_torch": torch_s[best] / secs["stock"]}
-        print(f"B={B} greedy dense: flax {tps['invariant_mesh']:.1f} tok/s on {mesh.size} "
-              f"devices ({tps['invariant']:.1f} on one; stock kernels {tps['stock']:.1f}), "
-              f"torch {B * MAX_NEW / torch_s[best]:.1f} tok/s ({best}); flax's best: {flax_best}",
-              file=sys.stderr)
+        P = min(len(p) for p in prompts_all[:B])  # the reference takes equal-length prompts
+        torch_vs[B] = flax_vs_torch(cfg, params, ref, [p[:P] for p in prompts_all[:B]],
+                                    MAX_NEW, 3 if B > 16 else REPEATS, mesh)
 
     rl = _rl_batch()
     wide = _wide_layer()
@@ -378,7 +332,7 @@ def main() -> dict:
                        "stage1_final_loss": round(ws["stage1_final_loss"], 4)},
         "max_new_tokens": MAX_NEW, "max_new_tokens_b1": B1_MAX_NEW,
         "threads": {"cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                    "torch_default_threads": default_threads},
+                    "torch_default_threads": torch.get_num_threads()},
         "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
         "wall_s": round(time.time() - t_start, 1),
     }

@@ -20,6 +20,7 @@ Loads the same HF state dict (`config.json` + `model.safetensors` or a sharded i
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -173,11 +174,15 @@ class TorchOuro:
         return mix
 
     @torch.inference_mode()
-    def generate_greedy(self, prompt_ids, max_new_tokens: int) -> np.ndarray:
+    def generate_greedy(self, prompt_ids, max_new_tokens: int,
+                        timings: dict | None = None) -> np.ndarray:
         """Greedy decoding from the last loop's logits with a KV cache of one slot per
         (loop, layer): prefill the prompt, then one token per step through all T loops.
 
-        Args: prompt_ids int `[B, P]` (no padding: all prompts the same length).
+        Args: prompt_ids int `[B, P]` (no padding: all prompts the same length); `timings`
+          (optional dict) receives `prefill_s` (the prompt's pass, which emits the first token)
+          and `decode_s` (the other max_new_tokens - 1 steps), wall seconds, as
+          `looprl.sampling.sampler.generate(timings=)` reports them.
         Returns: int64 `[B, P + max_new_tokens]` (prompt followed by the generated tokens).
         """
         cfg = self.cfg
@@ -189,10 +194,15 @@ class TorchOuro:
                    for _ in range(cfg.num_layers)] for _ in range(cfg.total_ut_steps)]
         out = [ids]
         pos0, step_ids = 0, ids
-        for _ in range(max_new_tokens):
+        t0 = t_first = time.perf_counter()
+        for i in range(max_new_tokens):
             *_, h = self._loops(step_ids, caches, pos0)
             nxt = F.linear(h[:, -1], self.lm_head).to(torch.float32).argmax(-1, keepdim=True)
             out.append(nxt)
             pos0 += step_ids.shape[1]
             step_ids = nxt
+            if i == 0:
+                t_first = time.perf_counter()
+        if timings is not None:
+            timings.update(prefill_s=t_first - t0, decode_s=time.perf_counter() - t_first)
         return torch.cat(out, dim=1).numpy()

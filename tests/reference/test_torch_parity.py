@@ -131,8 +131,12 @@ def test_torch_kv_cache_decode_matches_full_forward(tmp_path):
     path, _ = write_hf(tmp_path, cfg)
     ref = TorchOuro.from_hf(path)
     prompt = tokens(cfg, B=2, S=5, seed=4)
-    seq = ref.generate_greedy(prompt, max_new_tokens=6)
+    timings = {}
+    seq = ref.generate_greedy(prompt, max_new_tokens=6, timings=timings)
     assert seq.shape == (2, 11) and np.array_equal(seq[:, :5], prompt)
+    assert set(timings) == {"prefill_s", "decode_s"}  # the split `generate(timings=)` reports
+    assert timings["prefill_s"] > 0 and timings["decode_s"] > 0
+    assert np.array_equal(ref.generate_greedy(prompt, max_new_tokens=6), seq)
     logits, _ = ref.forward(seq)
     greedy = logits[-1].numpy().argmax(-1)  # [B, S]: token emitted after each position
     assert np.array_equal(greedy[:, 4:10], seq[:, 5:11])
