@@ -117,7 +117,7 @@ def flax_vs_torch(cfg, params, ref: TorchOuro, prompts, max_new: int, repeats: i
     rec.update({"torch_setting": torch_best, "flax_setting": flax_best,
                 "flax_devices": mesh.size if flax_best == "invariant_mesh" else 1,
                 "flax_tokens_per_s": B * max_new / secs[flax_best],
-                "torch_tokens_per_s": B * max_new / secs[torch_best],
+                "torch_best_tokens_per_s": B * max_new / secs[torch_best],
                 "flax_vs_torch": secs[torch_best] / secs[flax_best]})
     names = {"invariant_mesh": "flax_mesh", "invariant": "flax_1device", "stock": "flax_stock"}
     rec.update({f"{names[k]}_vs_torch": secs[torch_best] / secs[k] for k in names if k in secs})

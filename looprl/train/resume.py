@@ -273,7 +273,8 @@ def prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
 
     Raises:
       ConfigError: out_dir differs from the resumed directory, the resumed directory has no
-        config.json, or a fresh run's out_dir is not empty.
+        config.json, a fresh run's out_dir is a file or not empty, or it cannot be created (the
+        OS error named: no permission, a parent that is a file).
     """
     out = Path(exp_cfg.run.out_dir)
     if exp_cfg.run.resume is not None:
@@ -286,8 +287,15 @@ def prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
             raise ConfigError(f"config key 'run.resume': {exp_cfg.run.resume!r} is not a run "
                               f"directory (no config.json)")
         return run_dir.resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is a file; a run needs an "
+                          f"empty or new directory")
+    if out.exists() and any(out.iterdir()):
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
                           f"needs an empty or new directory (or resume={str(out)!r})")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"config key 'run.out_dir': cannot create {str(out)!r}: "
+                          f"{e.strerror or e}") from None
     return out.resolve()   # absolute: orbax refuses relative checkpoint paths

@@ -63,6 +63,11 @@ def _non_empty_out(tmp):
     return [str(SMOKE), f"out_dir={tmp / 'run'}"]
 
 
+def _file_as_out(tmp, sub=""):
+    (tmp / "afile").write_text("not a directory")
+    return [str(SMOKE), f"out_dir={tmp / 'afile' / sub}".rstrip("/")]
+
+
 CONFIG_CASES = {
     "typo in a key": (lambda t: [str(SMOKE), "lerning_rate=1"],
                       "did you mean ['learning_rate'"),
@@ -71,6 +76,8 @@ CONFIG_CASES = {
     "not an experiment file": (lambda t: [str(ROOT / "README.md")], "not an experiment file"),
     "config.json that is not JSON": (_bad_json, "not valid JSON"),
     "fresh run into a non-empty out_dir": (_non_empty_out, "is not empty"),
+    "out_dir is a file": (_file_as_out, "is a file"),
+    "out_dir under a file": (lambda t: _file_as_out(t, "run"), "cannot create"),
 }
 
 
