@@ -21,10 +21,16 @@ MAX_NEW - 1 steps after the prefill, which emits the first token: `generate(timi
 stock kernels. The cache is short (PROMPT_LEN + MAX_NEW slots), so this is the matmuls' race,
 not attention's (`kernels.py`'s `attention_decode_vs_stock_1p4b` covers long caches).
 
+`matmul_vs_stock_threaded`: what the decode's matmuls cost, each fp32 Ouro-1.4B weight shape
+alone at the decode's row counts (16, and 64: a mesh device's share of 128), invariant ÷ stock
+wall seconds (lower is better), medians of MATMUL_REPEATS interleaved calls, with XLA's default
+Eigen threading as in the decode (`benchmarks/kernels.py` pins one thread), and each form's CPU
+÷ wall seconds (how many cores it kept busy).
+
 `flax_vs_torch(...)` is the one comparison, shared with `rollout.py`.
 
-Run: `python benchmarks/decode_vs_torch.py` (no arguments; budget 400 s on 2 CPU cores). Last
-line: JSON.
+Run: `python benchmarks/decode_vs_torch.py` (no arguments; budget 400 s on 2 CPU cores: 415 s on
+the slow AVX2 host of 2026-12-03). Last line: JSON.
 """
 from __future__ import annotations
 
@@ -44,12 +50,14 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from looprl.config import MeshConfig  # noqa: E402
 from looprl.distributed.mesh import make_mesh  # noqa: E402
 from looprl.io import hf  # noqa: E402
+from looprl.model import kernels  # noqa: E402
 from looprl.model.config import preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
 from looprl.reference.torch_ouro import TorchOuro  # noqa: E402
@@ -61,6 +69,31 @@ TORCH = ("torch", "torch_1thread")
 PROMPT_LEN, MAX_NEW = 8, 8
 SETTINGS = {16: FLAX + TORCH, 128: ("invariant_mesh", "stock", "torch")}  # rows -> contenders
 REPEATS = 2
+MATMUL_ROWS, MATMUL_REPEATS = (16, 64), 7
+
+
+def matmul_ratios(cfg, rows=MATMUL_ROWS, repeats=MATMUL_REPEATS) -> dict:
+    """`{f"{weight}_m{M}": {"vs_stock", "invariant_ms", "stock_ms", "invariant_cores",
+    "stock_cores"}}` for each fp32 weight shape of `cfg` at M rows (module doc)."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = {"qkvo": (D, D), "gate_up": (D, F), "down": (F, D), "lm_head": (D, V)}
+    rng = np.random.default_rng(0)
+    out = {}
+    for M in rows:
+        for name, (i, o) in shapes.items():
+            x = jnp.asarray(rng.standard_normal((M, i)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((i, o)) * 0.02, jnp.float32)
+            fns = {k: functools.partial(jax.jit(f), x, w)
+                   for k, f in (("invariant", kernels.matmul), ("stock", kernels.stock_matmul))}
+            wall = interleaved(fns, repeats, clock=time.perf_counter, warmup=1)
+            cpu = interleaved(fns, repeats, clock=time.process_time)
+            out[f"{name}_m{M}"] = {"vs_stock": wall["invariant"] / wall["stock"],
+                                   **{f"{k}_ms": 1e3 * wall[k] for k in fns},
+                                   **{f"{k}_cores": cpu[k] / wall[k] for k in fns}}
+            print(f"matmul {name} M={M}: invariant / stock {out[f'{name}_m{M}']['vs_stock']:.2f}"
+                  f" ({1e3 * wall['invariant']:.1f} vs {1e3 * wall['stock']:.1f} ms)",
+                  file=sys.stderr)
+    return out
 
 
 def reference(cfg, params) -> TorchOuro:
@@ -135,6 +168,7 @@ def main() -> dict:
     cfg = preset("ouro-1.4b", num_layers=1)
     params = jax.device_put(jax.tree.map(np.asarray, init_params(cfg, 0)))
     ref = reference(cfg, params)
+    mm = matmul_ratios(cfg)
     mesh = make_mesh(MeshConfig(data=-1))
     rng = np.random.default_rng(0)
     got = {}
@@ -150,7 +184,9 @@ def main() -> dict:
             rec["flax_vs_torch_decode_only"])
         result[f"flax_stock_vs_torch_decode_steps_1p4b_width_b{B}"] = r3(
             rec["flax_stock_vs_torch_decode_only"])
+    result["matmul_vs_stock_threaded"] = {k: r3(v["vs_stock"]) for k, v in mm.items()}
     result.update({
+        "matmuls": {k: {n: r3(x) for n, x in v.items()} for k, v in mm.items()},
         "per_batch": {f"b{B}": {k: r3(v) for k, v in rec.items()} for B, rec in got.items()},
         "model": {"preset": "ouro-1.4b", "num_layers": 1, "hidden_size": cfg.hidden_size,
                   "num_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
