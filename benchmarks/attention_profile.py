@@ -18,7 +18,7 @@ Next to them, the floor of the construction: both dots unbatched at the padded F
 `[B H R, K] x [K, 128]` dot and one `[B H R, 128] x [128, K]` dot, R = the row quantum, and the
 key axis padded to 128 as the invariant form pads it), what the padded query tiles cost
 without a call per (row, head). The three programs' times are medians of ROUNDS interleaved
-rounds (`benchmarks/timing.py`), in wall seconds like the trace's (XLA splits some loop
+rounds (`looprl/timing.py`), in wall seconds like the trace's (XLA splits some loop
 fusions over both cores, which CPU seconds would count twice). The JSON line
 carries, per batch size, `invariant_us`, `stock_us`, their ratio, the dots' share of the
 invariant op time and `padded_dots_floor_us`.
@@ -51,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from looprl.model import kernels  # noqa: E402  (importing looprl sets its XLA CPU flags)
-from timing import interleaved  # noqa: E402  (benchmarks/timing.py)
+from looprl.timing import interleaved  # noqa: E402
 
 BATCHES = (16, 128)
 SLOTS, LIVE, HEADS, HEAD_DIM = 64, 59, 4, 32  # the tiny preset's heads; a short decode cache

@@ -9,8 +9,8 @@ token (`exit_threshold=1.0`), `MAX_NEW` new tokens, whole calls on both sides (p
 included), at 16 and 128 rows.
 
 Contenders, timed side by side in interleaved rounds after one warm-up call each (wall seconds,
-`timing.interleaved`): Flax with the invariant kernels with its rows split over a data mesh of
-one XLA CPU device per core (`invariant_mesh`; at 16 rows also on one device, `invariant`, and
+`looprl.timing.interleaved`): Flax with the invariant kernels with its rows split over a data
+mesh of one XLA CPU device per core (`invariant_mesh`; at 16 rows also on one device, `invariant`, and
 the two must give the same tokens and log-prob bits or the run fails), Flax with the stock
 kernels on one device (`stock`), and the reference (`TorchOuro.generate_greedy`, fp32) at
 torch's default intra-op threads (`torch`; at 16 rows also at 1 thread). `flax_vs_torch_*` =
@@ -62,7 +62,7 @@ from looprl.model.config import preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
 from looprl.reference.torch_ouro import TorchOuro  # noqa: E402
 from looprl.sampling.sampler import SamplingConfig, generate  # noqa: E402
-from timing import interleaved  # noqa: E402  (benchmarks/timing.py)
+from looprl.timing import interleaved  # noqa: E402
 
 FLAX = ("invariant", "invariant_mesh", "stock")
 TORCH = ("torch", "torch_1thread")

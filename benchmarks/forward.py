@@ -34,7 +34,7 @@ from looprl.model import looped
 from looprl.model.config import preset
 from looprl.model.looped import all_loop_outputs, cast_weights
 from looprl.reference.torch_ouro import TorchOuro
-from timing import abba  # benchmarks/timing.py
+from looprl.timing import abba
 
 B, S = 16, 128
 WARMUP, REPEATS = 2, 7

@@ -5,8 +5,8 @@ For every weight shape, fp32 and bf16 (lm_head with fp32 output, as lm_logits), 
 {1, 2, 3, 5, 7, 8, 16, 256, 300, 1000, 4096} rows, both jitted functions run interleaved
 (invariant, stock, invariant, stock, ... after one warm-up call each) in the same process; a
 figure is median(invariant CPU seconds) / median(stock CPU seconds) (`time.process_time`, see
-`timing.interleaved`), lower is better. The lm_head is timed up to M = 1000 (at 4096 one call is
-~10 s on one core); its 4096-row memory is still measured. Peak memory = temp + output
+`looprl.timing.interleaved`), lower is better. The lm_head is timed up to M = 1000 (at 4096 one
+call is ~10 s on one core); its 4096-row memory is still measured. Peak memory = temp + output
 bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`, recorded).
 
@@ -79,8 +79,7 @@ from looprl.model import kernels as kn  # noqa: E402
 from looprl.model.config import preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
 from looprl.sampling.sampler import SamplingConfig, generate  # noqa: E402
-
-from timing import CLOCK, interleaved  # noqa: E402  (benchmarks/timing.py)
+from looprl.timing import default_clock, interleaved  # noqa: E402
 
 D, F, V = 2048, 5632, 49152
 WEIGHTS = {"qkvo": (D, D), "gate_up": (D, F), "down": (F, D), "lm_head": (D, V),
@@ -248,7 +247,7 @@ def main() -> dict:
         "figures": figures, "peak_mem_vs_stock_M4096": {k: round(v, 3) for k, v in mem.items()},
         "kernels_file": kn.__file__, "threads": 1, "xla_flags": env["xla_flags"], "cpu_model": env["cpu_model"],
         "jax": env["jax"], "git_commit": env["git_commit"],
-        "clock": CLOCK.__name__, "seconds": round(time.perf_counter() - t_start, 1),
+        "clock": default_clock().__name__, "seconds": round(time.perf_counter() - t_start, 1),
     }
 
 

@@ -32,7 +32,7 @@ from looprl.learner.logprobs import sequence_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate
-from timing import abba  # benchmarks/timing.py
+from looprl.timing import abba
 
 N_PROMPTS, GROUP, MAX_NEW = 16, 8, 32
 REPEATS = 5

@@ -82,9 +82,9 @@ from looprl.model.config import from_model_section, preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
 from looprl.sampling.sampler import SamplingConfig, generate  # noqa: E402
 from looprl.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from looprl.timing import interleaved  # noqa: E402
 from looprl.train.setup import build_tasks  # noqa: E402
 from looprl.train.warm_start import warm_start  # noqa: E402
-from timing import interleaved  # noqa: E402  (benchmarks/timing.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,7 @@ REPEATS = 3
 
 def _interleaved(fns, repeats=None):
     """Median wall seconds of each callable in `fns` (name -> fn): one warm-up call each, then
-    `repeats` (default REPEATS) rounds calling every fn once (`timing.interleaved`)."""
+    `repeats` (default REPEATS) rounds calling every fn once (`looprl.timing.interleaved`)."""
     return interleaved(fns, repeats or REPEATS, clock=time.perf_counter, warmup=1)
 
 

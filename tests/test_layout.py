@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1] / "looprl"
 
 # floor of each top-level part of the package; a module may import its own package, any leaf,
 # and any package on a lower floor
-LEAVES = {"errors", "determinism", "programs", "config", "tokenizer", "tasks", "distributed"}
+LEAVES = {"errors", "determinism", "programs", "timing", "config", "tokenizer", "tasks",
+          "distributed"}
 FLOORS = {"model": 1, "io": 2, "reference": 2, "sampling": 3, "learner": 4, "rl": 5,
           "verify": 5, "train": 6, "cli": 7}
 # function-level looprl imports that are allowed, by module

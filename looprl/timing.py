@@ -1,5 +1,6 @@
-"""Side-by-side timing shared by the benchmarks (`kernels.py`, `attention_profile.py`,
-`rollout.py`, `forward.py`, `learner.py`).
+"""Side-by-side timing of compiled functions, shared by the scripts under `benchmarks/`
+(`kernels.py`, `attention_profile.py`, `rollout.py`, `decode_vs_torch.py`, `forward.py`,
+`learner.py`; a helper, not a benchmark, so it lives in the package and not beside them).
 
 Two orders, both so that a change in machine load hits every contender alike:
 `interleaved` calls every compiled function once per round, in turn, and returns each one's
@@ -14,19 +15,22 @@ import time
 
 import jax
 
-# CPU seconds where XLA runs on this process's thread; wall seconds on an accelerator, whose work
-# the host's CPU clock does not see (the host only waits)
-CLOCK = time.process_time if jax.default_backend() == "cpu" else time.perf_counter
+def default_clock():
+    """`time.process_time` where XLA runs on this process's threads (the CPU backend);
+    `time.perf_counter` (wall) on an accelerator, whose work the host's CPU clock does not see
+    (the host only waits). Asks jax for its backend, so call it after XLA_FLAGS are final."""
+    return time.process_time if jax.default_backend() == "cpu" else time.perf_counter
 
 
-def interleaved(fns: dict, repeats: int, clock=CLOCK, warmup: int = 0) -> dict:
-    """Median seconds by `clock` (default `CLOCK`: CPU seconds of this process, every thread;
-    wall seconds off the CPU) of each zero-argument callable in `fns` (name -> fn) over
+def interleaved(fns: dict, repeats: int, clock=None, warmup: int = 0) -> dict:
+    """Median seconds by `clock` (default `default_clock()`: CPU seconds of this process, every
+    thread; wall seconds off the CPU) of each zero-argument callable in `fns` (name -> fn) over
     `repeats` rounds that call every fn once in turn, after `warmup` untimed calls of each (0:
     the fns are already compiled). With one intra-op XLA thread, on a quiet machine CPU seconds
     are wall seconds; on a shared one they do not count the time other processes held the core
     (wall-clock pairs moved by 1.6x between two loaded runs), and they count both cores where XLA
     splits a loop fusion over them. `clock=time.perf_counter` for wall seconds."""
+    clock = clock or default_clock()
     for fn in fns.values():
         for _ in range(warmup):
             jax.block_until_ready(fn())
