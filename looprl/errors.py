@@ -1,4 +1,8 @@
-"""Exception families of looprl (one per family; messages name file, key, tensor, expected, found)."""
+"""Exception families of looprl (one per family; messages name file, key, tensor, expected, found),
+and `create_dir`, the one place a command's output directory is created."""
+from __future__ import annotations
+
+from pathlib import Path
 
 
 class LooprlError(Exception):
@@ -28,3 +32,20 @@ class TaskError(LooprlError, ValueError):
 class TrainingError(LooprlError):
     """A training step went wrong (non-finite loss or gradient: the message names the tensor and
     the step); the run stops without overwriting a checkpoint."""
+
+
+def create_dir(path: str | Path, what: str) -> Path:
+    """`path` created with its parents (an existing directory is fine), returned as a Path.
+
+    Raises:
+      ConfigError: the OS refused (a parent that is a file, no permission, a read-only file
+        system), naming `what` (the config key or flag that gave the path), the path and the
+        OS's reason, instead of a traceback.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot create directory {str(path)!r}: "
+                          f"{e.strerror or e}") from None
+    return path

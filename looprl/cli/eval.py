@@ -57,7 +57,7 @@ import numpy as np
 
 from looprl.cli.main import EVAL_TASKS
 from looprl.determinism import environment
-from looprl.errors import CheckpointError, ConfigError
+from looprl.errors import CheckpointError, ConfigError, create_dir
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
 from looprl.sampling.resident import load_for_sampling
@@ -267,10 +267,7 @@ def run(args) -> int:
     problems = held_out[:st["limit"]] if st["limit"] else held_out
     params, cfg, tok, fingerprint = _load(args.checkpoint, st["compute_dtype"])
     out = Path(args.out).expanduser()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out: cannot create directory {str(out)!r}: {e.strerror}") from None
+    create_dir(out, "--out")
 
     per_q: dict[float, list[dict[str, Any]]] = {}
     summaries = []

@@ -14,7 +14,7 @@ import numpy as np
 
 from looprl import determinism
 from looprl.config import load_experiment
-from looprl.errors import ConfigError, SamplingError
+from looprl.errors import ConfigError, SamplingError, create_dir
 from looprl.io.checkpoint import load_model_checkpoint
 from looprl.io.params_npz import load_rollout_params, save_params_npz
 from looprl.model.config import OuroConfig, from_model_section, preset
@@ -162,7 +162,7 @@ def run(args) -> int:
 
     if args.rollout:
         rb = RolloutBatch.load(args.rollout)
-        out.mkdir(parents=True, exist_ok=True)
+        create_dir(out, "--out")
         if args.checkpoint:
             params, cfg, _, _ = load_model_checkpoint(args.checkpoint)
             params = jax.tree.map(np.asarray, params)
@@ -176,8 +176,7 @@ def run(args) -> int:
                  "min_early_exit_fraction": opts.min_early_exit_fraction}
     else:
         cfg, weight_sets, prompts, setup = _load_weights(args, opts, log)
-        rdir = out / "rollouts"
-        rdir.mkdir(parents=True, exist_ok=True)
+        rdir = create_dir(out / "rollouts", "--out")
         for name, p in weight_sets.items():
             save_params_npz(rdir / f"{name}_params.npz", p, cfg)
         cells = run_matrix(cfg, weight_sets, prompts, opts, log=log, rollout_dir=rdir,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, create_dir
 
 CURVES = (("eval_accuracy", "held-out accuracy (greedy, fraction)"),
           ("reward_mean", "rollout reward (mean, fraction correct)"),
@@ -102,8 +102,7 @@ def plot_comparison(seed_dirs: list[str | Path], out_dir: str | Path,
     import matplotlib.pyplot as plt
 
     groups = load_groups(seed_dirs)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = create_dir(out_dir, "plot output directory")
     title = title or Path(seed_dirs[0]).resolve().parent.name
     settings: dict[str, list[str]] = {}
     for v in groups:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, create_dir
 
 PANELS = {
     "reward": [("reward_mean", "reward mean (= rollout accuracy with 0/1 rewards)")],
@@ -128,10 +128,9 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     runs = {Path(d).name or str(d): read_metrics(d) for d in run_dirs}
     summaries = {Path(d).name or str(d): _read_json(Path(d) / "summary.json") for d in run_dirs}
+    out = create_dir(out_dir, "plot output directory")  # after the runs read: none made for none
     colors = [f"C{i % 10}" for i in range(len(runs))]
     title = setting_title(run_dirs)
     written = []

@@ -33,7 +33,7 @@ import numpy as np
 from looprl.config import ExperimentConfig, apply_overrides, from_json, to_dict, to_json
 from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process
-from looprl.errors import CheckpointError, ConfigError
+from looprl.errors import CheckpointError, ConfigError, create_dir
 from looprl.io.checkpoint import (load_model_checkpoint, load_train_state, params_sha256,
                                   read_checkpoint_meta, save_model_checkpoint)
 from looprl.io.train_state import is_prng_key, leaf_name, tree_like_template
@@ -293,9 +293,5 @@ def prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
                           f"needs an empty or new directory (or resume={str(out)!r})")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"config key 'run.out_dir': cannot create {str(out)!r}: "
-                          f"{e.strerror or e}") from None
-    return out.resolve()   # absolute: orbax refuses relative checkpoint paths
+    # absolute: orbax refuses relative checkpoint paths
+    return create_dir(out, "config key 'run.out_dir'").resolve()

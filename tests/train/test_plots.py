@@ -4,7 +4,9 @@ import json
 
 import matplotlib
 import numpy as np
+import pytest
 
+from looprl.errors import ConfigError
 from looprl.train.plots import _accuracy_panel, _timing_panel, plot_runs, setting_title, smooth
 
 matplotlib.use("Agg")
@@ -50,3 +52,15 @@ def test_title_accuracy_marks_and_timing_scale(tmp_path):
     assert {p.name for p in written} >= {"reward.png", "accuracy.png", "timing.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
 
+
+
+def test_plot_output_directory_errors_name_it_and_create_nothing(tmp_path):
+    """An output directory the OS refuses is a ConfigError naming it (not a traceback), and a
+    directory that is not a run leaves no plots directory behind."""
+    d, _ = fake_run(tmp_path)
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(ConfigError, match="plot output directory: cannot create directory .*afile"):
+        plot_runs([d], tmp_path / "afile" / "plots")
+    with pytest.raises(ConfigError, match="no metrics.jsonl"):
+        plot_runs([tmp_path / "nope"], tmp_path / "nope" / "plots")
+    assert not (tmp_path / "nope").exists()
