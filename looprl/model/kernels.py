@@ -27,7 +27,20 @@ every position (on that AVX-512 machine; on AVX2 the block is 6 rows, see (3)). 
 128-long K slices (whole-M partial products, all alive at once: +1.4 GB per layer matmul at
 4096 rows) were right in length but could not help rows that were never padded.
 
-The construction (CPU):
+The CPU matmul (default, `LOOPRL_CPU_MATMUL=ordered`, kernel version KERNEL_VERSION_ORDERED):
+`looprl.model.ordered_gemm`, an XLA FFI kernel of our own (`ordered_gemm.cc`). Each output is
+the sum, in chunk order, of 256-long fma chains over k in order, each from -0.0; that order is
+written in the kernel, so the argument is the program: no value that enters a row's output is
+computed from anything but that row and the weight, and no blocking, thread or path choice
+changes an operation (the .cc's header). No row padding, no K blocks of XLA dots, no row
+quantum: a decode step's 1-16 rows cost about what stock's do (`benchmarks/kernels.py`), and
+the bits do not depend on the ISA (IEEE fma). It replaced the XLA-op construction below
+(2026-12-03), which stays selectable (`LOOPRL_CPU_MATMUL=xla`, kernel version KERNEL_VERSION) so
+that rollouts sampled under it still verify. Everything else below (attention, `rowsum` through
+`matmul`, the softmax tiles) is unchanged; attention's dots are still oneDNN's, so a kernel
+version still names the ISA.
+
+The XLA-op construction (CPU, `LOOPRL_CPU_MATMUL=xla`):
 
 * `matmul` (every projection, the MLP, the lm_head, the exit gate `[D, 1]` and `rowsum`): rows
   are zero-padded to a multiple of a row tile R = `_row_tile_for(M)`, the fewest tiles of at
@@ -204,6 +217,7 @@ import numpy as np
 
 from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
+from looprl.model.ordered_gemm import ordered_matmul
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
@@ -218,7 +232,9 @@ BATCHED_MAX_ROWS = 16  # CPU: tiles up to this many rows get their K-block parti
 # The numerics of the invariant kernels: a rollout records it (`Schedule.kernel_version`), and
 # `looprl verify --rollout` refuses a rollout sampled under another version (its bits are
 # another function's). Bump it whenever a kernel's arithmetic changes.
-KERNEL_VERSION = "2026-12-03"
+KERNEL_VERSION = "2026-12-03"  # the CPU's XLA matmul form (LOOPRL_CPU_MATMUL=xla)
+KERNEL_VERSION_ORDERED = "2026-12-03-ordered"  # the CPU's default: the ordered FFI matmul
+CPU_MATMUL_IMPLS = ("ordered", "xla")  # LOOPRL_CPU_MATMUL: the CPU matmul's form
 KERNEL_VERSION_ACCEL = "2026-12-02-accel"  # the accelerator form (module doc), same rule
 ACCEL_MATMUL_IMPLS = ("xla", "pallas")  # LOOPRL_ACCEL_MATMUL: the accelerator matmul's form
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
@@ -255,14 +271,30 @@ def accel_matmul_impl() -> str:
     return impl
 
 
+def cpu_matmul_impl() -> str:
+    """The CPU matmul's form (module doc): `LOOPRL_CPU_MATMUL`, `ordered` (default: the FFI
+    kernel of `looprl.model.ordered_gemm`) or `xla` (the XLA-op construction, the numerics of
+    kernel version KERNEL_VERSION, kept so that rollouts sampled under it still verify). Read
+    when a program is traced. Raises ConfigError naming the variable and the choices for any
+    other value."""
+    impl = os.environ.get("LOOPRL_CPU_MATMUL", "ordered")
+    if impl not in CPU_MATMUL_IMPLS:
+        raise ConfigError(f"LOOPRL_CPU_MATMUL={impl!r}: expected one of "
+                          f"{', '.join(CPU_MATMUL_IMPLS)}")
+    return impl
+
+
 def cpu_kernel_version() -> str:
-    """KERNEL_VERSION where oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`), else
-    `KERNEL_VERSION/<isa>` (`/avx2`, `/avx`, `/sse41`, `/other`): the same construction, but
+    """The CPU numerics: KERNEL_VERSION_ORDERED (`LOOPRL_CPU_MATMUL=ordered`, the default) or
+    KERNEL_VERSION (`xla`), followed by `/<isa>` (`/avx2`, `/avx`, `/sse41`, `/other`) except
+    where oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`). The ordered matmul's
+    bits do not depend on the ISA, but the attention's dots and the `xla` matmul are oneDNN's:
     another sgemm kernel gives a row other bits (2026-12-02: the verify --quick rollouts of an
     AVX2 machine had the AVX-512 machine's tokens and exits, and 56 % of their fp32 log-probs
     bit-equal, max 9.5e-7 apart), so a rollout is refused on a machine of another ISA instead
     of failing its cells."""
-    return KERNEL_VERSION if CPU_ISA == "avx512_core" else f"{KERNEL_VERSION}/{CPU_ISA}"
+    base = KERNEL_VERSION_ORDERED if cpu_matmul_impl() == "ordered" else KERNEL_VERSION
+    return base if CPU_ISA == "avx512_core" else f"{base}/{CPU_ISA}"
 
 
 def kernel_version() -> str:
@@ -449,6 +481,9 @@ def _tiled_matmul_fwd_impl(rows_MxI, w_IxO, out_dtype):
             return pallas_matmul(rows_MxI, w_IxO.astype(rows_MxI.dtype), out_dtype,
                                  block_rows=ROW_TILE)
         return _accel_matmul(rows_MxI, w_IxO, out_dtype)
+    if cpu_matmul_impl() == "ordered":
+        w = w_IxO if w_IxO.dtype in (jnp.float32, jnp.bfloat16) else w_IxO.astype(jnp.float32)
+        return ordered_matmul(rows_MxI.astype(jnp.float32), w).astype(out_dtype)
     o = w_IxO.shape[1]
     wb = _blocked_weight(w_IxO)
     t = _row_tile_for(rows_MxI.shape[0])
@@ -488,10 +523,12 @@ _tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
 
-    On the CPU: rows zero-padded to a multiple of the row tile `_row_tile_for(M)` (a multiple
-    of 8), every dot `[R, 128] x [128, O16]` in fp32 (I in 128-long blocks summed in order, O
-    padded to a multiple of N_MIN), small tiles batched, large ones in one `fori_loop`;
-    backward by plain dots (`jax.custom_vjp`). Elsewhere: fixed ROW_TILE-row tiles, every dot
+    On the CPU: the ordered FFI kernel (`looprl.model.ordered_gemm`; rows and a bf16 weight
+    widened to fp32, exact; fp32 result cast to `out_dtype`); with `LOOPRL_CPU_MATMUL=xla` rows
+    zero-padded to a multiple of the row tile `_row_tile_for(M)`, every dot `[R, 128] x [128,
+    O16]` in fp32 (I in 128-long blocks summed in order, O padded to a multiple of N_MIN),
+    small tiles batched, large ones in one `fori_loop`. Backward by plain dots
+    (`jax.custom_vjp`). Elsewhere: fixed ROW_TILE-row tiles, every dot
     `[ROW_TILE, 128] x [128, O16]`, K blocks summed in order (`LOOPRL_ACCEL_MATMUL=xla`), or the
     Pallas kernel with fixed blocks (`pallas`); module doc.
 
@@ -499,6 +536,8 @@ def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
       x_MxI: `[..., I]` any float dtype. w_IxO: `[I, O]` same dtype as x.
       out_dtype: accumulate/return dtype (`preferred_element_type`); default x.dtype.
     Returns: `[..., O]`.
+    Raises: ConfigError for an unknown LOOPRL_CPU_MATMUL / LOOPRL_ACCEL_MATMUL, or when the
+      ordered kernel cannot be built (no C++ compiler: `ordered_gemm.build`).
     """
     x = x_MxI
     lead = x.shape[:-1]

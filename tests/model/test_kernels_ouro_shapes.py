@@ -2,7 +2,10 @@
 of ouro-1.4b / ouro-2.6b (hidden 2048, 16 heads x 128, MLP 5632, vocabulary 49152; both presets
 share these widths), fp32 and bf16, raw bits. Each row of an M-row call must equal the same row
 of a large call, also when it sits at another position. The thread count is pinned by the test
-suite (`--xla_cpu_multi_thread_eigen=false`, tests/conftest.py via looprl.determinism)."""
+suite (`--xla_cpu_multi_thread_eigen=false`, tests/conftest.py via looprl.determinism).
+The matmul tests run the default CPU form (`ordered`, the FFI kernel); `cpu_form("xla")` runs the
+XLA-op form (kernel version KERNEL_VERSION), which its structural, tile and memory tests are
+about."""
 import re
 
 import jax
@@ -21,6 +24,17 @@ BIG = 600  # default reference call: 600 rows (two 304-row tiles)
 def _bits(x):
     x = np.asarray(x)
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.fixture
+def cpu_form(monkeypatch):
+    """`cpu_form("xla")` / `cpu_form("ordered")`: trace the CPU matmul's form (LOOPRL_CPU_MATMUL);
+    the form is read when a program is traced, so cached traces are dropped."""
+    def use(impl):
+        monkeypatch.setenv("LOOPRL_CPU_MATMUL", impl)
+        jax.clear_caches()
+    yield use
+    jax.clear_caches()
 
 
 _CACHE = {}
@@ -57,13 +71,17 @@ def _check_rows(name, dtype, row_counts, big=BIG, out_dtype=None, cols=None):
 FAST_ROWS = (1, 2, 3, 5, 7, 8, 17, 64)
 
 
+@pytest.mark.parametrize("form", ["ordered", "xla"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["gate/up", "down", "exit_gate"])
-def test_matmul_rows_do_not_depend_on_the_row_count_at_ouro_widths(name, dtype):
+def test_matmul_rows_do_not_depend_on_the_row_count_at_ouro_widths(name, dtype, form, cpu_form):
     """Regression (issue 14): rows of a 2..7-row `[M, 2048] x [2048, 5632]` call differed from
     the same rows of a 512-row call (fp32 and bf16) with unpadded rows and 128-long K slices
-    summed by XLA; M = 49 differed in row 48 alone with plain dots."""
-    assert _check_rows(name, dtype, FAST_ROWS, big=300) == []
+    summed by XLA; M = 49 differed in row 48 alone with plain dots. Both CPU forms; the ordered
+    kernel's row counts cross its paths (up to 6 rows, up to 48, more)."""
+    cpu_form(form)
+    rows = FAST_ROWS + ((6, 48, 49) if form == "ordered" else ())
+    assert _check_rows(name, dtype, rows, big=300) == []
 
 
 @pytest.mark.parametrize("dtype, out_dtype", [("float32", None), ("bfloat16", "float32")])
@@ -178,12 +196,14 @@ def test_every_attention_dot_has_one_shape_whatever_the_cache_length():
         assert batched == {((2, H, R, K), (2, H, kn.K_BLOCK, K), (2, H, R, K))}, (C, progs[0])
 
 
+ORDERED_TARGET = "looprl_ordered_matmul"
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w\-]+)\((.*?)\)(.*)$")
 
 
-def _dots(text):
-    """(lhs dims, rhs dims, out dims, attributes) of every dot in an optimized HLO text; fails on
-    convolutions or custom calls (a dot in another disguise)."""
+def _dots(text, target=None):
+    """(lhs dims, rhs dims, out dims, attributes) of every dot in an optimized HLO text, or with
+    `target` of every custom call to it; fails on convolutions and on other custom calls (a dot
+    in another disguise)."""
     dims, found = {}, []
     for line in text.splitlines():
         m = _INSTR.match(line)
@@ -191,19 +211,22 @@ def _dots(text):
             continue
         name, shape, op, operands, attrs = m.groups()
         dims[name] = [int(d) for d in shape.split(",") if d]
-        assert op not in ("convolution", "custom-call"), line
-        if op == "dot":
+        assert op != "convolution", line
+        if op == "custom-call":
+            assert f'custom_call_target="{ORDERED_TARGET}"' in attrs, line
+        if op == ("custom-call" if target else "dot"):
             lhs, rhs = [o.strip().split(" ")[-1] for o in operands.split(",")[:2]]
             found.append((lhs, rhs, dims[name], attrs))
     return [(dims[lhs], dims[rhs], out, attrs) for lhs, rhs, out, attrs in found]
 
 
 @pytest.mark.parametrize("name", ["gate/up", "down", "exit_gate"])
-def test_every_dot_of_a_weight_has_one_shape(name):
+def test_every_dot_of_a_weight_has_one_shape(name, cpu_form):
     """Structural: in the optimized program of an M-row matmul (M in 1, 3, 7, 64, 300) every dot
     is `[T, kb] x [kb, O16]` per batch element (T a multiple of ROW_QUANTUM up to
     ROW_TILE_MAX, kb <= K_BLOCK, O16 = O padded to N_MIN), and one program holds one such shape
-    whatever M."""
+    whatever M. (The XLA form.)"""
+    cpu_form("xla")
     i, o = WEIGHTS[name]
     w = jax.ShapeDtypeStruct((i, o), jnp.float32)
     o16 = -(-o // kn.N_MIN) * kn.N_MIN
@@ -247,12 +270,13 @@ def _check_tiles(name, dtype, tiles, rows=512, monkeypatch=None):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
+def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch, cpu_form):
     """Argument (3) of the module doc: any multiple of the quantum (8 with AVX-512, 24
     elsewhere) gives a row the same bits, so the tile is `ceil(M / tiles)` rounded up to it, not
     a power of two; forced tiles of 8..512 rows rounded up to the quantum (the
     512 rows then sit at other offsets in other tiles, the last tile overlapping the one before
     it, `_looped_matmul`) all agree."""
+    cpu_form("xla")
     tiles = _at_quantum((8, 24, 104, 304, 504))
     assert _check_tiles("gate/up", dtype, tiles, monkeypatch=monkeypatch) == []
 
@@ -260,13 +284,14 @@ def test_rows_do_not_depend_on_the_tile_size(dtype, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["q/k/v/o", "down", "exit_gate"])
-def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatch):
+def test_rows_do_not_depend_on_the_tile_size_all_weights(name, dtype, monkeypatch, cpu_form):
+    cpu_form("xla")
     tiles = _at_quantum((8, 16, 24, 40, 56, 72, 104, 136, 200, 264, 304, 344, 400, 456, 504, 512))
     assert _check_tiles(name, dtype, tiles, monkeypatch=monkeypatch) == []
 
 
 @pytest.mark.parametrize("name, m", [("down", 1000), ("q/k/v/o", 4096)])
-def test_a_long_call_copies_neither_x_nor_the_output(name, m):
+def test_a_long_call_copies_neither_x_nor_the_output(name, m, cpu_form):
     """fp32, `memory_analysis`: the output is stock's size and the temporaries are one `[R, O]`
     partial, one `[R, 128]` x block and one `[128, O]` weight block (within 10 %), at row counts
     that are not a multiple of the tile (1000: two 504-row tiles with either quantum; 4096: nine
@@ -274,7 +299,8 @@ def test_a_long_call_copies_neither_x_nor_the_output(name, m):
     14's 1.25x of stock's.
     The last tile overlaps the one before instead of padding: padded, x and the output were
     copied (the fp32 down_proj at 4096 rows held 153 MB against stock's 32 MB on an AVX2
-    machine)."""
+    machine). (The XLA form.)"""
+    cpu_form("xla")
     i, o = WEIGHTS[name]
     x, w = jax.ShapeDtypeStruct((m, i), jnp.float32), jax.ShapeDtypeStruct((i, o), jnp.float32)
     ours = jax.jit(kn.matmul).lower(x, w).compile().memory_analysis()
@@ -285,3 +311,36 @@ def test_a_long_call_copies_neither_x_nor_the_output(name, m):
     if m == 4096:
         assert (ours.temp_size_in_bytes + ours.output_size_in_bytes
                 <= 1.25 * (stock.temp_size_in_bytes + stock.output_size_in_bytes))
+
+
+@pytest.mark.parametrize("name", ["gate/up", "down", "lm_head", "exit_gate"])
+def test_the_ordered_form_is_one_kernel_call_whatever_m(name, cpu_form):
+    """Structural (the default CPU form): in the optimized program of an M-row matmul (M in 1, 3,
+    7, 64, 300) the weight meets no dot, only one call of the ordered kernel on `[M, I]` rows
+    and the unpadded `[I, O]` weight, so nothing XLA chooses per shape touches the numerics
+    (looprl/model/ordered_gemm.cc's argument)."""
+    cpu_form("ordered")
+    i, o = WEIGHTS[name]
+    for dtype in ("float32", "bfloat16"):
+        w = jax.ShapeDtypeStruct((i, o), dtype)
+        for m in (1, 3, 7, 64, 300):
+            x = jax.ShapeDtypeStruct((m, i), dtype)
+            text = jax.jit(lambda a, b: kn.matmul(a, b, "float32")).lower(x, w).compile().as_text()
+            assert _dots(text) == [], (m, dtype)
+            calls = _dots(text, ORDERED_TARGET)
+            assert [(lhs, rhs, out) for lhs, rhs, out, _ in calls] == [([m, i], [i, o], [m, o])], \
+                (m, dtype, calls)
+
+
+@pytest.mark.parametrize("name, m", [("down", 1000), ("q/k/v/o", 4096), ("lm_head", 4096)])
+def test_the_ordered_form_holds_no_more_than_stock(name, m, cpu_form):
+    """fp32, `memory_analysis` (issue 14's memory target, <= 1.25x stock at 4096 rows): the
+    ordered kernel writes the output in place and needs no XLA temporaries (its packing buffers,
+    <= 1.2 MB per task, live inside the call)."""
+    cpu_form("ordered")
+    i, o = WEIGHTS[name]
+    x, w = jax.ShapeDtypeStruct((m, i), jnp.float32), jax.ShapeDtypeStruct((i, o), jnp.float32)
+    ours = jax.jit(kn.matmul).lower(x, w).compile().memory_analysis()
+    stock = jax.jit(kn.stock_matmul).lower(x, w).compile().memory_analysis()
+    assert ours.output_size_in_bytes == stock.output_size_in_bytes == m * o * 4
+    assert ours.temp_size_in_bytes <= stock.temp_size_in_bytes

@@ -1,0 +1,159 @@
+"""The CPU's row-invariant matmul as an XLA FFI custom call: `ordered_matmul(x, w)`.
+
+`out[m, n]` is built in the order `looprl/model/ordered_gemm.cc` fixes, whatever M, the row's
+place, the thread count or the ISA: the contraction is cut into K_CHUNK-long chunks from k = 0;
+a chunk's value is an fma chain `acc = fma(x[m, k], w[k, n], acc)` over its k in order from
+-0.0; the chunks are added in order, `((c0 + c1) + c2) + ...` (`reference_matmul` writes the
+same in numpy). No two partial sums of one chunk are ever added, and nothing depends on
+anything but row m of x and column n of w, so a row's bits cannot change with its batch: the
+argument is the program, not a scan of shapes (issue 14). fma and + are correctly rounded (IEEE
+754), so the AVX2 vector instructions and the scalar fallback give the same bits on every
+machine with a correctly rounded fma; the file is compiled with `-ffp-contract=off` and without
+`-ffast-math`.
+
+How it runs (none of it changes a bit): tasks of output columns on XLA's intra-op thread pool
+(256 columns; 1024 up to 48 rows; 4096 up to 6 rows, so a decode step's weight rows are read in
+long contiguous sweeps); up to 6 rows, each weight row is read once and fma'd into per-row
+accumulators (a decode step's matrix-vector-like product, memory-bound like stock's); above,
+GotoBLAS-style blocking: a [256, 256] weight block packed per task and k chunk, x packed in
+96-row blocks, 6 x 16 register tiles (AVX2: 12 accumulator vectors).
+
+The kernel is compiled with the machine's C++ compiler the first time it is used, into
+`LOOPRL_KERNEL_CACHE` (default `~/.cache/looprl/kernels`), keyed by the source, the compiler,
+jax's version, the FFI headers and the flags, and written atomically, so that concurrent
+processes (pytest-xdist workers) share one build.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from looprl.errors import ConfigError
+
+SOURCE = Path(__file__).with_name("ordered_gemm.cc")
+TARGET = "looprl_ordered_matmul"
+K_CHUNK = 256  # the .cc's KC: the contraction's chunk, part of the numerics (kernel version)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compile_flags() -> list[str]:
+    """The compiler flags: vector code for AVX2 + FMA where the CPU has both (the bits are the
+    same without: module doc)."""
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
+    if {"avx2", "fma"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise ConfigError("looprl's CPU matmul kernel needs a C++ compiler to build "
+                          f"({SOURCE.name}): none found (set CXX, or install g++)")
+    return cxx
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LOOPRL_KERNEL_CACHE",
+                               Path.home() / ".cache" / "looprl" / "kernels"))
+
+
+def build() -> Path:
+    """The compiled kernel library, built on first use (module doc). Raises ConfigError naming
+    the compiler command and its output when the build fails."""
+    cxx = _compiler()
+    include = jax.ffi.include_dir()
+    flags = compile_flags()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version.splitlines()[0]
+                                    if version else "", jax.__version__, include, *flags])
+                         .encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    lib = cache / f"ordered_gemm-{key}.so"
+    if lib.exists():
+        return lib
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"LOOPRL_KERNEL_CACHE: cannot create '{cache}': {e.strerror}") from e
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [cxx, *flags, f"-I{include}", str(SOURCE), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise ConfigError(f"building looprl's CPU matmul kernel failed: {' '.join(cmd)}\n{tail}")
+    os.replace(tmp, lib)
+    return lib
+
+
+@functools.cache
+def _registered() -> str:
+    library = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.LooprlOrderedMatmul),
+                                platform="cpu")
+    return TARGET
+
+
+def ordered_matmul(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+    """`x @ w` in fp32 in the fixed order of the module doc. x: `[M, K]` float32; w: `[K, N]`
+    float32 or bfloat16 (widened exactly). Returns `[M, N]` float32. XLA CPU only (an FFI
+    target registered for the CPU platform). Raises ValueError for other ranks, dtypes or a
+    contraction mismatch (at trace time), ConfigError if the kernel cannot be built."""
+    if x_MxK.ndim != 2 or w_KxN.ndim != 2 or x_MxK.shape[1] != w_KxN.shape[0]:
+        raise ValueError(f"ordered_matmul: x {x_MxK.shape} and w {w_KxN.shape} are not "
+                         "[M, K] and [K, N]")
+    if x_MxK.dtype != jnp.float32 or w_KxN.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"ordered_matmul: x must be float32 (got {x_MxK.dtype}) and w float32 "
+                         f"or bfloat16 (got {w_KxN.dtype})")
+    out = jax.ShapeDtypeStruct((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(_registered(), out, vmap_method="sequential")(x_MxK, w_KxN)
+
+
+def _fma32(a, b, c):
+    """Correctly rounded float32 fma(a, b, c), elementwise in numpy: a * b is exact in float64,
+    TwoSum gives the float64 sum's exact error, and rounding that sum to odd before the float32
+    rounding makes the double rounding exact (53 >= 24 + 2 bits)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = np.broadcast_to(c, p.shape).astype(np.float64)
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    odd = (s.view(np.uint64) & 1).astype(bool)
+    s = np.where((e != 0) & ~odd, np.nextafter(s, s + e), s)
+    return s.astype(np.float32)
+
+
+def reference_matmul(x_MxK: np.ndarray, w_KxN: np.ndarray) -> np.ndarray:
+    """The kernel's numerics written out in numpy (module doc): float32 `[M, N]` from float32
+    `[M, K]` and float32 `[K, N]` (a bf16 weight: pass it widened to float32). Slow (one numpy
+    step per k); for tests."""
+    x = np.asarray(x_MxK, np.float32)
+    w = np.asarray(w_KxN, np.float32)
+    out = None
+    for s in range(0, x.shape[1], K_CHUNK):
+        acc = np.full((x.shape[0], w.shape[1]), -0.0, np.float32)
+        for k in range(s, min(s + K_CHUNK, x.shape[1])):
+            acc = _fma32(x[:, k:k + 1], w[k:k + 1, :], acc)
+        out = acc if out is None else out + acc
+    return out if out is not None else np.full((x.shape[0], w.shape[1]), -0.0, np.float32)

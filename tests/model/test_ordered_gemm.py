@@ -1,0 +1,92 @@
+"""The ordered CPU matmul (looprl/model/ordered_gemm.cc): its bits are exactly the chain its
+docstring defines (`reference_matmul`, a correctly rounded numpy emulation), on every code path
+(up to 6 rows, up to 48, more; partial column panels; a last short k chunk), for fp32 and bf16
+weights; and its errors name the problem."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from looprl.errors import ConfigError
+from looprl.model import kernels as kn
+from looprl.model import ordered_gemm as og
+
+
+def _u32(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 300, 1), (5, 2048, 300), (6, 257, 17), (13, 700, 37),
+                                     (49, 512, 40), (100, 256, 16)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bits_are_the_documented_chain(m, k, n, dtype):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32), dtype)
+    y = jax.jit(og.ordered_matmul)(jnp.asarray(x), w)
+    ref = og.reference_matmul(x, np.asarray(w.astype(jnp.float32)))
+    assert np.array_equal(_u32(y), _u32(ref))
+
+
+def test_the_reference_fma_is_correctly_rounded():
+    """`_fma32` against exact rational arithmetic on values whose fp64 sum would round twice."""
+    from fractions import Fraction
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(2000).astype(np.float32)
+    b = rng.standard_normal(2000).astype(np.float32)
+    c = (rng.standard_normal(2000) * np.exp2(rng.integers(-30, 30, 2000))).astype(np.float32)
+    got = og._fma32(a, b, c)
+    for i in range(0, 2000, 7):
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        lo = np.float32(float(exact))  # nearest double, then float32: may round twice
+        cands = [np.nextafter(lo, np.float32(-np.inf)), lo, np.nextafter(lo, np.float32(np.inf))]
+        best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact),
+                                         int(np.asarray(v).view(np.uint32)) & 1))
+        assert got[i] == best, i
+
+
+def test_zero_rows_and_a_one_column_weight():
+    w = jnp.ones((64, 1), jnp.float32)
+    assert og.ordered_matmul(jnp.zeros((0, 64), jnp.float32), w).shape == (0, 1)
+    y = og.ordered_matmul(jnp.full((2, 64), 0.5, jnp.float32), w)
+    assert np.array_equal(np.asarray(y), np.full((2, 1), 32.0, np.float32))
+
+
+def test_bad_operands_are_named():
+    with pytest.raises(ValueError, match=r"\(3, 4\) and w \(5, 2\)"):
+        og.ordered_matmul(jnp.zeros((3, 4)), jnp.zeros((5, 2)))
+    with pytest.raises(ValueError, match="x must be float32"):
+        og.ordered_matmul(jnp.zeros((3, 4), jnp.bfloat16), jnp.zeros((4, 2)))
+
+
+def test_a_failed_build_names_the_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("LOOPRL_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="building looprl's CPU matmul kernel failed: false "):
+        og.build()
+    assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
+
+
+def test_the_cpu_form_is_chosen_by_env_and_named_in_the_kernel_version(monkeypatch):
+    assert kn.cpu_matmul_impl() == "ordered"
+    assert kn.cpu_kernel_version().startswith(kn.KERNEL_VERSION_ORDERED)
+    monkeypatch.setenv("LOOPRL_CPU_MATMUL", "xla")
+    assert kn.cpu_kernel_version().split("/")[0] == kn.KERNEL_VERSION
+    monkeypatch.setenv("LOOPRL_CPU_MATMUL", "onednn")
+    with pytest.raises(ConfigError,
+                       match="LOOPRL_CPU_MATMUL='onednn': expected one of ordered, xla"):
+        kn.cpu_matmul_impl()
+
+
+def test_matmul_on_the_cpu_is_the_ordered_kernel():
+    """`kernels.matmul` (the model's every projection) gives the reference's bits, bf16 rows and
+    weight widened exactly, output cast last; its gradient is the plain one."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((7, 300)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((300, 24)), jnp.bfloat16)
+    y = jax.jit(lambda a, b: kn.matmul(a, b, jnp.float32))(x, w)
+    ref = og.reference_matmul(np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    assert np.array_equal(_u32(y), _u32(ref))
+    xf, wf = x.astype(jnp.float32), w.astype(jnp.float32)
+    g = jax.grad(lambda b: kn.matmul(xf, b).sum())(wf)
+    assert np.array_equal(_u32(g), _u32(jnp.dot(xf.T, jnp.ones((7, 24), jnp.float32))))
