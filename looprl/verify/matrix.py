@@ -62,7 +62,7 @@ from looprl.learner.logprobs import METHODS as LEARNER_METHODS
 from looprl.learner.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
                                      sequence_logprobs)
 from looprl.learner.mismatch import compare_logprobs
-from looprl.model.kernels import KERNEL_VERSION, kernel_version
+from looprl.model.kernels import KERNEL_VERSION, kernel_version, on_cpu
 from looprl.programs import release_programs_near_map_limit
 from looprl.sampling.policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
@@ -359,11 +359,15 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
     here = kernel_version()
     if rb.schedule.kernels == "invariant" and rb.schedule.kernel_version != here:
         theirs = rb.schedule.kernel_version
-        # both the CPU construction of this version, sampled on another sgemm ISA
-        same_code = theirs.split("/")[0] == here.split("/")[0] == KERNEL_VERSION
-        fix = ("verify it on a machine whose CPU runs the same sgemm kernels (the report's "
-               "env.cpu_isa), or sample it again here" if same_code
-               else "sample it again with this version")
+        base = theirs.split("/")[0]
+        if base == here.split("/")[0]:  # this CPU form, sampled on another sgemm ISA
+            fix = ("verify it on a machine whose CPU runs the same sgemm kernels (the report's "
+                   "env.cpu_isa), or sample it again here")
+        elif base == KERNEL_VERSION and on_cpu():  # the CPU's earlier XLA-op matmul form
+            fix = ("that is the CPU matmul's XLA form: verify it with LOOPRL_CPU_MATMUL=xla "
+                   "(on a machine of its sgemm ISA), or sample it again here")
+        else:
+            fix = "sample it again with this version"
         raise ScheduleError(f"rollout was sampled with kernel version "
                             f"{theirs or '(none recorded: before 2026-12-01)'}"
                             f", this looprl has {here}: its bits come from other "

@@ -42,12 +42,18 @@ def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
     with pytest.raises(ScheduleError, match=f"none recorded.*{re.escape(here)}"):
         verify_rollout(CFG, params, old, VerifyOptions())
     # a rollout of a machine with another sgemm ISA (its bits are other kernels')
-    other = f"{KERNEL_VERSION}/avx2" if here == KERNEL_VERSION else KERNEL_VERSION
+    base = here.split("/")[0]
+    other = f"{base}/avx2" if here == base else base
     alien = dataclasses.replace(rb, schedule=dataclasses.replace(rb.schedule,
                                                                  kernel_version=other))
     with pytest.raises(ScheduleError, match=f"{re.escape(other)}, this looprl has "
                                             f"{re.escape(here)}.*same sgemm kernels"):
         verify_rollout(CFG, params, alien, VerifyOptions())
+    # a rollout of the CPU matmul's XLA form (kernel version KERNEL_VERSION) names the switch
+    xla_form = dataclasses.replace(rb, schedule=dataclasses.replace(
+        rb.schedule, kernel_version=here.replace(base, KERNEL_VERSION)))
+    with pytest.raises(ScheduleError, match="LOOPRL_CPU_MATMUL=xla"):
+        verify_rollout(CFG, params, xla_form, VerifyOptions())
     path = tmp_path / "old.npz"
     old.save(path)
     assert RolloutBatch.load(path).schedule.kernel_version == ""
