@@ -36,9 +36,14 @@ changes an operation (the .cc's header). No row padding, no K blocks of XLA dots
 quantum: a decode step's 1-16 rows cost about what stock's do (`benchmarks/kernels.py`), and
 the bits do not depend on the ISA (IEEE fma). It replaced the XLA-op construction below
 (2026-12-03), which stays selectable (`LOOPRL_CPU_MATMUL=xla`, kernel version KERNEL_VERSION) so
-that rollouts sampled under it still verify. Everything else below (attention, `rowsum` through
-`matmul`, the softmax tiles) is unchanged; attention's dots are still oneDNN's, so a kernel
-version still names the ISA.
+that rollouts sampled under it still verify. Attention keeps the construction below (rotated
+128-key blocks, live blocks only, fixed block order), but its two dots per block become ordered
+products too (`ordered_gemm.ordered_batched_matmul`: one product per (b, h), each exactly what
+one call of its shape gives, so neither B x H nor a row's place matters), and a single query
+tile runs unpadded (C rows: the ordered dots need no row quantum). `rowsum` and the softmax use
+`matmul`, so they are ordered as well: no value of the invariant CPU path comes from a oneDNN
+dot. A kernel version still names the ISA: XLA's elementwise code (exp, log) is the one part
+not argued ISA-free.
 
 The XLA-op construction (CPU, `LOOPRL_CPU_MATMUL=xla`):
 
@@ -90,9 +95,10 @@ The XLA-op construction (CPU, `LOOPRL_CPU_MATMUL=xla`):
   widens the whole weight, and in a decode loop that copy is hoisted and held: 0.4 GB for
   Ouro-1.4B's lm_head, issue 19); x is cast per `[R, 128]` block. `jax.custom_vjp` gives the
   backward as plain dots (no invariance needed there).
-* `attention`: query rows are padded to the same row tiles (`_row_tile_for(C)`, several in one
-  `lax.map`). The key axis is taken in 128-key blocks: the mask is padded to a multiple of 128
-  (masked slots, probability exactly 0; K/V are not padded, a block's slots past the cache read
+* `attention` (the XLA form; the ordered form differs only in its dots and in running a single
+  query tile unpadded, above): query rows are padded to the same row tiles (`_row_tile_for(C)`,
+  several in one `lax.map`). The key axis is taken in 128-key blocks: the mask is padded to a
+  multiple of 128 (masked slots, probability exactly 0; K/V are not padded, a block's slots past the cache read
   its last key, any finite value serving under probability +0), and each row's key axis is
   rotated (an exact gather) so that its first live key sits in slot 0: the blocks are then cut
   at the row's own token positions 0, 128, 256, ..., whatever its left padding or the batch's
@@ -217,7 +223,7 @@ import numpy as np
 
 from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
-from looprl.model.ordered_gemm import ordered_matmul
+from looprl.model.ordered_gemm import ordered_batched_matmul, ordered_matmul
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
@@ -699,6 +705,19 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
                                           period=S)
         return jnp.swapaxes(x_BxZxHxK, 1, 2).astype(jnp.float32)
 
+    ordered = cpu_matmul_impl() == "ordered"
+
+    def per_head_dot(x_BxHxRxI, w_BxHxIxO, transposed=False):
+        """`x @ w` (`x @ w^T` when transposed) per (b, h), fp32: the ordered kernel's batched
+        products (each (b, h) exactly as one call of its shape), or XLA's batched dot."""
+        if not ordered:
+            spec = "bhri,bhoi->bhro" if transposed else "bhri,bhio->bhro"
+            return jnp.einsum(spec, x_BxHxRxI, w_BxHxIxO, preferred_element_type=jnp.float32)
+        b, h, r, i = x_BxHxRxI.shape
+        y = ordered_batched_matmul(x_BxHxRxI.reshape(b * h, r, i),
+                                   w_BxHxIxO.reshape(b * h, *w_BxHxIxO.shape[2:]), transposed)
+        return y.reshape(b, h, r, y.shape[-1])
+
     def tile(qm, live_rows=None):
         q_BxHxRxK, mask_BxRxS = qm
         q32 = q_BxHxRxK.astype(jnp.float32)
@@ -713,8 +732,7 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
             return jax.lax.fori_loop(0, n, body, init)
 
         def scores_block(j, buf_BxHxRxS):
-            s = jnp.einsum("bhck,bhsk->bhcs", q32, key_block(k_BxSxHxK, j),
-                           preferred_element_type=jnp.float32)
+            s = per_head_dot(q32, key_block(k_BxSxHxK, j), transposed=True)
             return jax.lax.dynamic_update_slice_in_dim(buf_BxHxRxS, s, j * K_BLOCK, axis=3)
 
         scores = over_live_blocks(scores_block, jnp.zeros((B, H, R, S), jnp.float32))
@@ -726,13 +744,14 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
 
         def values_block(j, acc_BxHxRxK):
             p = jax.lax.dynamic_slice_in_dim(probs, j * K_BLOCK, K_BLOCK, axis=3)
-            return acc_BxHxRxK + jnp.einsum("bhcs,bhsk->bhck", p, key_block(v_BxSxHxK, j),
-                                            preferred_element_type=jnp.float32)
+            return acc_BxHxRxK + per_head_dot(p, key_block(v_BxSxHxK, j))
 
         acc = over_live_blocks(values_block, jnp.full((B, H, R, K), -0.0, jnp.float32))
         return acc.astype(dtype)
 
     t = _row_tile_for(C)
+    if ordered and C <= t:  # one query tile, unpadded: the ordered dots need no row quantum
+        return tile((q_BxHxCxK, mask))
     q_pad, _ = _pad_rows(q_BxHxCxK, 2, t)
     m_pad, _ = _pad_rows(mask, 1, t)
     if q_pad.shape[2] == t:  # one query tile (a decode step)

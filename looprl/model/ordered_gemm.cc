@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -111,9 +112,13 @@ struct Problem {
   int64_t m, k, n;
 };
 
-float* aligned_floats(std::unique_ptr<float[]>& owner, int64_t count) {
-  owner.reset(new float[count + 16]);
-  auto p = reinterpret_cast<uintptr_t>(owner.get());
+// A 64-byte aligned scratch buffer of this thread (slot: which one), reused across calls, so a
+// batched call of many small products allocates nothing per product.
+float* scratch(int slot, int64_t count) {
+  thread_local std::vector<float> buffers[5];
+  std::vector<float>& b = buffers[slot];
+  if (static_cast<int64_t>(b.size()) < count + 16) b.resize(count + 16);
+  auto p = reinterpret_cast<uintptr_t>(b.data());
   return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
 }
 
@@ -121,9 +126,8 @@ float* aligned_floats(std::unique_ptr<float[]>& owner, int64_t count) {
 void column_block(const Problem& p, int64_t n0, int64_t width) {
   const int64_t nc = std::min(width, p.n - n0);
   const int64_t panels = (nc + NR - 1) / NR;
-  std::unique_ptr<float[]> wown, xown;
-  float* wbuf = aligned_floats(wown, KC * panels * NR);
-  float* xbuf = aligned_floats(xown, MC * KC);
+  float* wbuf = scratch(0, KC * panels * NR);
+  float* xbuf = scratch(1, MC * KC);
   float tile[MR * NR];
   for (int64_t k0 = 0; k0 < p.k; k0 += KC) {
     const int64_t kc = std::min(KC, p.k - k0);
@@ -196,9 +200,8 @@ inline void axpy_fma(float b, const float* w, float* acc, int64_t n) {
 // output as column_block: every chunk from -0.0, k in order, chunks added in order.
 void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
   const int64_t nc = std::min(width, p.n - n0);
-  std::unique_ptr<float[]> aown, wown;
-  float* acc = aligned_floats(aown, p.m * nc);
-  float* wide = aligned_floats(wown, nc);
+  float* acc = scratch(2, p.m * nc);
+  float* wide = scratch(3, nc);
   for (int64_t k0 = 0; k0 < p.k; k0 += KC) {
     const int64_t kc = std::min(KC, p.k - k0);
     std::fill(acc, acc + p.m * nc, -0.0f);
@@ -224,10 +227,23 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
   }
 }
 
+// The columns a task covers: longer for fewer rows (module doc of ordered_gemm.py).
+int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : m <= FEW_ROWS ? NC_FEW_ROWS : NC; }
+
+// Columns [n0, n0 + width) of one product, every row: the path is chosen by M alone.
+void product_columns(const Problem& p, int64_t n0, int64_t width) {
+  if (p.m <= MR)
+    few_rows_block(p, n0, width);
+  else
+    column_block(p, n0, width);
+}
+
+// `tasks` calls of `run(t)` shared between this thread and up to pool.num_threads() - 1 pool
+// threads; returns when all have run. The state is shared-owned, so a pool thread that starts
+// after the last task finds none and touches nothing of the caller's.
 struct Shared {
-  Problem p;
+  std::function<void(int64_t)> run;
   int64_t tasks;
-  int64_t width;  // columns per task
   std::atomic<int64_t> next{0};
   std::mutex mu;
   std::condition_variable cv;
@@ -238,13 +254,21 @@ void drain(const std::shared_ptr<Shared>& s) {
   for (;;) {
     const int64_t t = s->next.fetch_add(1);
     if (t >= s->tasks) return;
-    if (s->p.m <= MR)
-      few_rows_block(s->p, t * s->width, s->width);
-    else
-      column_block(s->p, t * s->width, s->width);
+    s->run(t);
     std::lock_guard<std::mutex> lock(s->mu);
     if (++s->done == s->tasks) s->cv.notify_all();
   }
+}
+
+void run_tasks(ffi::ThreadPool& pool, int64_t tasks, std::function<void(int64_t)> run) {
+  auto s = std::make_shared<Shared>();
+  s->run = std::move(run);
+  s->tasks = tasks;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s] { drain(s); });
+  drain(s);
+  std::unique_lock<std::mutex> lock(s->mu);
+  s->cv.wait(lock, [&] { return s->done == s->tasks; });
 }
 
 ffi::Error OrderedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -256,20 +280,52 @@ ffi::Error OrderedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("looprl_ordered_matmul: w must be float32 or bfloat16");
-  auto s = std::make_shared<Shared>();
-  s->p = Problem{x.typed_data(), w.untyped_data(), bf16, out->typed_data(), xd[0], xd[1], wd[1]};
-  if (s->p.m == 0 || s->p.n == 0) return ffi::Error::Success();
-  if (s->p.k == 0) {
-    std::fill(s->p.out, s->p.out + s->p.m * s->p.n, -0.0f);
+  const Problem p{x.typed_data(), w.untyped_data(), bf16, out->typed_data(), xd[0], xd[1], wd[1]};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.k == 0) {
+    std::fill(p.out, p.out + p.m * p.n, -0.0f);
     return ffi::Error::Success();
   }
-  s->width = s->p.m <= MR ? NC_ONE_STEP : s->p.m <= FEW_ROWS ? NC_FEW_ROWS : NC;
-  s->tasks = (s->p.n + s->width - 1) / s->width;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), s->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([s] { drain(s); });
-  drain(s);
-  std::unique_lock<std::mutex> lock(s->mu);
-  s->cv.wait(lock, [&] { return s->done == s->tasks; });
+  const int64_t width = task_width(p.m);
+  run_tasks(pool, (p.n + width - 1) / width,
+            [&p, width](int64_t t) { product_columns(p, t * width, width); });
+  return ffi::Error::Success();
+}
+
+// Z independent products x[z] @ w[z] (TRANSPOSED: x[z] @ w[z]^T, w[z] given as [N, K], copied
+// to [K, N] first: a copy moves no bits), one task per z, each product exactly as a single
+// call of that shape computes it: the same numerics per output, whatever Z.
+template <bool TRANSPOSED>
+ffi::Error OrderedBatchedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || xd[0] != wd[0] ||
+      xd[2] != wd[TRANSPOSED ? 2 : 1])
+    return ffi::Error::InvalidArgument(
+        "looprl_ordered_batched_matmul: expected x [Z, M, K] and w [Z, K, N] ([Z, N, K] "
+        "transposed)");
+  const int64_t z = xd[0], m = xd[1], k = xd[2], n = wd[TRANSPOSED ? 1 : 2];
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  float* os = out->typed_data();
+  if (z == 0 || m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(os, os + z * m * n, -0.0f);
+    return ffi::Error::Success();
+  }
+  run_tasks(pool, z, [=](int64_t b) {
+    const float* wb = ws + b * k * n;
+    if (TRANSPOSED) {
+      float* t = scratch(4, k * n);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < k; ++j) t[j * n + i] = wb[i * k + j];
+      wb = t;
+    }
+    const Problem p{xs + b * m * k, wb, false, os + b * m * n, m, k, n};
+    const int64_t width = task_width(m);
+    for (int64_t n0 = 0; n0 < n; n0 += width) product_columns(p, n0, width);
+  });
   return ffi::Error::Success();
 }
 
@@ -281,3 +337,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedMatmul, OrderedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#define LOOPRL_BATCHED_BINDING                \
+  ffi::Ffi::Bind()                            \
+      .Ctx<ffi::ThreadPool>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()           \
+      .Arg<ffi::Buffer<ffi::F32>>()           \
+      .Ret<ffi::Buffer<ffi::F32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedBatchedMatmul, OrderedBatchedMatmul<false>,
+                              LOOPRL_BATCHED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedBatchedMatmulT, OrderedBatchedMatmul<true>,
+                              LOOPRL_BATCHED_BINDING);

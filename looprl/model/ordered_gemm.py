@@ -18,6 +18,9 @@ accumulators (a decode step's matrix-vector-like product, memory-bound like stoc
 GotoBLAS-style blocking: a [256, 256] weight block packed per task and k chunk, x packed in
 96-row blocks, 6 x 16 register tiles (AVX2: 12 accumulator vectors).
 
+`ordered_batched_matmul` runs Z independent products (attention's scores and value partials,
+one per (batch row, head)), one task each, every product exactly as a single call of its shape.
+
 The kernel is compiled with the machine's C++ compiler the first time it is used, into
 `LOOPRL_KERNEL_CACHE` (default `~/.cache/looprl/kernels`), keyed by the source, the compiler,
 jax's version, the FFI headers and the flags, and written atomically, so that concurrent
@@ -107,11 +110,18 @@ def build() -> Path:
     return lib
 
 
+TARGETS = {TARGET: "LooprlOrderedMatmul",
+           "looprl_ordered_batched_matmul": "LooprlOrderedBatchedMatmul",
+           "looprl_ordered_batched_matmul_t": "LooprlOrderedBatchedMatmulT"}
+
+
 @functools.cache
 def _registered() -> str:
+    """Builds (once per process) and registers every FFI target of the library."""
     library = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.LooprlOrderedMatmul),
-                                platform="cpu")
+    for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
     return TARGET
 
 
@@ -128,6 +138,27 @@ def ordered_matmul(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
                          f"or bfloat16 (got {w_KxN.dtype})")
     out = jax.ShapeDtypeStruct((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(_registered(), out, vmap_method="sequential")(x_MxK, w_KxN)
+
+
+def ordered_batched_matmul(x_ZxMxK: jax.Array, w: jax.Array, transposed: bool = False):
+    """Z independent products in the numerics of `ordered_matmul`, each output exactly what a
+    single `[M, K] x [K, N]` call gives it (so a product's bits do not depend on Z or on its
+    place): x `[Z, M, K]` float32; w `[Z, K, N]` float32, or `[Z, N, K]` with `transposed`
+    (`x[z] @ w[z].T`, the attention scores' form). Returns `[Z, M, N]` float32. Raises
+    ValueError for other ranks, dtypes or mismatched dims (at trace time)."""
+    kw = 2 if transposed else 1
+    if (x_ZxMxK.ndim != 3 or w.ndim != 3 or x_ZxMxK.shape[0] != w.shape[0]
+            or x_ZxMxK.shape[2] != w.shape[kw]):
+        raise ValueError(f"ordered_batched_matmul: x {x_ZxMxK.shape} and w {w.shape} are not "
+                         f"[Z, M, K] and {'[Z, N, K]' if transposed else '[Z, K, N]'}")
+    if x_ZxMxK.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"ordered_batched_matmul: x and w must be float32 (got {x_ZxMxK.dtype}"
+                         f", {w.dtype})")
+    _registered()
+    target = "looprl_ordered_batched_matmul" + ("_t" if transposed else "")
+    out = jax.ShapeDtypeStruct((x_ZxMxK.shape[0], x_ZxMxK.shape[1], w.shape[3 - kw]),
+                               jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_ZxMxK, w)
 
 
 def _fma32(a, b, c):

@@ -174,12 +174,13 @@ def test_attention_does_not_depend_on_the_cache_length_at_ouro_widths(dtype, C):
     assert [np.array_equal(o, outs[0]) for o in outs[1:]] == [True, True]
 
 
-def test_every_attention_dot_has_one_shape_whatever_the_cache_length():
-    """Structural: in the optimized program of a 1-query (decode) and a 17-query call at Ouro
-    widths, the attention dots (batched over b, h) are `[R, K] x [K, 128]` and `[R, 128] x
-    [128, K]` per (b, h), R = `_row_tile_for(C)`, and the program's dots are the same for a
-    cache of 256, 1000 and 2048 slots (the softmax's `rowsum` dots are `matmul`'s, whose rows
+def test_every_attention_dot_has_one_shape_whatever_the_cache_length(cpu_form):
+    """Structural (the XLA form): in the optimized program of a 1-query (decode) and a 17-query
+    call at Ouro widths, the attention dots (batched over b, h) are `[R, K] x [K, 128]` and `[R,
+    128] x [128, K]` per (b, h), R = `_row_tile_for(C)`, and the program's dots are the same for
+    a cache of 256, 1000 and 2048 slots (the softmax's `rowsum` dots are `matmul`'s, whose rows
     are the row side)."""
+    cpu_form("xla")
     for C in (1, 17):
         progs = []
         for S in (256, 1000, 2048):
@@ -197,6 +198,36 @@ def test_every_attention_dot_has_one_shape_whatever_the_cache_length():
 
 
 ORDERED_TARGET = "looprl_ordered_matmul"
+
+
+def test_attention_is_ordered_products_of_one_shape_whatever_the_cache_length(cpu_form):
+    """Structural (the default CPU form): the attention program of a 1-query (decode) and a
+    17-query call at Ouro widths holds no dot; its scores are ordered products `[C, K] x [128,
+    K]^T` and its value partials `[C, 128] x [128, K]`, per (b, h) (Z = B x H batched, each
+    product as one call of its shape computes it), unpadded (C rows), the same for a cache of
+    256, 1000 and 2048 slots; the softmax's `rowsum` is the ordered matmul."""
+    cpu_form("ordered")
+    B = 2
+    for C in (1, 17):
+        progs = []
+        for S in (256, 1000, 2048):
+            q = jax.ShapeDtypeStruct((B, C, H, K), jnp.bfloat16)
+            kv = jax.ShapeDtypeStruct((B, S, H, K), jnp.bfloat16)
+            m = jax.ShapeDtypeStruct((B, C, S), jnp.bool_)
+            text = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5)).lower(
+                q, kv, kv, m).compile().as_text()
+            assert _dots(text) == [], (C, S)
+            progs.append({t: sorted({(tuple(a), tuple(b), tuple(o)) for a, b, o, _ in
+                                     _dots(text, t)})
+                          for t in ("looprl_ordered_batched_matmul_t",
+                                    "looprl_ordered_batched_matmul")})
+        assert progs[1] == progs[0] and progs[2] == progs[0], (C, progs)
+        Z = B * H
+        assert progs[0] == {"looprl_ordered_batched_matmul_t": [((Z, C, K), (Z, kn.K_BLOCK, K),
+                                                                 (Z, C, kn.K_BLOCK))],
+                            "looprl_ordered_batched_matmul": [((Z, C, kn.K_BLOCK),
+                                                               (Z, kn.K_BLOCK, K), (Z, C, K))]}, \
+            (C, progs[0])
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w\-]+)\((.*?)\)(.*)$")
 
 
@@ -213,8 +244,9 @@ def _dots(text, target=None):
         dims[name] = [int(d) for d in shape.split(",") if d]
         assert op != "convolution", line
         if op == "custom-call":
-            assert f'custom_call_target="{ORDERED_TARGET}"' in attrs, line
-        if op == ("custom-call" if target else "dot"):
+            assert 'custom_call_target="looprl_ordered_' in attrs, line
+        if (op == "dot" and not target
+                or op == "custom-call" and f'custom_call_target="{target}"' in attrs):
             lhs, rhs = [o.strip().split(" ")[-1] for o in operands.split(",")[:2]]
             found.append((lhs, rhs, dims[name], attrs))
     return [(dims[lhs], dims[rhs], out, attrs) for lhs, rhs, out, attrs in found]

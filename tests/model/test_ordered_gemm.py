@@ -90,3 +90,20 @@ def test_matmul_on_the_cpu_is_the_ordered_kernel():
     xf, wf = x.astype(jnp.float32), w.astype(jnp.float32)
     g = jax.grad(lambda b: kn.matmul(xf, b).sum())(wf)
     assert np.array_equal(_u32(g), _u32(jnp.dot(xf.T, jnp.ones((7, 24), jnp.float32))))
+
+
+@pytest.mark.parametrize("z, m, k, n", [(3, 1, 128, 128), (5, 24, 32, 128), (4, 100, 128, 33)])
+def test_batched_products_are_single_products(z, m, k, n):
+    """Each (b, h) product of the attention's batched form, plain and transposed, has the bits of
+    one `ordered_matmul` call of its shape, which are the reference's."""
+    rng = np.random.default_rng(z * m + k + n)
+    x = rng.standard_normal((z, m, k), dtype=np.float32)
+    w = rng.standard_normal((z, k, n), dtype=np.float32)
+    plain = og.ordered_batched_matmul(jnp.asarray(x), jnp.asarray(w))
+    wt = jnp.asarray(np.ascontiguousarray(np.swapaxes(w, 1, 2)))
+    trans = og.ordered_batched_matmul(jnp.asarray(x), wt, transposed=True)
+    for i in (0, z - 1):
+        one = _u32(og.reference_matmul(x[i], w[i]))
+        assert np.array_equal(_u32(plain[i]), one) and np.array_equal(_u32(trans[i]), one)
+    with pytest.raises(ValueError, match=r"\[Z, N, K\]"):
+        og.ordered_batched_matmul(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4, 5)), transposed=True)
