@@ -9,10 +9,12 @@ attention costs it, from a `jax.profiler` trace rather than by guessing: one dec
 calls and traced once, on one XLA thread. Per XLA op (thunk) of the compiled program it
 reports microseconds per call, summed over the trace, largest first (a loop's ops are counted
 themselves, the loop container not; an op XLA hoisted out of the loop is still divided by
-REPEATS); the op names are XLA's (`dot_general.N`: the score and value dots, and the softmax's
-`rowsum` dots, which are small; `transpose_copy_fusion*`: the rotated K/V block gathers into
-head-major order; `bitcast_pad_fusion*`: the query and probability padding and the masked
-scores). The dots' share counts every op named `dot*`.
+REPEATS); the op names are XLA's (with the CPU's default ordered kernels, 2026-12-03:
+`ffi_call.N`, the ordered products: the score and value dots, batched over (row, head), and the
+softmax's `rowsum`; with `LOOPRL_CPU_MATMUL=xla`: `dot_general.N`, the same dots as XLA's;
+`transpose_copy_fusion*`: the rotated K/V block gathers into head-major order;
+`bitcast_pad_fusion*`: the query and probability padding and the masked scores). The dots' share
+counts every op named `dot*` or `ffi_call*`.
 
 Next to them, the floor of the construction: both dots unbatched at the padded FLOPs (one
 `[B H R, K] x [K, 128]` dot and one `[B H R, 128] x [128, K]` dot, R = the row quantum, and the
@@ -122,7 +124,7 @@ def _case(B: int, rng) -> dict:
         out[name]["us"] = med[name] / REPEATS * 1e6
     out["padded_dots_floor_us"] = med["floor"] / REPEATS * 1e6
     ops = out["invariant"]["ops_us"]
-    dots = sum(us for name, us in ops.items() if name.startswith("dot"))
+    dots = sum(us for name, us in ops.items() if name.startswith(("dot", "ffi_call")))
     if dots == 0:
         raise SystemExit(f"no dot among the traced ops ({sorted(ops)[:12]}): XLA's op names "
                          "changed; update the dot share's match")

@@ -98,8 +98,9 @@ The XLA-op construction (CPU, `LOOPRL_CPU_MATMUL=xla`):
 * `attention` (the XLA form; the ordered form differs only in its dots and in running a single
   query tile unpadded, above): query rows are padded to the same row tiles (`_row_tile_for(C)`,
   several in one `lax.map`). The key axis is taken in 128-key blocks: the mask is padded to a
-  multiple of 128 (masked slots, probability exactly 0; K/V are not padded, a block's slots past the cache read
-  its last key, any finite value serving under probability +0), and each row's key axis is
+  multiple of 128 (masked slots, probability exactly 0; K/V are not padded, a block's slots past
+  the cache read its last key, any finite value serving under probability +0), and each row's
+  key axis is
   rotated (an exact gather) so that its first live key sits in slot 0: the blocks are then cut
   at the row's own token positions 0, 128, 256, ..., whatever its left padding or the batch's
   cache length. Both dots run per 128-key block, each block one step of a `fori_loop` over the
