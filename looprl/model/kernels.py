@@ -313,9 +313,11 @@ def kernel_version() -> str:
 
 
 def row_tile() -> int:
-    """The row padding quantum in force (recorded in schedules): on the CPU rows are padded to a
-    multiple of ROW_QUANTUM, 8 or 24 (the tile itself, `_row_tile_for(M)`, is a multiple of it and
-    gives the same bits whichever is picked); ROW_TILE elsewhere."""
+    """The row padding quantum in force (recorded in schedules): on the CPU, ROW_QUANTUM (8 or
+    24), to which the XLA form (`LOOPRL_CPU_MATMUL=xla`) pads a matmul's rows and attention pads
+    the queries of a call of more than one tile (the tile, `_row_tile_for(M)`, is a multiple of
+    it; the ordered kernel's bits do not depend on it, and it pads no matmul row and no single
+    query tile); ROW_TILE elsewhere."""
     return ROW_QUANTUM if on_cpu() else ROW_TILE
 
 
