@@ -13,7 +13,10 @@
 // rows of a micro-panel).  fma and + are correctly rounded (IEEE 754), so the vector
 // `vfmadd`/`vaddps` and the scalar std::fma / + give the same bits; the file is compiled with
 // -ffp-contract=off (no other fused operation is formed) and without -ffast-math (nothing is
-// reassociated).  A bf16 weight is widened to fp32 (exact) as it is read.
+// reassociated).  A bf16 weight is widened to fp32 (exact) as it is read.  Subnormals: every
+// task runs with flush-to-zero and denormals-are-zero set (MXCSR, restored after), the state XLA
+// CPU's own threads run in, so a subnormal input counts as zero and a subnormal result becomes
+// zero whichever thread runs the task (reference_matmul flushes the same way).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -28,6 +31,10 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LOOPRL_AVX2 1
+#endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#define LOOPRL_MXCSR 1
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -207,11 +214,12 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
     std::fill(acc, acc + p.m * nc, -0.0f);
     for (int64_t kk = 0; kk < kc; ++kk) {
       const int64_t row = (k0 + kk) * p.n + n0;
-      const float* w = static_cast<const float*>(p.w) + row;
+      const float* w = wide;
       if (p.w_bf16) {
         const uint16_t* s = static_cast<const uint16_t*>(p.w) + row;
         for (int64_t j = 0; j < nc; ++j) wide[j] = widen_bf16(s[j]);
-        w = wide;
+      } else {
+        w = static_cast<const float*>(p.w) + row;
       }
       for (int64_t r = 0; r < p.m; ++r) axpy_fma(p.x[r * p.k + k0 + kk], w, acc + r * nc, nc);
     }
@@ -250,7 +258,17 @@ struct Shared {
   int64_t done = 0;
 };
 
+// Flush-to-zero and denormals-are-zero for the scope (module header), the caller's state after.
+struct FlushSubnormals {
+#ifdef LOOPRL_MXCSR
+  unsigned int saved = _mm_getcsr();
+  FlushSubnormals() { _mm_setcsr(saved | 0x8040u); }  // FTZ (bit 15) | DAZ (bit 6)
+  ~FlushSubnormals() { _mm_setcsr(saved); }
+#endif
+};
+
 void drain(const std::shared_ptr<Shared>& s) {
+  FlushSubnormals flush;
   for (;;) {
     const int64_t t = s->next.fetch_add(1);
     if (t >= s->tasks) return;

@@ -9,7 +9,8 @@ anything but row m of x and column n of w, so a row's bits cannot change with it
 argument is the program, not a scan of shapes (issue 14). fma and + are correctly rounded (IEEE
 754), so the AVX2 vector instructions and the scalar fallback give the same bits on every
 machine with a correctly rounded fma; the file is compiled with `-ffp-contract=off` and without
-`-ffast-math`.
+`-ffast-math`. Subnormal inputs and results are flushed to zero (FTZ/DAZ set by every task, the
+state XLA CPU's threads run in), so the bits do not depend on the calling thread's state.
 
 How it runs (none of it changes a bit): tasks of output columns on XLA's intra-op thread pool
 (256 columns; 1024 up to 48 rows; 4096 up to 6 rows, so a decode step's weight rows are read in
@@ -101,12 +102,17 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     cmd = [cxx, *flags, f"-I{include}", str(SOURCE), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise ConfigError(f"building looprl's CPU matmul kernel failed: {' '.join(cmd)}\n{tail}")
-    os.replace(tmp, lib)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise ConfigError(f"building looprl's CPU matmul kernel failed: {' '.join(cmd)}\n"
+                              f"{tail}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of a shared cache
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return lib
 
 
@@ -161,30 +167,38 @@ def ordered_batched_matmul(x_ZxMxK: jax.Array, w: jax.Array, transposed: bool = 
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_ZxMxK, w)
 
 
+def _flush(a):
+    """float32 subnormals -> zero of the same sign (the kernel's FTZ/DAZ, module doc)."""
+    a = np.asarray(a, np.float32)
+    return np.where(np.abs(a) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), a), a)
+
+
 def _fma32(a, b, c):
     """Correctly rounded float32 fma(a, b, c), elementwise in numpy: a * b is exact in float64,
     TwoSum gives the float64 sum's exact error, and rounding that sum to odd before the float32
-    rounding makes the double rounding exact (53 >= 24 + 2 bits)."""
+    rounding makes the double rounding exact (53 >= 24 + 2 bits); an infinite sum is left as it
+    is (its TwoSum error is NaN)."""
     p = a.astype(np.float64) * b.astype(np.float64)
     c = np.broadcast_to(c, p.shape).astype(np.float64)
-    s = p + c
-    bb = s - p
-    e = (p - (s - bb)) + (c - bb)
+    with np.errstate(invalid="ignore"):
+        s = p + c
+        bb = s - p
+        e = (p - (s - bb)) + (c - bb)
     odd = (s.view(np.uint64) & 1).astype(bool)
-    s = np.where((e != 0) & ~odd, np.nextafter(s, s + e), s)
+    s = np.where(np.isfinite(s) & (e != 0) & ~odd, np.nextafter(s, s + e), s)
     return s.astype(np.float32)
 
 
 def reference_matmul(x_MxK: np.ndarray, w_KxN: np.ndarray) -> np.ndarray:
     """The kernel's numerics written out in numpy (module doc): float32 `[M, N]` from float32
-    `[M, K]` and float32 `[K, N]` (a bf16 weight: pass it widened to float32). Slow (one numpy
-    step per k); for tests."""
-    x = np.asarray(x_MxK, np.float32)
-    w = np.asarray(w_KxN, np.float32)
+    `[M, K]` and float32 `[K, N]` (a bf16 weight: pass it widened to float32), subnormal inputs
+    and results flushed to zero as the kernel does. Slow (one numpy step per k); for tests."""
+    x = _flush(x_MxK)
+    w = _flush(w_KxN)
     out = None
     for s in range(0, x.shape[1], K_CHUNK):
         acc = np.full((x.shape[0], w.shape[1]), -0.0, np.float32)
         for k in range(s, min(s + K_CHUNK, x.shape[1])):
-            acc = _fma32(x[:, k:k + 1], w[k:k + 1, :], acc)
-        out = acc if out is None else out + acc
+            acc = _flush(_fma32(x[:, k:k + 1], w[k:k + 1, :], acc))
+        out = acc if out is None else _flush(out + acc)
     return out if out is not None else np.full((x.shape[0], w.shape[1]), -0.0, np.float32)

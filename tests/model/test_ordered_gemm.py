@@ -107,3 +107,17 @@ def test_batched_products_are_single_products(z, m, k, n):
         assert np.array_equal(_u32(plain[i]), one) and np.array_equal(_u32(trans[i]), one)
     with pytest.raises(ValueError, match=r"\[Z, N, K\]"):
         og.ordered_batched_matmul(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4, 5)), transposed=True)
+
+
+def test_subnormals_flush_to_zero_and_infinities_pass_through():
+    """FTZ/DAZ is the kernel's own state (module doc), whatever the calling thread's, and the
+    reference flushes alike; an infinite input gives inf in both (the reference's TwoSum error
+    is NaN there)."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, 40)) * 1e-20).astype(np.float32)
+    w = (rng.standard_normal((40, 5)) * 1e-20).astype(np.float32)
+    for a, b in [(x, w), (np.array([[1e-39]], np.float32), np.array([[2.0]], np.float32)),
+                 (np.array([[np.inf, 1.0]], np.float32), np.ones((2, 1), np.float32))]:
+        y = og.ordered_matmul(jnp.asarray(a), jnp.asarray(b))
+        assert np.array_equal(_u32(y), _u32(og.reference_matmul(a, b)))
+    assert np.all(np.asarray(og.ordered_matmul(jnp.asarray(x), jnp.asarray(w))) == 0)
