@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looprl.errors import ConfigError
+from looprl.errors import ConfigError, create_dir
 
 SOURCE = Path(__file__).with_name("ordered_gemm.cc")
 TARGET = "looprl_ordered_matmul"
@@ -95,10 +95,7 @@ def build() -> Path:
     lib = cache / f"ordered_gemm-{key}.so"
     if lib.exists():
         return lib
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"LOOPRL_KERNEL_CACHE: cannot create '{cache}': {e.strerror}") from e
+    create_dir(cache, "LOOPRL_KERNEL_CACHE")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     cmd = [cxx, *flags, f"-I{include}", str(SOURCE), "-o", tmp]
