@@ -7,7 +7,7 @@ dense). `copy_vs_dense_b256` / `deferred_vs_dense_b256`: the main job's model
 gate is trained, 256 rows (32 prompts x 8), q = 0.5, 32 new tokens; next to them
 `ideal_speedup_copy_b256` = T / mean exit loop, `fraction_of_ideal_copy_b256`, the mean exit
 loops, and `*_work_share_of_dense_b256`: the rows x positions the policy's loops ran (from the
-recorded `loop_rows`, a deferred window counting all its positions) over dense's, i.e. its
+recorded `loop_rows`, each deferred pass counting all its positions) over dense's, i.e. its
 share of dense's matmul FLOPs; `compaction_speedup_b256`: each policy with row compaction
 over the same policy without it (`row_compaction=False`), and `uncompacted_vs_dense_b256`
 (speedups against the compacted dense). `*_1p4b_width_b64`: the same for one layer of
@@ -146,10 +146,10 @@ def _measure_group(cfg, params, prompts, configs, T, max_new=MAX_NEW, keep=None,
 
 def _work_share(rb, dense_rb):
     """Rows x positions the loops of `rb`'s decode steps ran (from its recorded `loop_rows`;
-    a deferred window counts `chunk_size` positions per row) over the same for `dense_rb`: the
-    share of dense's matmul FLOPs the policy spent (attention aside)."""
+    a pass counts its width, `Schedule.window_widths`, in positions per row) over the same for
+    `dense_rb`: the share of dense's matmul FLOPs the policy spent (attention aside)."""
     lr, ld = np.asarray(rb.loop_rows), np.asarray(dense_rb.loop_rows)
-    work = lr[..., 0].sum() + rb.schedule.chunk_size * lr[..., 1].sum()
+    work = np.asarray(rb.schedule.window_widths) @ lr.sum(axis=(0, 1, 2))
     return float(work / ld[..., 0].sum())
 
 

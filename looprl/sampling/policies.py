@@ -65,6 +65,41 @@ def row_menu(local_rows: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def window_widths(chunk: int, local_rows: int) -> tuple[int, ...]:
+    """Widths of a deferred decode loop's passes under row compaction, for a chunk of `chunk`
+    positions and `local_rows` rows per device: 1 (the current position alone), then 2, 4,
+    8, ... below `chunk`, then `chunk` (the whole window); `(1, chunk)` up to 16 rows, where
+    `row_menu` keeps one size for the same reason; `(1,)` for a chunk of one (dense, copy).
+
+    At loop d a row's positions still needing loop d are a suffix of its window ending at the
+    current position (the loops computed per position are a suffix maximum of exit loops,
+    module doc), of some length n; the row runs in the pass of the smallest width >= n, on the
+    positions [p - width + 1, p] (`sampler._block_pass`). A row with one pending position then
+    computes 2 positions, not the whole window: with the widths `(1, chunk)` alone (format
+    version 2, before 2026-12-03) a deferred decode ran 1.31x dense's matmul rows at the main
+    job's 256 rows (`benchmarks/rollout.py`), most of them masked, and was 0.85x as fast as
+    dense. Each width is up to two more copies of the layer stack in the decode program
+    (`window_block_rows`), hence powers of two, not every width, and small batches, whose
+    steps cost little more than their overhead, keep the two widths."""
+    if chunk <= 1:
+        return (1,)
+    if local_rows <= 16:
+        return (1, chunk)
+    widths, w = [1], 2
+    while w < chunk:
+        widths.append(w)
+        w *= 2
+    return (*widths, chunk)
+
+
+def window_block_rows(width: int) -> tuple[int, int]:
+    """Rows per block of a deferred window pass of `width` positions (`sampler._block_pass`):
+    (full blocks, tail blocks) = (64 // width, 16 // width) rows, at least 1: full blocks of 64
+    positions give the matmuls rows enough for the kernels' packed path, and the rows left
+    over run in blocks of 16 positions, so a pass computes at most 15 filler positions."""
+    return max(1, 64 // width), max(1, 16 // width)
+
+
 def chunk_size(policy: str, max_pending: int) -> int:
     """Positions per decode chunk: the current one plus (for deferred) the pending window."""
     return max_pending + 1 if policy == "deferred" else 1

@@ -10,9 +10,11 @@ Prefill runs every prompt position through all T loops as one chunk; each decode
 current position (plus, under `deferred`, the pending window) loop by loop in a
 `lax.while_loop` that stops as soon as every row of the batch is done with the step, so early
 exit saves sequential depth; and each loop runs only the rows that still need it (row
-compaction, issue 18: a sub-batch whose size comes from `policies.row_menu`, recorded in
-`RolloutBatch.loop_rows`), so early exit saves work at RL batch sizes too. All matmuls and
-attention use the batch-invariant kernels of `looprl.model.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
+compaction, issue 18: a sub-batch whose size comes from `policies.row_menu`; under `deferred`
+each row runs only the narrowest window of `policies.window_widths` holding its positions that
+need the loop, in blocks of rows; recorded in `RolloutBatch.loop_rows`), so early exit saves
+work at RL batch sizes too. All matmuls and attention use the batch-invariant kernels of
+`looprl.model.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
 
 `forced` mode re-runs a recorded rollout (its tokens, exit loops and flushes) at other parameters:
 the sampler "in forced mode" of the reproducibility matrix.
@@ -68,7 +70,8 @@ class SamplingConfig:
     noise_keying: str = NOISE_KEYING  # "completion" (token index in its completion) or "layout"
     #                                   (padded position; runs and rollouts before 2026-12-01)
     row_compaction: bool = True  # each decode loop runs only the rows that need it, gathered
-    #                              into a sub-batch of a size from `policies.row_menu` (issue 18)
+    #                              into a sub-batch of a size from `policies.row_menu` or, for a
+    #                              deferred window, in blocks of rows (issue 18)
 
     @classmethod
     def from_rollout_config(cls, rollout, compute_dtype: str, *, greedy: bool = False,
@@ -147,7 +150,8 @@ class DecodeState(NamedTuple):
     flush_BxS: jax.Array
     done_B: jax.Array
     completion_len_B: jax.Array
-    loop_rows_1xSxTx2: jax.Array  # sub-batch rows per (decode step, loop, width class)
+    loop_rows_1xSxTxW: jax.Array  # rows run per (decode step, loop, pass): a menu size or a
+    #                               window's blocks x their rows
     p: jax.Array  # next position to run (int32 scalar)
 
 
@@ -169,6 +173,8 @@ class _Static:
     seed: int
     forced: bool
     row_menu: tuple[int, ...] = ()  # sub-batch sizes of row compaction; () = off
+    window_widths: tuple[int, ...] = (1,)  # widths of a decode loop's passes (policies.
+    #                                        window_widths), with compaction
 
 
 def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_kv, v_kv,
@@ -225,10 +231,11 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     B = run_B.shape[0]
     if st.row_menu[-1] != B:  # every count n <= B must have a size: the menu ends at B
         raise SamplingError(f"row menu {st.row_menu} does not end at the {B} rows per device")
-    menu = jnp.asarray(st.row_menu, jnp.int32)
+    sizes = st.row_menu
     n = jnp.sum(run_B, dtype=jnp.int32)
-    which = jnp.where(n > 0, 1 + jnp.searchsorted(menu, n, side="left"), 0)
-    order = jnp.argsort(~run_B, stable=True)  # the running rows first, in row order
+    which = jnp.where(n > 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n,
+                                                  method="compare_all"), 0)
+    order = _running_first(run_B)
     h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
     k_win, v_win = (jax.lax.dynamic_slice(c, (d - 1, 0, 0, w0, 0, 0), (1, *c.shape[1:3], C,
                                                                        *c.shape[4:]))[0]
@@ -257,16 +264,74 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
                     depth_win.at[back].set(depth_m, mode="drop"))
         return branch
 
-    branches = [lambda _: (k_win, v_win, h_win, depth_win)] + [run(M) for M in st.row_menu]
+    # (the whole caches never leave the switch: XLA CPU copies an operand a branch updates)
+    branches = [lambda _: (k_win, v_win, h_win, depth_win)] + [run(M) for M in sizes]
     s = _put_windows(s, d, w0, *jax.lax.switch(which, branches, None))
-    sizes = jnp.asarray((0,) + st.row_menu, jnp.int32)
-    return s, sizes[which]
+    return s, jnp.asarray((0,) + sizes, jnp.int32)[which]
 
 
-def _record_rows(s: DecodeState, p, d, rows_m, width_class: int) -> DecodeState:
-    """Write the sub-batch size `rows_m` of loop d at decode position p (width class 0: the
-    current position alone, 1: the deferred window) into `loop_rows_1xSxTx2`."""
-    return s._replace(loop_rows_1xSxTx2=s.loop_rows_1xSxTx2.at[0, p, d - 1, width_class].set(
+def _running_first(run_B):
+    """Row indices `[B]` int32: the rows of `run_B` first, in row order, then row 0 (filler)."""
+    B = run_B.shape[0]
+    return jnp.zeros((B,), jnp.int32).at[jnp.where(run_B, jnp.cumsum(run_B) - 1, B)].set(
+        jnp.arange(B, dtype=jnp.int32), mode="drop")
+
+
+def _block_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
+                active_BxC, run_B):
+    """Loop d over the window [w0, w0 + C) for the rows `run_B` only, in blocks of
+    R = `policies.window_block_rows(C)` rows (issue 18; a deferred window pass, C > 1).
+
+    The n = sum(run_B) rows are taken R at a time, in row order, by a loop of ceil(n / R)
+    blocks (none when n = 0); a block gathers its rows' inputs (the last block's filler rows
+    compute nothing and are dropped) and scatters their windows of the loop-d KV slots, hidden
+    states and depths straight into the state, in place (a `lax.switch` over sub-batch sizes,
+    as the width-1 pass uses, would return the windows of all B rows: XLA CPU copies an operand
+    a branch updates, so the caches cannot pass through one). One block shape per width, so
+    one copy of the layer stack. Row-invariant kernels (`looprl.model.kernels`): a row's bits
+    are those it gets in the full batch. Returns (state, rows run: blocks x R, int32)."""
+    B = run_B.shape[0]
+    R, R_tail = (min(r, B) for r in policies.window_block_rows(C))
+    n = jnp.sum(run_B, dtype=jnp.int32)
+    order = jnp.concatenate([_running_first(run_B), jnp.zeros((R,), jnp.int32)])
+    cols = (w0 + jnp.arange(C))[None, :]
+    if R_tail < R:  # blocks of R rows, then blocks of R_tail rows for the rest
+        n_full = n // R
+        n_tail = (n - n_full * R + R_tail - 1) // R_tail
+    else:  # (R = R_tail: a batch of at most 16 // C rows) one loop of blocks
+        n_full, n_tail = (n + R - 1) // R, jnp.int32(0)
+
+    def block(start, R, arrays):
+        k_cache, v_cache, h, depth = arrays
+        idx = jax.lax.dynamic_slice_in_dim(order, start, R)
+        ok = start + jnp.arange(R) < n
+        back = jnp.where(ok, idx, B)[:, None]  # filler rows: dropped (index B)
+        rws = idx[:, None]
+        k_slots, v_slots = (jax.lax.dynamic_index_in_dim(c, d - 1, 0, keepdims=False)[:, idx]
+                            for c in (k_cache, v_cache))
+        k_m, v_m, h_m, depth_m = _window_pass(
+            st, w, d, w0, C, h[rws, cols], positions_BxS[rws, cols], rows.pad_B[idx], k_slots,
+            v_slots, active_BxC[idx] & ok[:, None], depth[rws, cols])
+        put = lambda c, win: c.at[d - 1, :, back, cols].set(  # noqa: E731  win [L, R, C, J, K]
+            jnp.moveaxis(win, 0, 2).astype(c.dtype), mode="drop")
+        return (put(k_cache, k_m), put(v_cache, v_m), h.at[back, cols].set(h_m, mode="drop"),
+                depth.at[back, cols].set(depth_m, mode="drop"))
+
+    arrays = jax.lax.fori_loop(0, n_full, lambda j, a: block(j * R, R, a),
+                               (s.k_cache, s.v_cache, s.h_BxSxD, s.depth_BxS))
+    if R_tail < R:
+        arrays = jax.lax.fori_loop(0, n_tail, lambda j, a: block(n_full * R + j * R_tail,
+                                                                 R_tail, a), arrays)
+    k_cache, v_cache, h, depth = arrays
+    s = s._replace(k_cache=k_cache, v_cache=v_cache, h_BxSxD=h, depth_BxS=depth)
+    return s, n_full * R + n_tail * R_tail
+
+
+def _record_rows(s: DecodeState, p, d, rows_m, pass_index: int) -> DecodeState:
+    """Write the rows `rows_m` that loop d's pass `pass_index` (the index into
+    `_Static.window_widths`: 0 the current position alone) ran at decode position p into
+    `loop_rows_1xSxTxW`."""
+    return s._replace(loop_rows_1xSxTxW=s.loop_rows_1xSxTxW.at[0, p, d - 1, pass_index].set(
         rows_m))
 
 
@@ -286,9 +351,10 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
     pending position needing it, so the loop's position-alone pass runs every running row and
     its window pass runs none, the peel's computation and its `loop_rows` record.
     `compact_rows` (decode steps, with `st.row_menu`): each loop runs only the rows still
-    running, as a sub-batch (`_compact_pass`); under `deferred` the rows with no pending
-    position needing the loop run their current position alone, the others the whole window.
-    Row-invariant kernels again keep every bit.
+    running, as a sub-batch (`_compact_pass`); under `deferred` each row runs the positions
+    [emit_p - W + 1, emit_p], W the smallest of `st.window_widths` covering its positions that
+    need the loop (W = 1, the current position alone, for a row with none pending), one pass
+    per width. Row-invariant kernels again keep every bit.
     Returns the updated state (tokens, log-probs, exits written at emit_p / emit_p + 1).
     """
     cfg, scfg = st.cfg, st.scfg
@@ -312,14 +378,21 @@ def _run_chunk(st: _Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: in
         elif C == 1:
             s, n = _compact_pass(st, w, s, rows, positions_BxS, d, w0, 1, active, running)
             s = _record_rows(s, emit_p, d, n, 0)
-        else:  # rows with nothing pending at this loop run their current position alone
-            wide_B = jnp.any(active & (w0 + jnp.arange(C) != emit_p)[None, :], axis=1)
-            at_p = jax.lax.dynamic_slice_in_dim(active, emit_p - w0, 1, axis=1)
-            s, n1 = _compact_pass(st, w, s, rows, positions_BxS, d, emit_p, 1,
-                                  at_p & ~wide_B[:, None], running & ~wide_B)
-            s, nc = _compact_pass(st, w, s, rows, positions_BxS, d, w0, C,
-                                  active & wide_B[:, None], wide_B)
-            s = _record_rows(_record_rows(s, emit_p, d, n1, 0), emit_p, d, nc, 1)
+        else:  # each row in the pass of the narrowest window holding its active positions
+            if st.window_widths[0] != 1 or st.window_widths[-1] != C:  # no row may go unrun
+                raise SamplingError(f"window widths {st.window_widths} do not run from 1 to the "
+                                    f"chunk of {C} positions")
+            first_B = jnp.min(jnp.where(active, w0 + jnp.arange(C)[None, :], emit_p + 1), axis=1)
+            need_B = emit_p + 1 - first_B  # 0: nothing to run; active is within [first, emit_p]
+            widths = jnp.asarray(st.window_widths, jnp.int32)
+            pass_B = jnp.searchsorted(widths, need_B, method="compare_all")
+            for i, W in enumerate(st.window_widths):
+                run_B = (need_B > 0) & (pass_B == i)
+                wi0 = jnp.maximum(emit_p - W + 1, 0) if W > 1 else emit_p  # in [w0, emit_p]
+                act = jax.lax.dynamic_slice_in_dim(active, wi0 - w0, W, axis=1)
+                s, n = (_compact_pass if W == 1 else _block_pass)(
+                    st, w, s, rows, positions_BxS, d, wi0, W, act & run_B[:, None], run_B)
+                s = _record_rows(s, emit_p, d, n, i)
         h_cur = jax.lax.dynamic_index_in_dim(s.h_BxSxD, emit_p, 1, keepdims=True)  # B,1,D
         lam = exit_lambda(w, h_cur, stock)[:, 0]
         xs, _ = exit_state_update(xs, lam, d, T)
@@ -396,7 +469,8 @@ def _prefill(st: _Static, params, tokens_BxS, rows: RowInfo, step):
         logprob_processed_BxS=jnp.zeros((B, st.S), jnp.float32),
         flush_BxS=jnp.zeros((B, st.S), bool), done_B=jnp.zeros((B,), bool),
         completion_len_B=jnp.zeros((B,), jnp.int32),
-        loop_rows_1xSxTx2=jnp.zeros((1, st.S, T, 2), jnp.int32), p=jnp.int32(st.P))
+        loop_rows_1xSxTxW=jnp.zeros((1, st.S, T, len(st.window_widths)), jnp.int32),
+        p=jnp.int32(st.P))
     ones = jnp.ones((B,), bool)
     return _run_chunk(st, w, s, rows, step, w0=0, C=st.P, emit_p=st.P - 1,
                       eligible_C=jnp.ones((st.P,), bool), force_full_B=ones, running_B=ones)
@@ -553,9 +627,14 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         scfg = dataclasses.replace(scfg, deferred_max_pending=policies.auto_max_pending(
             local_rows))
     menu = policies.row_menu(local_rows) if scfg.row_compaction else ()
+    C = min(policies.chunk_size(scfg.kv_policy, scfg.deferred_max_pending), S)
+    widths = policies.window_widths(C, local_rows)
     if forced is not None and sched.row_menu and sched.row_menu[-1] == local_rows:
         menu = tuple(sched.row_menu)  # the recorded compaction, on the recorded rows per device
-    st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None, menu)
+        recorded = tuple(sorted({min(W, C) for W in sched.window_widths}))
+        if recorded[:1] == (1,) and recorded[-1:] == (C,):  # (another policy's: not used)
+            widths = recorded
+    st = _Static(cfg, scfg, int(P), int(S), int(seed), forced is not None, menu, widths)
     rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
                    jnp.asarray(sample_index, jnp.int32), *frows)
     if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
@@ -600,7 +679,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         backend=jax.default_backend(), stop_ids=tuple(scfg.stop_ids),
         row_tile=row_tile() if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
         mesh=_mesh_record(mesh, params), noise_keying=scfg.noise_keying,
-        kernel_version=kernel_version(), row_menu=menu)
+        kernel_version=kernel_version(), row_menu=menu,
+        window_widths=widths if menu else ())
     return RolloutBatch(
         tokens_BxS=fetch(s.tokens_BxS)[:B], pad_B=np.asarray(pad),
         exit_loop_BxS=fetch(s.exit_loop_BxS)[:B], logprob_BxS=fetch(s.logprob_BxS)[:B],
@@ -608,7 +688,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         flush_BxS=fetch(s.flush_BxS)[:B], prompt_index_B=np.asarray(prompt_index, np.int32),
         sample_index_B=np.asarray(sample_index, np.int32),
         completion_len_B=fetch(s.completion_len_B)[:B], schedule=sched,
-        loop_rows=fetch(s.loop_rows_1xSxTx2) if menu else None)
+        loop_rows=fetch(s.loop_rows_1xSxTxW) if menu else None)
 
 
 # --- on a mesh (issue 7): the same programs, one per device on its rows -------------------------

@@ -14,16 +14,19 @@ only by a forced re-run of the sampler), and a fingerprint of the sampler's para
 learner never re-decides any of it.
 
 Row compaction (issue 18, format version 2): each decode loop ran only the rows that needed it,
-gathered into a sub-batch whose size came from a fixed menu (`Schedule.row_menu`); the size
-each loop of each decode step used is `RolloutBatch.loop_rows`. With the row-invariant kernels
-the sizes do not change a bit; they are recorded because DESIGN.md §3 asks for the batch
-composition. A forced re-run with the recorded rows per device reuses the menu (and so
-reproduces the sizes); on another device count it uses that count's menu (the bits are the
-same).
+gathered into a sub-batch whose size came from a fixed menu (`Schedule.row_menu`); the rows
+each loop of each decode step ran are `RolloutBatch.loop_rows` (`[1, S, T, W]`: one column per
+pass width of `Schedule.window_widths`, format version 3: the current position alone, a
+menu size; a deferred window, its blocks' rows, `policies.window_block_rows`; version 2 had
+the two widths (1, chunk_size), each a menu size). With the row-invariant kernels the sizes
+do not change a bit; they are recorded because DESIGN.md §3 asks for the batch
+composition. A forced re-run with the recorded rows per device reuses the menu and the
+window widths (and so reproduces the sizes); on another device count it uses that count's
+(the bits are the same).
 
 On disk (`save`/`load`): one `.npz` file holding the arrays and a JSON `meta` string with
-`format_version` (currently 2; version-1 files, without compaction, still load) and the
-schedule fields.
+`format_version` (currently 3; version-2 files, with the two window widths, and version-1
+files, without compaction, still load) and the schedule fields.
 """
 from __future__ import annotations
 
@@ -41,8 +44,10 @@ import numpy as np
 
 from looprl.errors import ScheduleError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: before row compaction (no row_menu, no loop_rows)
+FORMAT_VERSION = 3
+# 1: before row compaction (no row_menu, no loop_rows); 2: before window widths (loop_rows'
+# last axis: the current position alone and the whole deferred window)
+READABLE_VERSIONS = (1, 2, 3)
 
 _ARRAYS = ("tokens_BxS", "pad_B", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS",
            "flush_BxS", "prompt_index_B", "sample_index_B", "completion_len_B")
@@ -85,11 +90,15 @@ class Schedule:
     # the sub-batch sizes of row compaction (`looprl.sampling.policies.row_menu`); () when every
     # loop ran the whole batch (compaction off, or files of format version 1)
     row_menu: tuple[int, ...] = ()
+    # the width of each column of `RolloutBatch.loop_rows`: the positions a decode loop's pass
+    # ran per row (`looprl.sampling.policies.window_widths`); () without compaction
+    window_widths: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["stop_ids"] = list(self.stop_ids)
         d["row_menu"] = list(self.row_menu)
+        d["window_widths"] = list(self.window_widths)
         return d
 
     @classmethod
@@ -97,11 +106,11 @@ class Schedule:
         known = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids",
                                             "kernels", "mesh", "noise_keying",
-                                            "kernel_version", "row_menu"})
+                                            "kernel_version", "row_menu", "window_widths"})
         if missing:
             raise ScheduleError(f"schedule meta is missing keys {missing}")
         d = {k: v for k, v in d.items() if k in known}
-        for key in ("stop_ids", "row_menu"):
+        for key in ("stop_ids", "row_menu", "window_widths"):
             if key in d:
                 d[key] = tuple(d[key])
         return cls(**d)
@@ -198,7 +207,13 @@ class RolloutBatch:
         missing = [k for k in _ARRAYS if k not in data]
         if missing:
             raise ScheduleError(f"{path}: missing arrays {missing}")
-        return cls(**{k: data[k] for k in _ARRAYS}, schedule=Schedule.from_dict(meta["schedule"]),
+        sched = Schedule.from_dict(meta["schedule"])
+        if meta["format_version"] == 2 and sched.row_menu:  # the two passes of version 2: the
+            # current position alone and the window (for dense and copy, (1, 1): the second
+            # column of their loop_rows is all zero)
+            sched = dataclasses.replace(sched, window_widths=(
+                1, min(sched.chunk_size, sched.seq_len)))
+        return cls(**{k: data[k] for k in _ARRAYS}, schedule=sched,
                    loop_rows=data.get("loop_rows"))
 
 

@@ -15,7 +15,7 @@ import pytest
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling import sampler as sm
-from looprl.sampling.policies import row_menu
+from looprl.sampling.policies import row_menu, window_block_rows, window_widths
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
 
@@ -56,6 +56,24 @@ def test_row_menu_sizes():
     assert row_menu(256) == (16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def test_window_widths():
+    assert window_widths(1, 256) == (1,)  # dense, copy
+    assert window_widths(8, 16) == (1, 8)  # one menu size: the position alone or the window
+    assert window_widths(4, 24) == (1, 2, 4)
+    assert window_widths(5, 256) == (1, 2, 4, 5)
+    assert window_widths(8, 256) == (1, 2, 4, 8)
+    assert window_widths(2, 17) == (1, 2)
+
+
+def test_window_block_rows():
+    """A window pass runs blocks of 64 positions, then blocks of 16 for the rows left over."""
+    assert window_block_rows(2) == (32, 8)
+    assert window_block_rows(5) == (12, 3)
+    assert window_block_rows(8) == (8, 2)
+    assert window_block_rows(32) == (2, 1)
+    assert window_block_rows(64) == (1, 1)
+
+
 class _Rollouts(dict):
     """(policy, dtype) -> (compacted, uncompacted) rollouts of the same prompts and seed,
     sampled the first time a test asks (the bf16 cases run under `-m slow`)."""
@@ -86,7 +104,50 @@ def test_compacted_rollout_equals_the_uncompacted_one_bit_for_bit(rollouts, poli
     for k in ARRAYS:
         assert np.array_equal(_raw(getattr(a, k)), _raw(getattr(b, k))), k
     assert a.schedule.row_menu == (16, 24) and b.schedule.row_menu == ()
-    assert b.loop_rows is None and a.loop_rows.shape == (1, a.schedule.seq_len, T, 2)
+    widths = (1, 2, 4) if policy == "deferred" else (1,)
+    assert a.schedule.window_widths == widths and b.schedule.window_widths == ()
+    assert b.loop_rows is None and a.loop_rows.shape == (1, a.schedule.seq_len, T, len(widths))
+
+
+def _with_exits(rb, seed: int):
+    """`rb` (a deferred rollout) with random exit loops 1..T at its emitting positions and the
+    flushes the policy then takes (a row flushes when C - 1 completion positions are pending):
+    a schedule whose rows need their windows at different steps and loops, for forced
+    re-runs (the random tiny model exits every row at the same loop)."""
+    P, S, C = rb.schedule.prompt_len, rb.schedule.seq_len, rb.schedule.chunk_size
+    exits = np.where(rb.exit_loop_BxS > 0, np.random.default_rng(seed).integers(
+        1, T + 1, rb.exit_loop_BxS.shape), 0).astype(np.int32)
+    flush = np.zeros(exits.shape, bool)
+    for b in range(exits.shape[0]):
+        depth = np.full(S, T)
+        for p in range(P, S - 1):
+            depth[p] = 0
+            flush[b, p] = np.sum(depth[P:p] < T) >= C - 1
+            for d in range(1, (T if flush[b, p] else exits[b, p]) + 1):
+                depth[max(p - C + 1, P):p + 1] = np.maximum(depth[max(p - C + 1, P):p + 1], d)
+    return dataclasses.replace(rb, exit_loop_BxS=exits, flush_BxS=flush)
+
+
+@pytest.mark.parametrize("rows", [4, pytest.param(24, marks=pytest.mark.slow)])
+def test_deferred_windows_run_every_row_that_needs_them(params, rows):
+    """Forced re-runs of a schedule with mixed exit loops, compacted and not, agree bit for
+    bit, and their windows run every row that needs them: at 4 rows (one menu size, widths
+    (1, 4), full and tail blocks alike of 4 rows: a tail of 1-3 rows once went unrun) and at
+    24 (widths (1, 2, 4))."""
+    sc = _scfg("deferred", "float32")
+    base = generate(CFG, params, (PROMPTS * 3)[:rows], sc, seed=5)
+    mixed = _with_exits(base, rows)
+    a = generate(CFG, params, [], sc, forced=mixed)
+    b = generate(CFG, params, [], dataclasses.replace(sc, row_compaction=False),
+                 forced=dataclasses.replace(mixed, schedule=dataclasses.replace(
+                     mixed.schedule, row_menu=(), window_widths=())))  # (else: the recorded)
+    assert b.loop_rows is None
+    assert np.array_equal(a.exit_loop_BxS, mixed.exit_loop_BxS)
+    for k in ARRAYS:
+        assert np.array_equal(_raw(getattr(a, k)), _raw(getattr(b, k))), k
+    want = _deferred_passes(a, a.schedule.window_widths)
+    assert ((want[..., 1:] > 0) & (want[..., 1:] < rows)).any()  # windows of some rows only
+    assert want[..., 1:].sum() > 0
 
 
 @pytest.mark.parametrize("policy", ["dense", "copy"])
@@ -99,7 +160,7 @@ def test_recorded_sizes_are_the_smallest_menu_size_holding_the_running_rows(roll
     P, S = a.schedule.prompt_len, a.schedule.seq_len
     exits = np.asarray(a.exit_loop_BxS)
     lr = a.loop_rows[0]
-    assert not lr[..., 1].any()  # no deferred windows
+    assert lr.shape[-1] == 1  # one pass per loop: the current position
     for p in range(P, S - 1):
         for d in range(1, T + 1):
             n = int(np.sum(exits[:, p] >= d)) if policy == "copy" else len(exits)
@@ -109,16 +170,56 @@ def test_recorded_sizes_are_the_smallest_menu_size_holding_the_running_rows(roll
         assert lr[P:S - 1, T - 1, 0].sum() < 24 * (S - 1 - P)
 
 
-def test_deferred_runs_rows_without_pending_work_on_their_own_position(rollouts):
-    """Under deferred, loop 1 runs every row alone (class 0, 24 rows); at deeper loops some
-    rows run their whole window (class 1) and others only their current position, and no loop
-    runs more rows than the batch."""
+def _deferred_passes(rb, widths):
+    """The rows each deferred decode loop's passes must run, rebuilt from the recorded exits
+    and flushes by the policy's definition (`policies` module doc): at step p, loop d runs a
+    row iff it is live and has not yet exited (flushed rows: up to T); its positions needing
+    loop d are those in its window [p - C + 1, p] (completion positions, and p) with d - 1
+    loops computed, and it belongs to the pass of the narrowest width covering them.
+    Returns `[S, T, len(widths)]` row counts."""
+    P, S, C = rb.schedule.prompt_len, rb.schedule.seq_len, rb.schedule.chunk_size
+    exits, flush = np.asarray(rb.exit_loop_BxS), np.asarray(rb.flush_BxS)
+    counts = np.zeros((S, T, len(widths)), int)
+    for b in range(exits.shape[0]):
+        depth = np.full(S, T)
+        for p in range(P, S - 1):
+            depth[p] = 0
+            for d in range(1, (T if flush[b, p] else exits[b, p]) + 1):
+                lo = max(p - C + 1, 0)
+                act = [j for j in range(lo, p + 1) if (j >= P or j == p) and depth[j] == d - 1]
+                need = p + 1 - min(act)
+                counts[p, d - 1, int(np.searchsorted(widths, need))] += 1
+                depth[act] = d
+    return counts
+
+
+def test_deferred_rows_run_in_the_narrowest_window_holding_their_pending_positions(rollouts):
+    """Under deferred (window of C = 4), each loop's rows run in passes of width 1 (the
+    current position alone), 2 or 4: the recorded rows of every pass are those the policy's
+    definition puts in it, as the pass runs them: width 1 the smallest row-menu size holding
+    them, a window in blocks (`window_block_rows`, at most the 24 rows: 24 then 8 rows for
+    width 2, 16 then 4 for width 4). Loop 1 runs every row alone, the
+    narrower windows are used, and the work (rows x width) is below what the two passes of
+    format version 2 (widths 1 and C) would have run."""
     a, _ = rollouts["deferred", "float32"]
     P, S = a.schedule.prompt_len, a.schedule.seq_len
+    widths = a.schedule.window_widths
+    want = _deferred_passes(a, widths)
+    menu = np.asarray(a.schedule.row_menu)
+    n = want[..., 0]
+    assert np.array_equal(a.loop_rows[0, ..., 0],
+                          np.where(n == 0, 0, menu[np.searchsorted(menu, n)]))
+    for i, W in enumerate(widths[1:], 1):
+        R, R_tail = (min(r, 24) for r in window_block_rows(W))
+        n = want[..., i]
+        full = n // R
+        tail = -(-(n - full * R) // R_tail)
+        assert np.array_equal(a.loop_rows[0, ..., i], full * R + tail * R_tail), W
     lr = a.loop_rows[0, P:S - 1]
-    assert (lr[:, 0, 0] == 24).all() and not lr[:, 0, 1].any()
-    assert lr[:, 1:, 1].sum() > 0 and lr[:, 1:, 0].sum() > 0
-    assert set(np.unique(lr)) <= {0, 16, 24}
+    assert (lr[:, 0, 0] == 24).all() and not lr[:, 0, 1:].any()
+    assert want[..., 1].sum() > 0 and want[..., 2].sum() > 0  # both windows occur
+    v2 = want[..., 0].sum() + 4 * want[..., 1:].sum()
+    assert (want * np.asarray(widths)).sum() < v2
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
@@ -143,20 +244,41 @@ def test_forced_rerun_on_other_rows_per_device_uses_their_menu(params, rollouts)
     assert np.array_equal(_raw(f.logprob_BxS), _raw(a.logprob_BxS))
 
 
-def test_version_2_round_trip_and_version_1_files_still_load(rollouts, tmp_path):
+def test_version_3_round_trip_and_version_2_and_1_files_still_load(params, rollouts, tmp_path):
     a, _ = rollouts["deferred", "float32"]
-    a.save(tmp_path / "v2.npz")
-    back = RolloutBatch.load(tmp_path / "v2.npz")
+    a.save(tmp_path / "v3.npz")
+    back = RolloutBatch.load(tmp_path / "v3.npz")
     assert back.schedule == a.schedule and np.array_equal(back.loop_rows, a.loop_rows)
-    with np.load(tmp_path / "v2.npz") as z:  # the same rollout as a version-1 writer wrote it
+    # a version-2 file: two passes per loop, the current position alone and the whole window
+    # of 4; its forced re-run takes those widths from the file and reproduces its compaction
+    sc = _scfg("deferred", "float32")
+    two = generate(CFG, params, [], sc, forced=dataclasses.replace(
+        a, schedule=dataclasses.replace(a.schedule, window_widths=(1, 4))))
+    assert two.loop_rows.shape[-1] == 2 and two.loop_rows[..., 1].sum() > 0
+    assert np.array_equal(_raw(two.logprob_BxS), _raw(a.logprob_BxS))
+    two.save(tmp_path / "v2.npz")
+    with np.load(tmp_path / "v2.npz") as z:
+        data = {k: z[k] for k in z.files}
+    meta = json.loads(str(data["meta"]))
+    meta["format_version"] = 2
+    del meta["schedule"]["window_widths"]
+    data["meta"] = np.asarray(json.dumps(meta))
+    np.savez(tmp_path / "v2.npz", **data)
+    old2 = RolloutBatch.load(tmp_path / "v2.npz")
+    assert old2.schedule.window_widths == (1, 4)
+    again = generate(CFG, params, [], sc, forced=old2)
+    assert np.array_equal(again.loop_rows, two.loop_rows)
+    assert np.array_equal(_raw(again.logprob_BxS), _raw(a.logprob_BxS))
+    with np.load(tmp_path / "v3.npz") as z:  # the same rollout as a version-1 writer wrote it
         data = {k: z[k] for k in z.files if k != "loop_rows"}
     meta = json.loads(str(data["meta"]))
     meta["format_version"] = 1
-    del meta["schedule"]["row_menu"]
+    del meta["schedule"]["row_menu"], meta["schedule"]["window_widths"]
     data["meta"] = np.asarray(json.dumps(meta))
     np.savez(tmp_path / "v1.npz", **data)
     old = RolloutBatch.load(tmp_path / "v1.npz")
-    assert old.schedule.row_menu == () and old.loop_rows is None
+    assert old.schedule.row_menu == () and old.schedule.window_widths == ()
+    assert old.loop_rows is None
     assert np.array_equal(_raw(old.logprob_BxS), _raw(a.logprob_BxS))
 
 
@@ -173,21 +295,22 @@ def _scans_of_length(jaxpr, n: int) -> int:
     return count
 
 
-@pytest.mark.parametrize("policy, passes", [("dense", 1), ("deferred", 2)])
-def test_decode_program_holds_one_layer_stack_per_pass_and_menu_size(policy, passes):
+@pytest.mark.parametrize("policy, widths", [("dense", (1,)), ("deferred", (1, 2, 4))])
+def test_decode_program_holds_one_layer_stack_per_pass_and_menu_size(policy, widths):
     """The decode program compiles the layer stack (`lax.scan` over the L layers) once per
     compaction pass and menu size: `dense` runs loop d on the current position only (one pass),
-    `deferred` the current position alone and the pending windows (two passes); loop 1 needs
-    no peeled copy of its own (a third deferred pass until 2026-12-02: 24 -> 14 s of compile at
-    40 rows). Traced only, nothing compiled."""
+    `deferred` one pass per window width: the current position alone (a copy per menu size),
+    windows of 2 and 4 (each a loop of full blocks and one of tail blocks: two copies);
+    loop 1 needs no peeled copy of its own (an extra deferred pass until 2026-12-02: 24 -> 14 s
+    of compile at 40 rows). Traced only, nothing compiled."""
     cfg = dataclasses.replace(CFG, num_layers=3)  # no other scan in the program is 3 long
     p = jax.eval_shape(lambda: init_params(cfg, 0))
     sc = _scfg(policy, "float32")
     tokens, pad, P, S = sm.layout_prompts([pr for pr in PROMPTS for _ in range(G)],
                                           sc.max_new_tokens, None, sc.prompt_len_multiple)
-    st = sm._Static(cfg, sc, P, S, 5, False, row_menu(24))
+    st = sm._Static(cfg, sc, P, S, 5, False, row_menu(24), widths)
     rows = sm.RowInfo(jnp.asarray(pad), jnp.zeros((24,), jnp.int32), jnp.zeros((24,), jnp.int32),
                       None, None, None)
     s = jax.eval_shape(lambda p: sm._prefill(st, p, jnp.asarray(tokens), rows, jnp.int32(0)), p)
     jaxpr = jax.make_jaxpr(lambda p, s: sm._decode(st, p, s, rows, jnp.int32(0), 4))(p, s)
-    assert _scans_of_length(jaxpr.jaxpr, 3) == passes * len(row_menu(24))
+    assert _scans_of_length(jaxpr.jaxpr, 3) == (2 if policy == "dense" else 2 + 2 + 2)
