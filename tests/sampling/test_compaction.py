@@ -129,14 +129,13 @@ def _with_exits(rb, seed: int):
 
 
 @pytest.mark.parametrize("rows", [4, pytest.param(24, marks=pytest.mark.slow)])
-def test_deferred_windows_run_every_row_that_needs_them(params, rows):
+def test_deferred_windows_run_every_row_that_needs_them(params, rollouts, rows):
     """Forced re-runs of a schedule with mixed exit loops, compacted and not, agree bit for
     bit, and their windows run every row that needs them: at 4 rows (one menu size, widths
     (1, 4), full and tail blocks alike of 4 rows: a tail of 1-3 rows once went unrun) and at
     24 (widths (1, 2, 4))."""
     sc = _scfg("deferred", "float32")
-    base = generate(CFG, params, (PROMPTS * 3)[:rows], sc, seed=5)
-    mixed = _with_exits(base, rows)
+    mixed = _with_exits(rollouts["deferred", "float32"][0].select(np.arange(rows)), rows)
     a = generate(CFG, params, [], sc, forced=mixed)
     b = generate(CFG, params, [], dataclasses.replace(sc, row_compaction=False),
                  forced=dataclasses.replace(mixed, schedule=dataclasses.replace(
@@ -223,7 +222,7 @@ def test_deferred_rows_run_in_the_narrowest_window_holding_their_pending_positio
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("policy", ["deferred", "copy"])
+@pytest.mark.parametrize("policy", ["deferred", pytest.param("copy", marks=pytest.mark.slow)])
 def test_forced_rerun_reproduces_the_compaction(params, rollouts, policy, dtype):
     a, _ = rollouts[policy, dtype]
     f = generate(CFG, params, [], _scfg(policy, dtype), forced=a)
