@@ -68,11 +68,16 @@ def compile_flags() -> list[str]:
     return flags
 
 
+# what a failed build's error offers instead of the kernel
+_FALLBACK = ("without it, LOOPRL_CPU_MATMUL=xla selects the earlier XLA-op form (kernel version "
+             "2026-12-03: rollouts of one form do not verify under the other)")
+
+
 def _compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise ConfigError("looprl's CPU matmul kernel needs a C++ compiler to build "
-                          f"({SOURCE.name}): none found (set CXX, or install g++)")
+                          f"({SOURCE.name}): none found (set CXX, or install g++); {_FALLBACK}")
     return cxx
 
 
@@ -87,7 +92,11 @@ def build() -> Path:
     cxx = _compiler()
     include = jax.ffi.include_dir()
     flags = compile_flags()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    except OSError as e:  # CXX names no runnable program
+        raise ConfigError(f"building looprl's CPU matmul kernel failed: cannot run the "
+                          f"compiler {cxx!r} (CXX): {e}; {_FALLBACK}") from e
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version.splitlines()[0]
                                     if version else "", jax.__version__, include, *flags])
                          .encode()).hexdigest()[:16]
@@ -104,7 +113,7 @@ def build() -> Path:
         if proc.returncode != 0:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             raise ConfigError(f"building looprl's CPU matmul kernel failed: {' '.join(cmd)}\n"
-                              f"{tail}")
+                              f"{tail}\n{_FALLBACK}")
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of a shared cache
         os.replace(tmp, lib)
     finally:

@@ -67,6 +67,15 @@ def test_a_failed_build_names_the_command(monkeypatch, tmp_path):
     assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
 
 
+def test_a_missing_compiler_is_named_with_the_xla_form_as_the_way_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("LOOPRL_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"cannot run the compiler .*no-such-g\+\+.* "
+                                          r"LOOPRL_CPU_MATMUL=xla"):
+        og.build()
+    assert not (tmp_path / "cache").exists()  # nothing written
+
+
 def test_the_cpu_form_is_chosen_by_env_and_named_in_the_kernel_version(monkeypatch):
     assert kn.cpu_matmul_impl() == "ordered"
     assert kn.cpu_kernel_version().startswith(kn.KERNEL_VERSION_ORDERED)
