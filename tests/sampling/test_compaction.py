@@ -109,22 +109,39 @@ def test_compacted_rollout_equals_the_uncompacted_one_bit_for_bit(rollouts, poli
     assert b.loop_rows is None and a.loop_rows.shape == (1, a.schedule.seq_len, T, len(widths))
 
 
-def _with_exits(rb, seed: int):
-    """`rb` (a deferred rollout) with random exit loops 1..T at its emitting positions and the
-    flushes the policy then takes (a row flushes when C - 1 completion positions are pending):
-    a schedule whose rows need their windows at different steps and loops, for forced
-    re-runs (the random tiny model exits every row at the same loop)."""
+def _deferred_policy(rb, exits, widths, flush=None):
+    """The deferred policy's definition (`policies` module doc) replayed in numpy on `rb`'s
+    layout, for exit loops `exits` `[B, S]`: at step p a row flushes when C - 1 completion
+    positions are pending (or as `flush` says, when given); loop d runs a row iff it has not
+    yet exited (flushed rows: up to T); its positions needing loop d are those in its window
+    [p - C + 1, p] (completion positions, and p) with d - 1 loops computed, and it belongs to
+    the pass of the narrowest of `widths` covering them.
+    Returns (flushes `[B, S]` bool, rows per pass `[S, T, len(widths)]`)."""
     P, S, C = rb.schedule.prompt_len, rb.schedule.seq_len, rb.schedule.chunk_size
-    exits = np.where(rb.exit_loop_BxS > 0, np.random.default_rng(seed).integers(
-        1, T + 1, rb.exit_loop_BxS.shape), 0).astype(np.int32)
-    flush = np.zeros(exits.shape, bool)
+    flushed = np.zeros(exits.shape, bool)
+    counts = np.zeros((S, T, len(widths)), int)
     for b in range(exits.shape[0]):
         depth = np.full(S, T)
         for p in range(P, S - 1):
             depth[p] = 0
-            flush[b, p] = np.sum(depth[P:p] < T) >= C - 1
-            for d in range(1, (T if flush[b, p] else exits[b, p]) + 1):
-                depth[max(p - C + 1, P):p + 1] = np.maximum(depth[max(p - C + 1, P):p + 1], d)
+            flushed[b, p] = (np.sum(depth[P:p] < T) >= C - 1 if flush is None
+                             else flush[b, p])
+            for d in range(1, (T if flushed[b, p] else exits[b, p]) + 1):
+                lo = max(p - C + 1, 0)
+                act = [j for j in range(lo, p + 1) if (j >= P or j == p) and depth[j] == d - 1]
+                need = p + 1 - min(act)
+                counts[p, d - 1, int(np.searchsorted(widths, need))] += 1
+                depth[act] = d
+    return flushed, counts
+
+
+def _with_exits(rb, seed: int):
+    """`rb` (a deferred rollout) with random exit loops 1..T at its emitting positions and the
+    flushes the policy then takes: a schedule whose rows need their windows at different steps
+    and loops, for forced re-runs (the random tiny model exits every row at the same loop)."""
+    exits = np.where(rb.exit_loop_BxS > 0, np.random.default_rng(seed).integers(
+        1, T + 1, rb.exit_loop_BxS.shape), 0).astype(np.int32)
+    flush, _ = _deferred_policy(rb, exits, (rb.schedule.chunk_size,))
     return dataclasses.replace(rb, exit_loop_BxS=exits, flush_BxS=flush)
 
 
@@ -171,25 +188,10 @@ def test_recorded_sizes_are_the_smallest_menu_size_holding_the_running_rows(roll
 
 def _deferred_passes(rb, widths):
     """The rows each deferred decode loop's passes must run, rebuilt from the recorded exits
-    and flushes by the policy's definition (`policies` module doc): at step p, loop d runs a
-    row iff it is live and has not yet exited (flushed rows: up to T); its positions needing
-    loop d are those in its window [p - C + 1, p] (completion positions, and p) with d - 1
-    loops computed, and it belongs to the pass of the narrowest width covering them.
-    Returns `[S, T, len(widths)]` row counts."""
-    P, S, C = rb.schedule.prompt_len, rb.schedule.seq_len, rb.schedule.chunk_size
-    exits, flush = np.asarray(rb.exit_loop_BxS), np.asarray(rb.flush_BxS)
-    counts = np.zeros((S, T, len(widths)), int)
-    for b in range(exits.shape[0]):
-        depth = np.full(S, T)
-        for p in range(P, S - 1):
-            depth[p] = 0
-            for d in range(1, (T if flush[b, p] else exits[b, p]) + 1):
-                lo = max(p - C + 1, 0)
-                act = [j for j in range(lo, p + 1) if (j >= P or j == p) and depth[j] == d - 1]
-                need = p + 1 - min(act)
-                counts[p, d - 1, int(np.searchsorted(widths, need))] += 1
-                depth[act] = d
-    return counts
+    and flushes by the policy's definition (`_deferred_policy`). Returns `[S, T,
+    len(widths)]` row counts."""
+    return _deferred_policy(rb, np.asarray(rb.exit_loop_BxS), widths,
+                            np.asarray(rb.flush_BxS))[1]
 
 
 def test_deferred_rows_run_in_the_narrowest_window_holding_their_pending_positions(rollouts):
