@@ -231,9 +231,8 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     B = run_B.shape[0]
     if st.row_menu[-1] != B:  # every count n <= B must have a size: the menu ends at B
         raise SamplingError(f"row menu {st.row_menu} does not end at the {B} rows per device")
-    sizes = st.row_menu
     n = jnp.sum(run_B, dtype=jnp.int32)
-    which = jnp.where(n > 0, 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), n,
+    which = jnp.where(n > 0, 1 + jnp.searchsorted(jnp.asarray(st.row_menu, jnp.int32), n,
                                                   method="compare_all"), 0)
     order = _running_first(run_B)
     h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
@@ -265,9 +264,9 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
         return branch
 
     # (the whole caches never leave the switch: XLA CPU copies an operand a branch updates)
-    branches = [lambda _: (k_win, v_win, h_win, depth_win)] + [run(M) for M in sizes]
+    branches = [lambda _: (k_win, v_win, h_win, depth_win)] + [run(M) for M in st.row_menu]
     s = _put_windows(s, d, w0, *jax.lax.switch(which, branches, None))
-    return s, jnp.asarray((0,) + sizes, jnp.int32)[which]
+    return s, jnp.asarray((0,) + st.row_menu, jnp.int32)[which]
 
 
 def _running_first(run_B):
