@@ -37,10 +37,22 @@ quantum: a decode step's 1-16 rows cost about what stock's do (`benchmarks/kerne
 the bits do not depend on the ISA (IEEE fma). It replaced the XLA-op construction below
 (2026-12-03), which stays selectable (`LOOPRL_CPU_MATMUL=xla`, kernel version KERNEL_VERSION) so
 that rollouts sampled under it still verify. Attention keeps the construction below (rotated
-128-key blocks, live blocks only, fixed block order), but its two dots per block become ordered
-products too (`ordered_gemm.ordered_batched_matmul`: one product per (b, h), each exactly what
-one call of its shape gives, so neither B x H nor a row's place matters), and a single query
-tile runs unpadded (C rows: the ordered dots need no row quantum). `rowsum` and the softmax use
+128-key blocks, live blocks only, fixed block order), but its two products are ordered kernels
+too (`ordered_gemm.ordered_attention_scores` / `ordered_attention_values`): per (b, h) and live
+block, each output is the chain `ordered_matmul` gives the rotated block the XLA-op form
+gathers (the .cc's attention comment), so neither B x H nor a row's place matters, and a
+single query tile runs unpadded (C rows: the ordered products need no row quantum). The
+kernels read keys and values where they lie: the cache's `[B, S, J, K]` layout (bf16 widened
+as read, a GQA head's kv head by index), and in the sampler a slot of the whole `[T x L, B, S,
+J, K]` cache at a sub-batch's batch rows with the chunk's window written over it (`CachedKV`,
+`attention_cached`). So no K/V block, layer slot or sub-batch is copied: the block gathers were
+60 % of a tiny-preset decode attention call at 128 rows, and once the blocks were read in
+place, the slot copies XLA then made for the call were 40 % of the decode step (2026-12-03,
+`benchmarks/attention_profile.py`, a trace of `generate`). Scores of rotated slots no query of
+the row sees are +0.0 past the 16-slot panel holding its last seen slot (the softmax masks
+them, so no output changes). The bits are those of the `ordered_batched_matmul` form this
+replaced (same kernel version; tests/model/test_ordered_attention.py checks each product
+against its chain written in numpy). `rowsum` and the softmax use
 `matmul`, so they are ordered as well: no value of the invariant CPU path comes from a oneDNN
 dot. A kernel version still names the ISA: XLA's elementwise code (exp, log) is the one part
 not argued ISA-free.
@@ -217,6 +229,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -224,7 +237,8 @@ import numpy as np
 
 from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
-from looprl.model.ordered_gemm import ordered_batched_matmul, ordered_matmul
+from looprl.model.ordered_gemm import (ordered_attention_scores, ordered_attention_values,
+                                       ordered_batched_matmul, ordered_matmul)
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
@@ -679,7 +693,7 @@ def _live_key_blocks(mask_BxRxS):
     return (last + K_BLOCK - 1) // K_BLOCK
 
 
-def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
+def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cached=None):
     """CPU form (module doc): key axis taken in K_BLOCK-key blocks (the mask padded to a multiple
     of K_BLOCK, the new slots masked), each row's keys rotated to start at its first live key,
     queries in row tiles (`_row_tile_for(C)`, one `lax.map` when there is more than one), and
@@ -696,6 +710,12 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
     mask, offset_B = _mask_in_blocks(mask_BxCxS)
     S = mask.shape[2]
     mask = _keys_from_first_live(mask, offset_B, 2)
+    ordered = cpu_matmul_impl() == "ordered"
+    if cached is None and ordered:  # the slot as a one-slot cache (its window: its own slot 0)
+        cached = CachedKV(k_BxSxHxK[None], v_BxSxHxK[None], 0, jnp.arange(B, dtype=jnp.int32), 0,
+                          k_BxSxHxK[:, :1], v_BxSxHxK[:, :1])
+    elif cached is not None and not ordered:
+        raise ValueError("the in-place KV cache form needs the ordered CPU kernels")
     # K/V are not padded: a padded copy made XLA slow the block loop down 2.5-3x when S is not a
     # multiple of K_BLOCK (2026-12-03: 29 vs 11 ms at 256 rows, S = 50); the gather reads the
     # padding slots from the last key instead (`_keys_from_first_live`, `period`)
@@ -707,8 +727,6 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
         x_BxZxHxK = _keys_from_first_live(x_BxSxHxK, offset_B, 1, j * K_BLOCK, K_BLOCK,
                                           period=S)
         return jnp.swapaxes(x_BxZxHxK, 1, 2).astype(jnp.float32)
-
-    ordered = cpu_matmul_impl() == "ordered"
 
     def per_head_dot(x_BxHxRxI, w_BxHxIxO, transposed=False):
         """`x @ w` (`x @ w^T` when transposed) per (b, h), fp32: the ordered kernel's batched
@@ -738,7 +756,15 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
             s = per_head_dot(q32, key_block(k_BxSxHxK, j), transposed=True)
             return jax.lax.dynamic_update_slice_in_dim(buf_BxHxRxS, s, j * K_BLOCK, axis=3)
 
-        scores = over_live_blocks(scores_block, jnp.zeros((B, H, R, S), jnp.float32))
+        if ordered:  # the same products, the cache read in place (no block or slot copies)
+            live = jnp.int32(1) if S == K_BLOCK else n  # over_live_blocks runs block 0 anyway
+            place = (cached.rows_M, offset_B, cached.slot, cached.w0, live)
+            seen_BxS = jnp.any(mask_BxRxS, axis=1)  # rotated slots a query of the row sees
+            span_B = jnp.max(jnp.where(seen_BxS, jnp.arange(1, S + 1, dtype=jnp.int32), 0), 1)
+            scores = ordered_attention_scores(q32, cached.k_NxBxSxJxK, cached.k_win_MxCxJxK,
+                                              *place[:2], span_B, *place[2:], S)
+        else:
+            scores = over_live_blocks(scores_block, jnp.zeros((B, H, R, S), jnp.float32))
         if live_rows is not None and live_rows < R:  # the softmax on the real query rows only
             scores, mask_BxRxS = scores[:, :, :live_rows], mask_BxRxS[:, :live_rows]
         probs = _masked_probs(scores, mask_BxRxS, scale, dtype, softmax).astype(jnp.float32)
@@ -749,7 +775,11 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale):
             p = jax.lax.dynamic_slice_in_dim(probs, j * K_BLOCK, K_BLOCK, axis=3)
             return acc_BxHxRxK + per_head_dot(p, key_block(v_BxSxHxK, j))
 
-        acc = over_live_blocks(values_block, jnp.full((B, H, R, K), -0.0, jnp.float32))
+        if ordered:
+            acc = ordered_attention_values(probs, cached.v_NxBxSxJxK, cached.v_win_MxCxJxK,
+                                           *place)
+        else:
+            acc = over_live_blocks(values_block, jnp.full((B, H, R, K), -0.0, jnp.float32))
         return acc.astype(dtype)
 
     t = _row_tile_for(C)
@@ -827,6 +857,58 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)  # K/V stay in the cache's layout [B, S, H, K]
     out = _attention_tiled(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, float(scale))
+    return jnp.swapaxes(out, 1, 2)
+
+
+class CachedKV(NamedTuple):
+    """A layer's keys and values as the sampler's KV cache holds them, to be read in place.
+
+    Row m's keys are slot `slot` of `k_NxBxSxJxK` (N slots, one per (loop, layer): the
+    sampler's `[T, L, B, S, J, K]` cache reshaped) at batch row `rows_M[m]`, with the chunk's
+    window `k_win_MxCxJxK` written over slots [w0, w0 + C) (w0 clamped to [0, S - C]); values
+    alike. `slots()` makes that slot (a copy); `attention_cached` reads it without one."""
+    k_NxBxSxJxK: jax.Array
+    v_NxBxSxJxK: jax.Array
+    slot: jax.Array  # int32 scalar
+    rows_M: jax.Array  # int32 [M]
+    w0: jax.Array  # int32 scalar
+    k_win_MxCxJxK: jax.Array
+    v_win_MxCxJxK: jax.Array
+
+    def slots(self):
+        """`(k, v)`, each `[M, S, J, K]`: the rows' slot with the window written (a copy; the
+        cache's dtype)."""
+        def one(cache, win):
+            rows = jax.lax.dynamic_index_in_dim(cache, self.slot, 0, keepdims=False)[self.rows_M]
+            return jax.lax.dynamic_update_slice_in_dim(rows, win.astype(rows.dtype), self.w0, 1)
+        return one(self.k_NxBxSxJxK, self.k_win_MxCxJxK), one(self.v_NxBxSxJxK,
+                                                              self.v_win_MxCxJxK)
+
+
+def cache_window(cache_NxBxSxJxK, slot, rows_M, w0, C: int):
+    """Slots [w0, w0 + C) of cache slot `slot` at batch rows `rows_M`: `[M, C, J, K]` (w0
+    clamped to [0, S - C], as `dynamic_slice` clamps)."""
+    N, B, S, J, K = cache_NxBxSxJxK.shape
+    win = jax.lax.dynamic_slice(cache_NxBxSxJxK, (slot, 0, w0, 0, 0), (1, B, C, J, K))[0]
+    return win[rows_M]
+
+
+def attention_cached(q_BxCxHxK, kv: CachedKV, mask_BxCxS, scale: float, stock: bool = False):
+    """`attention` (or `stock_attention`) over the keys and values `kv` describes, the same
+    bits as `attention(q, *kv.slots(), ...)`. With the CPU's ordered kernels (the default) the
+    cache is read in place: no slot, sub-batch or K/V block is copied out of it
+    (`ordered_gemm.ordered_attention_scores`), and GQA kv heads are read without repeating
+    them; elsewhere the slot is made first (`kv.slots()`). The sampler's form: not
+    differentiable (the ordered path has no gradient rule).
+
+    Args: q `[B, C, H, K]` (B = M rows); kv: `CachedKV`; mask `[B, C, S]` bool.
+    Returns `[B, C, H, K]` in q's dtype."""
+    if stock:
+        return stock_attention(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
+    if not (on_cpu() and cpu_matmul_impl() == "ordered"):
+        return attention(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
+    out = _attention_cpu_impl(jnp.swapaxes(q_BxCxHxK, 1, 2), None, None, mask_BxCxS,
+                              float(scale), cached=kv)
     return jnp.swapaxes(out, 1, 2)
 
 

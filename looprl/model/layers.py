@@ -33,7 +33,7 @@ def key_mask(positions_in_layout_C, pad_B, seq_len: int):
 
 
 def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, write_BxC,
-                  w0, mask_BxCxS, stock: bool = False):
+                  w0, mask_BxCxS, stock: bool = False, cached=None):
     """Apply one layer to a chunk of C positions whose first layout index is `w0`.
 
     The chunk's keys/values are written into the layer's KV slot `[B, S, J, K]` (J kv heads) at
@@ -41,6 +41,9 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, 
     chunk's queries attend over the whole slot. Returns (y_BxCxD, k_win, v_win): the slot's
     window [w0, w0 + C) after the write, `[B, C, J, K]` (the caller puts it into its cache, so
     the updated slot itself never leaves the layer: no copy of the whole slot per layer).
+    With `cached` = (k, v `[N, B', S, J, K]`, slot, rows `[B]`) instead of k/v (None), the slot
+    is slot `slot` of that cache at those batch rows, read in place (`kernels.attention_cached`:
+    the sampler's form, not differentiable).
     """
     mm = kn.stock_matmul if stock else kn.matmul
     attend = kn.stock_attention if stock else kn.attention
@@ -52,13 +55,22 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, 
     q = kn.apply_rope(mm(h, lw["q_proj"]).reshape(B, C, H, K), cos, sin)
     k = kn.apply_rope(mm(h, lw["k_proj"]).reshape(B, C, J, K), cos, sin)
     v = mm(h, lw["v_proj"]).reshape(B, C, J, K)
-    k_old = jax.lax.dynamic_slice_in_dim(k_BxSxJxK, w0, C, axis=1)
-    v_old = jax.lax.dynamic_slice_in_dim(v_BxSxJxK, w0, C, axis=1)
+    if cached is None:
+        k_old = jax.lax.dynamic_slice_in_dim(k_BxSxJxK, w0, C, axis=1)
+        v_old = jax.lax.dynamic_slice_in_dim(v_BxSxJxK, w0, C, axis=1)
+    else:
+        k_cache, v_cache, slot, rows_B = cached
+        k_old, v_old = (kn.cache_window(c, slot, rows_B, w0, C) for c in (k_cache, v_cache))
     wmask = write_BxC[:, :, None, None]
     k_win, v_win = jnp.where(wmask, k, k_old), jnp.where(wmask, v, v_old)
-    k_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxJxK, k_win, w0, 1)
-    v_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxJxK, v_win, w0, 1)
-    o = attend(q, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, K ** -0.5).reshape(B, C, H * K)
+    if cached is None:
+        k_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(k_BxSxJxK, k_win, w0, 1)
+        v_BxSxJxK = jax.lax.dynamic_update_slice_in_dim(v_BxSxJxK, v_win, w0, 1)
+        o = attend(q, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, K ** -0.5)
+    else:
+        o = kn.attention_cached(q, kn.CachedKV(k_cache, v_cache, slot, rows_B, w0, k_win, v_win),
+                                mask_BxCxS, K ** -0.5, stock)
+    o = o.reshape(B, C, H * K)
     a = x_BxCxD + norm(mm(o, lw["o_proj"]), lw["input_layernorm_2"])
     z = norm(a, lw["post_attention_layernorm"])
     m = mm(jax.nn.silu(mm(z, lw["gate_proj"])) * mm(z, lw["up_proj"]), lw["down_proj"])
@@ -91,7 +103,7 @@ def _from_bits(a, dtype):
 
 def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_LxBxSxJxK,
                v_LxBxSxJxK, write_BxC, w0, stock: bool = False, bits: bool = False,
-               loop=None):
+               loop=None, rows_B=None):
     """One loop (ut step): all L shared layers, then the shared final norm (`model.norm`).
 
     Args:
@@ -102,14 +114,21 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
       positions_BxC: RoPE positions (layout index minus the row's left padding).
       layout_C: layout indices of the chunk, `w0 + arange(C)`.
       k/v_LxBxSxJxK: this loop's KV slots for every layer; with `loop` given, instead the whole
-        cache `[T, L, B, S, J, K]`, whose slots `[loop, l]` (`loop` 0-based, an int32 scalar)
-        each layer reads in place (the sampler's form: no copy of the loop's slots).
+        cache `[T, L, B', S, J, K]`, whose slots `[loop, l]` (`loop` 0-based, an int32 scalar)
+        at the batch rows `rows_B` (int32 `[B]`; default all B' = B, in order) each layer's
+        attention reads in place (the sampler's form: no copy of the loop's slots or of a
+        sub-batch's rows; `kernels.attention_cached`; not differentiable).
       bits: slice bf16 layer weights as their bits (`layer_bits`; the sampler's form: the
         same values, without an fp32 copy of the stack on XLA CPU; not differentiable).
     Returns: (h_BxCxD normalised, k_LxBxCxJxK, v_LxBxCxJxK): every layer's KV window
       [w0, w0 + C) after the chunk's writes (with C = S and w0 = 0: the whole slots).
     """
     S = k_LxBxSxJxK.shape[-3]
+    if loop is not None:  # the cache as N = T x L slots (a reshape: no copy)
+        T, L = k_LxBxSxJxK.shape[:2]
+        k_flat, v_flat = (c.reshape(T * L, *c.shape[2:]) for c in (k_LxBxSxJxK, v_LxBxSxJxK))
+        if rows_B is None:
+            rows_B = jnp.arange(x_BxCxD.shape[0], dtype=jnp.int32)
     cos, sin = kn.rope_cos_sin(positions_BxC, cfg.head_dim, cfg.rope_theta, x_BxCxD.dtype)
     mask = key_mask(layout_C, pad_B, S)
 
@@ -119,16 +138,15 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
     def body(x, xs):
         lw, kv = xs
         if loop is None:
-            k_slot, v_slot = kv
-        else:  # kv is the layer index l: read slot [loop, l] of the cache in place
-            k_slot, v_slot = (jax.lax.dynamic_slice(
-                c, (loop, kv) + (0,) * (c.ndim - 2), (1, 1) + c.shape[2:])[0, 0]
-                for c in (k_LxBxSxJxK, v_LxBxSxJxK))
+            (k_slot, v_slot), cached = kv, None
+        else:  # kv is the layer index l: slot [loop, l] of the cache, read in place
+            k_slot = v_slot = None
+            cached = (k_flat, v_flat, loop * L + kv, rows_B)
         if bits:
             lw = {k: _from_bits(v, stack[k].dtype) for k, v in lw.items()}
         lw = {k: v.astype(dt) for k, v in lw.items()}  # this layer only (`cast_weights`)
         y, k_win, v_win = decoder_layer(cfg, lw, x, cos, sin, k_slot, v_slot, write_BxC, w0,
-                                        mask, stock)
+                                        mask, stock, cached)
         return y, (k_win, v_win)
 
     kv = ((k_LxBxSxJxK, v_LxBxSxJxK) if loop is None

@@ -26,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -59,6 +60,21 @@ inline float widen_bf16(uint16_t b) {
   return f;
 }
 
+#ifdef LOOPRL_AVX2
+// Row r's two accumulator vectors c<r>0, c<r>1 into c[r * ldc : + 16]: stored (first) or added
+// to what is there (micro and chain16).
+#define LOOPRL_STORE(r)                                                              \
+  if constexpr (R > r) {                                                             \
+    float* cr = c + r * ldc;                                                         \
+    if (!first) {                                                                    \
+      c##r##0 = _mm256_add_ps(_mm256_loadu_ps(cr), c##r##0);                         \
+      c##r##1 = _mm256_add_ps(_mm256_loadu_ps(cr + 8), c##r##1);                     \
+    }                                                                                \
+    _mm256_storeu_ps(cr, c##r##0);                                                   \
+    _mm256_storeu_ps(cr + 8, c##r##1);                                               \
+  }
+#endif
+
 // One chunk's chain c_j for R rows x NR columns: x panel xp is [kc][MR] (row r at
 // xp[k * MR + r]), weight panel wp is [kc][NR]; c points at an [R, NR] tile of out (row stride
 // ldc), which receives c_0 on the first chunk and out + c_j after it.
@@ -82,19 +98,8 @@ void micro(const float* xp, const float* wp, int64_t kc, float* c, int64_t ldc, 
     LOOPRL_ROW(0) LOOPRL_ROW(1) LOOPRL_ROW(2) LOOPRL_ROW(3) LOOPRL_ROW(4) LOOPRL_ROW(5)
   }
 #undef LOOPRL_ROW
-#define LOOPRL_STORE(r)                                                              \
-  if constexpr (R > r) {                                                             \
-    float* cr = c + r * ldc;                                                         \
-    if (!first) {                                                                    \
-      c##r##0 = _mm256_add_ps(_mm256_loadu_ps(cr), c##r##0);                         \
-      c##r##1 = _mm256_add_ps(_mm256_loadu_ps(cr + 8), c##r##1);                     \
-    }                                                                                \
-    _mm256_storeu_ps(cr, c##r##0);                                                   \
-    _mm256_storeu_ps(cr + 8, c##r##1);                                               \
-  }
   LOOPRL_STORE(0) LOOPRL_STORE(1) LOOPRL_STORE(2) LOOPRL_STORE(3) LOOPRL_STORE(4)
   LOOPRL_STORE(5)
-#undef LOOPRL_STORE
 #else
   float acc[R][NR];
   for (int r = 0; r < R; ++r)
@@ -122,7 +127,7 @@ struct Problem {
 // A 64-byte aligned scratch buffer of this thread (slot: which one), reused across calls, so a
 // batched call of many small products allocates nothing per product.
 float* scratch(int slot, int64_t count) {
-  thread_local std::vector<float> buffers[5];
+  thread_local std::vector<float> buffers[7];
   std::vector<float>& b = buffers[slot];
   if (static_cast<int64_t>(b.size()) < count + 16) b.resize(count + 16);
   auto p = reinterpret_cast<uintptr_t>(b.data());
@@ -347,6 +352,350 @@ ffi::Error OrderedBatchedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// ---- Attention's two products, the KV cache read in place (kernels._attention_cpu_impl) ----
+//
+// One query tile of M rows: q [M, H, R, D] fp32 (D = head dim), head h reading kv head
+// h / (H / J). Row m's keys (values alike) are slot `slot` of the cache [N, B, S, J, D] at
+// batch row rows[m], with the window win [M, C, J, D] written over slots [w0, w0 + C) (w0
+// clamped to [0, S - C], as XLA's dynamic_update_slice clamps): what the layer's
+// dynamic_update_slice of the slot would hold, read without making it. Cache and window are
+// fp32, or bf16 widened exactly as read. The key axis is taken in blocks of KEY_BLOCK rotated
+// slots: rotated slot t of row m holds key min((t + offset[m]) mod Sp, S - 1), Sp the mask's
+// padded key axis (a multiple of KEY_BLOCK). Only the first n blocks are computed (n: the
+// tile's live blocks, from the caller).
+//   scores: out[m, h, r, j * 128 + s] = ordered_matmul's output for M = R, K = D, N = 128 on
+//     q[m, h] and the block's keys (D in KC-chunks, each an fma chain from -0.0 in order, chunks
+//     added in order); +0.0 in the slots of blocks >= n. Rotated slots at or past span[m] (no
+//     query of row m sees them: the caller masks their scores) are computed only as far as
+//     the 16-slot panel holding slot span[m] - 1 reaches, +0.0 after it.
+//   values: out[m, h, r, d] = ((-0.0 + c_0) + c_1) + ... + c_{n-1}, c_j the fma chain in slot
+//     order from -0.0 of p[m, h, r, j * 128 + s] * value[d] over the block's 128 slots
+//     (ordered_matmul with M = R, K = 128, N = D: one chunk), the adds in block order.
+// These are the operations kernels.py's XLA-op form feeds to ordered_batched_matmul after
+// gathering the rotated blocks (one product per (m, h) and block), so the bits are the same;
+// only no K/V block, slot or sub-batch is copied out of the cache first. Every value of
+// (m, h, r) comes from row m's keys and row r of its queries (or probabilities) alone.
+constexpr int64_t KEY_BLOCK = 128;
+constexpr int64_t RB = 4;  // rows of a register block: 4 x 2 accumulator vectors
+
+// c[r, col:col+16] for r < R: the fma chain over t < len from -0.0 of a[r * lda + t] *
+// brow[t][col:col+16], stored (first) or added to c (c + chain).
+template <int R>
+void chain16(const float* a, int64_t lda, const float* const* brow, int64_t col, int64_t len,
+             float* c, int64_t ldc, bool first) {
+#ifdef LOOPRL_AVX2
+  const __m256 z = _mm256_set1_ps(-0.0f);
+  __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+  c += col;
+#define LOOPRL_ROW(r)                                                  \
+  if constexpr (R > r) {                                               \
+    const __m256 b = _mm256_broadcast_ss(a + r * lda + t);             \
+    c##r##0 = _mm256_fmadd_ps(b, w0, c##r##0);                         \
+    c##r##1 = _mm256_fmadd_ps(b, w1, c##r##1);                         \
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const __m256 w0 = _mm256_loadu_ps(brow[t] + col);
+    const __m256 w1 = _mm256_loadu_ps(brow[t] + col + 8);
+    LOOPRL_ROW(0) LOOPRL_ROW(1) LOOPRL_ROW(2) LOOPRL_ROW(3)
+  }
+#undef LOOPRL_ROW
+  LOOPRL_STORE(0) LOOPRL_STORE(1) LOOPRL_STORE(2) LOOPRL_STORE(3)
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = col; j < col + 16; ++j) {
+      float acc = -0.0f;
+      for (int64_t t = 0; t < len; ++t) acc = std::fma(a[r * lda + t], brow[t][j], acc);
+      c[r * ldc + j] = first ? acc : c[r * ldc + j] + acc;
+    }
+#endif
+}
+
+// One row, columns [col, col + 8 NV_): chain16's chain with NV_ independent accumulator
+// vectors, so that a single query row (a decode step) keeps the fma pipeline full.
+template <int NV_>
+void chain_row(const float* a, const float* const* brow, int64_t col, int64_t len, float* c,
+               bool first) {
+#ifdef LOOPRL_AVX2
+  const __m256 z = _mm256_set1_ps(-0.0f);
+  __m256 c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, c6 = z, c7 = z;
+#define LOOPRL_V(i) \
+  if constexpr (NV_ > i) c##i = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 8 * i), c##i);
+  for (int64_t t = 0; t < len; ++t) {
+    const __m256 b = _mm256_broadcast_ss(a + t);
+    const float* w = brow[t] + col;
+    LOOPRL_V(0) LOOPRL_V(1) LOOPRL_V(2) LOOPRL_V(3) LOOPRL_V(4) LOOPRL_V(5) LOOPRL_V(6)
+    LOOPRL_V(7)
+  }
+#undef LOOPRL_V
+#define LOOPRL_STORE_V(i)                                                              \
+  if constexpr (NV_ > i) {                                                           \
+    float* ci = c + col + 8 * i;                                                     \
+    if (!first) c##i = _mm256_add_ps(_mm256_loadu_ps(ci), c##i);                     \
+    _mm256_storeu_ps(ci, c##i);                                                      \
+  }
+  LOOPRL_STORE_V(0) LOOPRL_STORE_V(1) LOOPRL_STORE_V(2) LOOPRL_STORE_V(3) LOOPRL_STORE_V(4)
+  LOOPRL_STORE_V(5) LOOPRL_STORE_V(6) LOOPRL_STORE_V(7)
+#undef LOOPRL_STORE_V
+#else
+  for (int64_t j = col; j < col + 8 * NV_; ++j) {
+    float acc = -0.0f;
+    for (int64_t t = 0; t < len; ++t) acc = std::fma(a[t], brow[t][j], acc);
+    c[j] = first ? acc : c[j] + acc;
+  }
+#endif
+}
+
+#undef LOOPRL_STORE_V
+
+using Chain16Fn = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, float*,
+                           int64_t, bool);
+constexpr Chain16Fn kChain16[RB + 1] = {nullptr, chain16<1>, chain16<2>, chain16<3>, chain16<4>};
+
+// Columns [col, cols) of chain16's outputs, by scalar fma (the same chain per output).
+__attribute__((noinline)) void chain_tail(const float* a, int64_t lda, int rows,
+                                          const float* const* brow, int64_t col, int64_t cols,
+                                          int64_t len, float* c, int64_t ldc, bool first) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = col; j < cols; ++j) {
+      float acc = -0.0f;
+      for (int64_t t = 0; t < len; ++t) acc = std::fma(a[r * lda + t], brow[t][j], acc);
+      c[r * ldc + j] = first ? acc : c[r * ldc + j] + acc;
+    }
+}
+
+// c[r, 0:cols] for r < rows: for each output the fma chain over t < len from -0.0 of
+// a[r * lda + t] * brow[t][col], stored (first) or added to c. Register blocks of 4 rows x 16
+// columns, a single row in blocks of 64, 32 or 16 columns, the rest by scalar fma: the same
+// chain per output on every path.
+void chain_product(const float* a, int64_t lda, int64_t rows, const float* const* brow,
+                   int64_t cols, int64_t len, float* c, int64_t ldc, bool first) {
+  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+    const int rb = static_cast<int>(std::min(RB, rows - r0));
+    const float* ar = a + r0 * lda;
+    float* cr = c + r0 * ldc;
+    int64_t j = 0;
+    if (rb == 1) {
+      for (; j + 64 <= cols; j += 64) chain_row<8>(ar, brow, j, len, cr, first);
+      if (j + 32 <= cols) chain_row<4>(ar, brow, j, len, cr, first), j += 32;
+    }
+    for (; j + 16 <= cols; j += 16) kChain16[rb](ar, lda, brow, j, len, cr, ldc, first);
+    if (j < cols) chain_tail(ar, lda, rb, brow, j, cols, len, cr, ldc, first);
+  }
+}
+
+struct AttentionProblem {
+  int64_t m, h, r, sp;           // rows, heads, query rows, Sp
+  int64_t n, b, s, j, d;         // the cache [N, B, S, J, D]
+  int64_t c, w0, slot, live;     // window length, its start (clamped), slot, live blocks
+  const void* cache;
+  bool cache_bf16;
+  const void* win;               // [M, C, J, D]
+  bool win_bf16;
+  const int32_t* rows;           // [M]: batch row of the cache
+  const int32_t* offset;         // [M]
+  const int32_t* span;           // [M] (scores only): rotated slots any query of the row sees
+};
+
+inline const float* as_fp32(const void* base, bool bf16, int64_t at, int64_t d, float* wide) {
+  if (!bf16) return static_cast<const float*>(base) + at;
+  const uint16_t* src = static_cast<const uint16_t*>(base) + at;
+  for (int64_t e = 0; e < d; ++e) wide[e] = widen_bf16(src[e]);
+  return wide;
+}
+
+// Row m's keys (or values) of head h in rotated slot order (the comment above), as fp32.
+struct KeyReader {
+  const AttentionProblem& p;
+  int64_t m, cache_at, win_at;  // element offsets of slot 0 of row m's cache row, and window
+
+  KeyReader(const AttentionProblem& p_, int64_t m_, int64_t h) : p(p_), m(m_) {
+    const int64_t kv = h / (p.h / p.j);
+    cache_at = ((p.slot * p.b + p.rows[m]) * p.s * p.j + kv) * p.d;
+    win_at = (m * p.c * p.j + kv) * p.d;
+  }
+  // The slot of rotated slot blk * KEY_BLOCK (then step with `next`).
+  int64_t first(int64_t blk) const {
+    int64_t slot = (blk * KEY_BLOCK + p.offset[m]) % p.sp;
+    return slot < 0 ? slot + p.sp : slot;
+  }
+  int64_t next(int64_t slot) const { return slot + 1 == p.sp ? 0 : slot + 1; }
+  // Key at (unclipped) slot: in place, or widened into `wide` (bf16).
+  const float* at(int64_t slot, float* wide) const {
+    slot = std::min(slot, p.s - 1);
+    if (slot >= p.w0 && slot < p.w0 + p.c)
+      return as_fp32(p.win, p.win_bf16, win_at + (slot - p.w0) * p.j * p.d, p.d, wide);
+    return as_fp32(p.cache, p.cache_bf16, cache_at + slot * p.j * p.d, p.d, wide);
+  }
+};
+
+// dst[e * ld + i] = src[i][e] for i < 8, e < d (an exact copy; AVX2: 8 x 8 transposes).
+void transpose_rows8(const float* const* src, int64_t d, float* dst, int64_t ld) {
+  int64_t e = 0;
+#ifdef LOOPRL_AVX2
+  for (; e + 8 <= d; e += 8) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + e);
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(dst + (e + i) * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+      _mm256_storeu_ps(dst + (e + i + 4) * ld, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+  }
+#endif
+  for (; e < d; ++e)
+    for (int i = 0; i < 8; ++i) dst[e * ld + i] = src[i][e];
+}
+
+void attention_scores(const AttentionProblem& p, const float* q, float* out, int64_t mh) {
+  const int64_t m = mh / p.h, h = mh % p.h;
+  const KeyReader keys(p, m, h);
+  thread_local std::vector<const float*> rows;
+  rows.resize(p.d);
+  float* kt = scratch(5, p.d * KEY_BLOCK);  // the block's keys, transposed: [D][128]
+  float* wide = scratch(6, 8 * p.d);
+  const float* qm = q + mh * p.r * p.d;
+  float* om = out + mh * p.r * p.sp;
+  const int64_t span = std::clamp<int64_t>(p.span[m], 0, p.live * KEY_BLOCK);
+  for (int64_t blk = 0; blk * KEY_BLOCK < span; ++blk) {
+    const int64_t cols = std::min(KEY_BLOCK, (span - blk * KEY_BLOCK + 15) / 16 * 16);
+    int64_t slot = keys.first(blk);
+    for (int64_t t = 0; t < cols; t += 8) {
+      const float* eight[8];
+      for (int i = 0; i < 8; ++i, slot = keys.next(slot)) eight[i] = keys.at(slot, wide + i * p.d);
+      transpose_rows8(eight, p.d, kt + t, KEY_BLOCK);
+    }
+    for (int64_t e = 0; e < p.d; ++e) rows[e] = kt + e * KEY_BLOCK;
+    for (int64_t k0 = 0; k0 < p.d; k0 += KC)
+      chain_product(qm + k0, p.d, p.r, rows.data() + k0, cols, std::min(KC, p.d - k0),
+                    om + blk * KEY_BLOCK, p.sp, k0 == 0);
+    for (int64_t r = 0; r < p.r; ++r)
+      std::fill(om + r * p.sp + blk * KEY_BLOCK + cols, om + r * p.sp + (blk + 1) * KEY_BLOCK,
+                0.0f);
+  }
+  const int64_t done = (span + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+  for (int64_t r = 0; r < p.r; ++r) std::fill(om + r * p.sp + done, om + (r + 1) * p.sp, 0.0f);
+}
+
+void attention_values(const AttentionProblem& p, const float* probs, float* out, int64_t mh) {
+  const int64_t m = mh / p.h, h = mh % p.h;
+  const KeyReader values(p, m, h);
+  thread_local std::vector<const float*> rows;
+  rows.resize(KEY_BLOCK);
+  float* wide = scratch(5, KEY_BLOCK * p.d);
+  const float* pm = probs + mh * p.r * p.sp;
+  float* om = out + mh * p.r * p.d;
+  std::fill(om, om + p.r * p.d, -0.0f);
+  for (int64_t blk = 0; blk < p.live; ++blk) {
+    int64_t slot = values.first(blk);
+    for (int64_t t = 0; t < KEY_BLOCK; ++t, slot = values.next(slot))
+      rows[t] = values.at(slot, wide + t * p.d);
+    chain_product(pm + blk * KEY_BLOCK, p.sp, p.r, rows.data(), p.d, KEY_BLOCK, om, p.d,
+                  /*first=*/false);  // om + c_j: the first add is -0.0 + c_0, as in kernels.py
+  }
+}
+
+// The (m, h) pairs in contiguous shares, a few per pool thread.
+void run_heads(ffi::ThreadPool& pool, int64_t units, std::function<void(int64_t)> one) {
+  const int64_t tasks = std::min<int64_t>(units, 4 * std::max<int64_t>(1, pool.num_threads()));
+  if (tasks == 0) return;
+  run_tasks(pool, tasks, [&](int64_t t) {
+    for (int64_t u = t * units / tasks; u < (t + 1) * units / tasks; ++u) one(u);
+  });
+}
+
+ffi::Error attention_problem(const char* name, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& cache,
+                             ffi::AnyBuffer& win, ffi::Buffer<ffi::S32>& rows,
+                             ffi::Buffer<ffi::S32>& offset, ffi::Buffer<ffi::S32>& ints,
+                             int64_t sp, AttentionProblem* p) {
+  const auto xd = x.dimensions();
+  const auto cd = cache.dimensions();
+  const auto wd = win.dimensions();
+  auto fp = [](ffi::AnyBuffer& a) {
+    return a.element_type() == ffi::DataType::F32 || a.element_type() == ffi::DataType::BF16;
+  };
+  if (xd.size() != 4 || cd.size() != 5 || wd.size() != 4 || !fp(cache) || !fp(win) ||
+      wd[0] != xd[0] || wd[2] != cd[3] || wd[3] != cd[4] || cd[3] == 0 || xd[1] % cd[3] != 0 ||
+      cd[2] == 0 || wd[1] > cd[2] || rows.element_count() != xd[0] ||
+      offset.element_count() != xd[0] || ints.element_count() != 3 || sp % KEY_BLOCK != 0 ||
+      sp < cd[2])
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": expected x [M, H, R, *] float32, a cache [N, B, S, J, D] and a "
+        "window [M, C, J, D] (float32 or bfloat16, H % J == 0, 1 <= S, C <= S), rows and "
+        "offsets [M] and (slot, w0, live blocks) int32, and Sp (a multiple of 128, >= S) "
+        "key slots");
+  const int32_t* in = ints.typed_data();
+  *p = AttentionProblem{};
+  p->m = xd[0];
+  p->h = xd[1];
+  p->r = xd[2];
+  p->sp = sp;
+  p->n = cd[0];
+  p->b = cd[1];
+  p->s = cd[2];
+  p->j = cd[3];
+  p->d = cd[4];
+  p->c = wd[1];
+  p->w0 = std::clamp<int64_t>(in[1], 0, p->s - p->c);
+  p->slot = in[0];
+  p->live = std::clamp<int64_t>(in[2], 0, sp / KEY_BLOCK);
+  p->cache = cache.untyped_data();
+  p->cache_bf16 = cache.element_type() == ffi::DataType::BF16;
+  p->win = win.untyped_data();
+  p->win_bf16 = win.element_type() == ffi::DataType::BF16;
+  p->rows = rows.typed_data();
+  p->offset = offset.typed_data();
+  if (p->slot < 0 || p->slot >= p->n)
+    return ffi::Error::InvalidArgument(std::string(name) + ": slot out of the cache's range");
+  for (int64_t i = 0; i < p->m; ++i)
+    if (p->rows[i] < 0 || p->rows[i] >= p->b)
+      return ffi::Error::InvalidArgument(std::string(name) + ": a row index outside the cache");
+  return ffi::Error::Success();
+}
+
+ffi::Error OrderedAttentionScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                  ffi::AnyBuffer k, ffi::AnyBuffer k_win,
+                                  ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> offset,
+                                  ffi::Buffer<ffi::S32> span, ffi::Buffer<ffi::S32> ints,
+                                  ffi::ResultBuffer<ffi::F32> out) {
+  AttentionProblem p;
+  const auto od = out->dimensions();
+  ffi::Error err = attention_problem("looprl_ordered_attention_scores", q, k, k_win, rows,
+                                     offset, ints, od.size() == 4 ? od[3] : -1, &p);
+  if (err.failure()) return err;
+  if (q.dimensions()[3] != p.d || span.element_count() != p.m)
+    return ffi::Error::InvalidArgument("looprl_ordered_attention_scores: q's head dim is not "
+                                       "the cache's, or span is not [M]");
+  p.span = span.typed_data();
+  const float* qs = q.typed_data();
+  float* os = out->typed_data();
+  run_heads(pool, p.m * p.h, [&](int64_t mh) { attention_scores(p, qs, os, mh); });
+  return ffi::Error::Success();
+}
+
+ffi::Error OrderedAttentionValues(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs,
+                                  ffi::AnyBuffer v, ffi::AnyBuffer v_win,
+                                  ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> offset,
+                                  ffi::Buffer<ffi::S32> ints, ffi::ResultBuffer<ffi::F32> out) {
+  AttentionProblem p;
+  const auto pd = probs.dimensions();
+  ffi::Error err = attention_problem("looprl_ordered_attention_values", probs, v, v_win, rows,
+                                     offset, ints, pd.size() == 4 ? pd[3] : -1, &p);
+  if (err.failure()) return err;
+  const float* ps = probs.typed_data();
+  float* os = out->typed_data();
+  run_heads(pool, p.m * p.h, [&](int64_t mh) { attention_values(p, ps, os, mh); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedMatmul, OrderedMatmul,
@@ -366,3 +715,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedBatchedMatmul, OrderedBatchedMatmul<f
                               LOOPRL_BATCHED_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedBatchedMatmulT, OrderedBatchedMatmul<true>,
                               LOOPRL_BATCHED_BINDING);
+
+#define LOOPRL_ATTENTION_HEAD                  \
+  ffi::Ffi::Bind()                            \
+      .Ctx<ffi::ThreadPool>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()           \
+      .Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::Buffer<ffi::S32>>()           \
+      .Arg<ffi::Buffer<ffi::S32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedAttentionScores, OrderedAttentionScores,
+                              LOOPRL_ATTENTION_HEAD
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedAttentionValues, OrderedAttentionValues,
+                              LOOPRL_ATTENTION_HEAD
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -19,8 +19,12 @@ accumulators (a decode step's matrix-vector-like product, memory-bound like stoc
 GotoBLAS-style blocking: a [256, 256] weight block packed per task and k chunk, x packed in
 96-row blocks, 6 x 16 register tiles (AVX2: 12 accumulator vectors).
 
-`ordered_batched_matmul` runs Z independent products (attention's scores and value partials,
-one per (batch row, head)), one task each, every product exactly as a single call of its shape.
+`ordered_attention_scores` / `ordered_attention_values` are attention's two products in the
+same numerics, per (row, head) and 128-slot key block, reading the rotated keys and values
+straight from the KV cache (no block, slot or sub-batch copied; `kernels.attention_cached`);
+tasks of (row, head) pairs, 4-row x 16-column register blocks (one query row: up to 64 columns).
+`ordered_batched_matmul` runs Z independent products, one task each, every product exactly as
+a single call of its shape (attention's products before the cache was read in place).
 
 The kernel is compiled with the machine's C++ compiler the first time it is used, into
 `LOOPRL_KERNEL_CACHE` (default `~/.cache/looprl/kernels`), keyed by the source, the compiler,
@@ -47,6 +51,7 @@ from looprl.errors import ConfigError, create_dir
 SOURCE = Path(__file__).with_name("ordered_gemm.cc")
 TARGET = "looprl_ordered_matmul"
 K_CHUNK = 256  # the .cc's KC: the contraction's chunk, part of the numerics (kernel version)
+KEY_BLOCK = 128  # the .cc's KEY_BLOCK: attention's key block (`kernels.K_BLOCK`)
 
 
 def _cpu_flags() -> set[str]:
@@ -124,7 +129,9 @@ def build() -> Path:
 
 TARGETS = {TARGET: "LooprlOrderedMatmul",
            "looprl_ordered_batched_matmul": "LooprlOrderedBatchedMatmul",
-           "looprl_ordered_batched_matmul_t": "LooprlOrderedBatchedMatmulT"}
+           "looprl_ordered_batched_matmul_t": "LooprlOrderedBatchedMatmulT",
+           "looprl_ordered_attention_scores": "LooprlOrderedAttentionScores",
+           "looprl_ordered_attention_values": "LooprlOrderedAttentionValues"}
 
 
 @functools.cache
@@ -171,6 +178,84 @@ def ordered_batched_matmul(x_ZxMxK: jax.Array, w: jax.Array, transposed: bool = 
     out = jax.ShapeDtypeStruct((x_ZxMxK.shape[0], x_ZxMxK.shape[1], w.shape[3 - kw]),
                                jnp.float32)
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_ZxMxK, w)
+
+
+def _attention_call(target, x, cache, win, rows_M, offset_M, slot, w0, live_blocks, slots,
+                    out_last, span_M=None):
+    """Checks attention's operands at trace time (ValueError naming the tensor and its shape)
+    and calls `target`."""
+    name = target.removeprefix("looprl_")
+    if x.ndim != 4 or cache.ndim != 5 or win.ndim != 4 or win.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: x {x.shape}, the cache {cache.shape} and the window "
+                         f"{win.shape} are not [M, H, R, *], [N, B, S, J, D] and [M, C, J, D]")
+    if x.dtype != jnp.float32 or {cache.dtype, win.dtype} - {jnp.dtype(jnp.float32),
+                                                             jnp.dtype(jnp.bfloat16)}:
+        raise ValueError(f"{name}: x must be float32 (got {x.dtype}), the cache and window "
+                         f"float32 or bfloat16 (got {cache.dtype}, {win.dtype})")
+    if (x.shape[1] % cache.shape[3] or win.shape[2:] != cache.shape[3:]
+            or not 1 <= win.shape[1] <= cache.shape[2]):
+        raise ValueError(f"{name}: {x.shape[1]} heads cannot read the cache {cache.shape} with "
+                         f"the window {win.shape} (kv heads must divide the heads, the window "
+                         "hold 1..S slots of the same heads and head dim)")
+    if slots % KEY_BLOCK or slots < cache.shape[2]:
+        raise ValueError(f"{name}: {slots} key slots is not a multiple of {KEY_BLOCK} covering "
+                         f"the cache's {cache.shape[2]}")
+    per_row = [rows_M, offset_M] + ([] if span_M is None else [span_M])
+    if any(np.shape(a) != (x.shape[0],) for a in per_row):
+        raise ValueError(f"{name}: rows, offsets (and spans) {[np.shape(a) for a in per_row]} "
+                         f"are not [M] = [{x.shape[0]}]")
+    _registered()
+    ints = jnp.stack([jnp.asarray(v, jnp.int32) for v in (slot, w0, live_blocks)])
+    out = jax.ShapeDtypeStruct((*x.shape[:3], out_last), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+        x, cache, win, *(jnp.asarray(a, jnp.int32) for a in per_row), ints)
+
+
+def ordered_attention_scores(q_MxHxRxD, k_NxBxSxJxD, k_win_MxCxJxD, rows_M, offset_M, span_M,
+                             slot, w0, live_blocks, slots: int) -> jax.Array:
+    """Attention scores `q . k` of one query tile in the numerics of `ordered_matmul`, the keys
+    read from the KV cache in place (`ordered_gemm.cc`, attention's comment).
+
+    Row m's keys are slot `slot` of the cache at batch row `rows_M[m]`, with `k_win[m]`
+    written over slots [w0, w0 + C) (w0 clamped to [0, S - C]: what `dynamic_update_slice`
+    of the slot holds); head h reads kv head `h // (H // J)` (GQA). The key axis is rotated
+    left per row by `offset_M` (rotated slot t holds key `min((t + offset_m) mod slots, S -
+    1)`) and taken in KEY_BLOCK-slot blocks, of which the first `live_blocks` are computed:
+    each score is what `ordered_matmul` gives `q[m, h] @ keys.T` for the block, the slots of
+    later blocks +0.0. Rotated slots at or past `span_M[m]` are ones no query of row m sees
+    (the caller masks their scores): they are computed only to the end of the 16-slot panel
+    holding slot `span_m - 1`, and are +0.0 after it.
+
+    Args: q `[M, H, R, D]` float32; k `[N, B, S, J, D]` and k_win `[M, C, J, D]` float32 or
+      bfloat16 (widened exactly); rows_M, offset_M, span_M int `[M]`; slot, w0, live_blocks int
+      scalars (may be traced); slots: Sp, a multiple of KEY_BLOCK >= S (the mask's padded key
+      axis).
+    Returns `[M, H, R, Sp]` float32. Raises ValueError for other ranks, dtypes or sizes (at
+    trace time); a slot or row outside the cache fails the call (XLA's error names it)."""
+    if q_MxHxRxD.ndim == 4 and k_NxBxSxJxD.ndim == 5 and q_MxHxRxD.shape[3] != \
+            k_NxBxSxJxD.shape[4]:
+        raise ValueError(f"ordered_attention_scores: q {q_MxHxRxD.shape} and k "
+                         f"{k_NxBxSxJxD.shape} differ in head dim")
+    return _attention_call("looprl_ordered_attention_scores", q_MxHxRxD, k_NxBxSxJxD,
+                           k_win_MxCxJxD, rows_M, offset_M, slot, w0, live_blocks, slots, slots,
+                           span_M)
+
+
+def ordered_attention_values(p_MxHxRxS, v_NxBxSxJxD, v_win_MxCxJxD, rows_M, offset_M, slot, w0,
+                             live_blocks) -> jax.Array:
+    """Attention's value product of one query tile over the same rotated KEY_BLOCK-slot blocks
+    and in-place values as `ordered_attention_scores`: `out = ((-0.0 + c_0) + c_1) + ...` over
+    the first `live_blocks` blocks, `c_j` what `ordered_matmul` gives `p[m, h, :, block j] @
+    values(block j)` (one 128-long fma chain per output); -0.0 when `live_blocks` is 0.
+
+    Args: p (probabilities) `[M, H, R, Sp]` float32, Sp a multiple of KEY_BLOCK >= S; v
+      `[N, B, S, J, D]` and v_win `[M, C, J, D]` float32 or bfloat16; the rest as
+      `ordered_attention_scores`.
+    Returns `[M, H, R, D]` float32. Raises ValueError as `ordered_attention_scores`."""
+    slots = p_MxHxRxS.shape[-1] if p_MxHxRxS.ndim else 0
+    return _attention_call("looprl_ordered_attention_values", p_MxHxRxS, v_NxBxSxJxD,
+                           v_win_MxCxJxD, rows_M, offset_M, slot, w0, live_blocks, slots,
+                           v_NxBxSxJxD.shape[-1])
 
 
 def _flush(a):

@@ -177,16 +177,16 @@ class _Static:
     #                                        window_widths), with compaction
 
 
-def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_kv, v_kv,
-                 active_BxC, depth_win, whole_cache: bool = False):
-    """Loop d over the chunk [w0, w0 + C) for the rows given (all, or a gathered sub-batch):
-    positions in `active_BxC` compute their loop-d KV and hidden state, the others keep theirs.
-    `k_kv`/`v_kv`: the loop's slots `[L, rows, S, Hkv, K]`, or with `whole_cache` the whole
-    cache `[T, L, B, S, Hkv, K]`, read in place at loop d.
+def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_cache, v_cache,
+                 active_BxC, depth_win, rows_M=None):
+    """Loop d over the chunk [w0, w0 + C) for the rows given (all, or a gathered sub-batch:
+    batch rows `rows_M` of the cache): positions in `active_BxC` compute their loop-d KV and
+    hidden state, the others keep theirs. `k_cache`/`v_cache`: the whole cache `[T, L, B, S,
+    Hkv, K]`, read in place at loop d and rows `rows_M` (`layers.stack_pass`'s `loop`).
     Returns the chunk's windows: (k, v `[L, rows, C, Hkv, K]`, h `[rows, C, D]`, depth)."""
     h_new, k_m, v_m = stack_pass(st.cfg, w, h_win, positions, w0 + jnp.arange(C), pad_B,
-                                 k_kv, v_kv, active_BxC, w0, st.scfg.kernels == "stock",
-                                 bits=True, loop=d - 1 if whole_cache else None)
+                                 k_cache, v_cache, active_BxC, w0, st.scfg.kernels == "stock",
+                                 bits=True, loop=d - 1, rows_B=rows_M)
     return (k_m, v_m, jnp.where(active_BxC[..., None], h_new, h_win),
             jnp.where(active_BxC, d, depth_win))
 
@@ -213,8 +213,7 @@ def _loop_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, 
     """Loop d for every row over the chunk [w0, w0 + C) (the prefill; compaction off)."""
     h_win, depth_win, positions = _chunk_windows(s, positions_BxS, d, w0, C)
     return _put_windows(s, d, w0, *_window_pass(st, w, d, w0, C, h_win, positions, rows.pad_B,
-                                                s.k_cache, s.v_cache, active_BxC, depth_win,
-                                                whole_cache=True))
+                                                s.k_cache, s.v_cache, active_BxC, depth_win))
 
 
 def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d, w0, C: int,
@@ -242,7 +241,7 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
 
     def whole_batch(_):  # M = B: every row in place (rows not in run_B have nothing active)
         return _window_pass(st, w, d, w0, C, h_win, positions, rows.pad_B, s.k_cache,
-                            s.v_cache, active_BxC, depth_win, whole_cache=True)
+                            s.v_cache, active_BxC, depth_win)
 
     def run(M):
         if M == B:
@@ -252,11 +251,9 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
             idx = order[:M]
             back = jnp.where(jnp.arange(M) < n, idx, B)  # filler rows: dropped (index B)
             act = active_BxC[idx] & (jnp.arange(M) < n)[:, None]
-            k_slots, v_slots = (jax.lax.dynamic_index_in_dim(c, d - 1, 0, keepdims=False)[:, idx]
-                                for c in (s.k_cache, s.v_cache))
             k_m, v_m, h_m, depth_m = _window_pass(st, w, d, w0, C, h_win[idx], positions[idx],
-                                                  rows.pad_B[idx], k_slots, v_slots, act,
-                                                  depth_win[idx])
+                                                  rows.pad_B[idx], s.k_cache, s.v_cache, act,
+                                                  depth_win[idx], rows_M=idx)
             return (k_win.at[:, back].set(k_m, mode="drop"),
                     v_win.at[:, back].set(v_m, mode="drop"),
                     h_win.at[back].set(h_m, mode="drop"),
@@ -306,11 +303,9 @@ def _block_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d,
         ok = start + jnp.arange(R) < n
         back = jnp.where(ok, idx, B)[:, None]  # filler rows: dropped (index B)
         rws = idx[:, None]
-        k_slots, v_slots = (jax.lax.dynamic_index_in_dim(c, d - 1, 0, keepdims=False)[:, idx]
-                            for c in (k_cache, v_cache))
         k_m, v_m, h_m, depth_m = _window_pass(
-            st, w, d, w0, C, h[rws, cols], positions_BxS[rws, cols], rows.pad_B[idx], k_slots,
-            v_slots, active_BxC[idx] & ok[:, None], depth[rws, cols])
+            st, w, d, w0, C, h[rws, cols], positions_BxS[rws, cols], rows.pad_B[idx], k_cache,
+            v_cache, active_BxC[idx] & ok[:, None], depth[rws, cols], rows_M=idx)
         put = lambda c, win: c.at[d - 1, :, back, cols].set(  # noqa: E731  win [L, R, C, J, K]
             jnp.moveaxis(win, 0, 2).astype(c.dtype), mode="drop")
         return (put(k_cache, k_m), put(v_cache, v_m), h.at[back, cols].set(h_m, mode="drop"),

@@ -200,16 +200,17 @@ def test_every_attention_dot_has_one_shape_whatever_the_cache_length(cpu_form):
 ORDERED_TARGET = "looprl_ordered_matmul"
 
 
-def test_attention_is_ordered_products_of_one_shape_whatever_the_cache_length(cpu_form):
+def test_attention_is_two_ordered_calls_on_the_cache_itself(cpu_form):
     """Structural (the default CPU form): the attention program of a 1-query (decode) and a
-    17-query call at Ouro widths holds no dot; its scores are ordered products `[C, K] x [128,
-    K]^T` and its value partials `[C, 128] x [128, K]`, per (b, h) (Z = B x H batched, each
-    product as one call of its shape computes it), unpadded (C rows), the same for a cache of
-    256, 1000 and 2048 slots; the softmax's `rowsum` is the ordered matmul."""
+    17-query call at Ouro widths holds no dot and no K/V gather: one ordered scores call and
+    one ordered value call per query tile (`ordered_gemm.ordered_attention_scores` / `_values`,
+    whose numerics per (b, h) the kernel fixes), the queries unpadded (C rows), each reading
+    the K/V arrays themselves (`[1, B, S, H, K]`: the slot as a one-slot cache, not a copied
+    block), for a cache of 256, 1000 and 2048 slots; the softmax's `rowsum` is the ordered
+    matmul."""
     cpu_form("ordered")
     B = 2
     for C in (1, 17):
-        progs = []
         for S in (256, 1000, 2048):
             q = jax.ShapeDtypeStruct((B, C, H, K), jnp.bfloat16)
             kv = jax.ShapeDtypeStruct((B, S, H, K), jnp.bfloat16)
@@ -217,17 +218,18 @@ def test_attention_is_ordered_products_of_one_shape_whatever_the_cache_length(cp
             text = jax.jit(lambda q, k, v, m: kn.attention(q, k, v, m, K ** -0.5)).lower(
                 q, kv, kv, m).compile().as_text()
             assert _dots(text) == [], (C, S)
-            progs.append({t: sorted({(tuple(a), tuple(b), tuple(o)) for a, b, o, _ in
-                                     _dots(text, t)})
-                          for t in ("looprl_ordered_batched_matmul_t",
-                                    "looprl_ordered_batched_matmul")})
-        assert progs[1] == progs[0] and progs[2] == progs[0], (C, progs)
-        Z = B * H
-        assert progs[0] == {"looprl_ordered_batched_matmul_t": [((Z, C, K), (Z, kn.K_BLOCK, K),
-                                                                 (Z, C, kn.K_BLOCK))],
-                            "looprl_ordered_batched_matmul": [((Z, C, kn.K_BLOCK),
-                                                               (Z, kn.K_BLOCK, K), (Z, C, K))]}, \
-            (C, progs[0])
+            assert _dots(text, "looprl_ordered_batched_matmul") == [], (C, S)
+            Sp = -(-S // kn.K_BLOCK) * kn.K_BLOCK
+            calls = {t: [(tuple(a), tuple(b), tuple(o)) for a, b, o, _ in _dots(text, t)]
+                     for t in ("looprl_ordered_attention_scores",
+                               "looprl_ordered_attention_values")}
+            assert calls == {
+                "looprl_ordered_attention_scores": [((B, H, C, K), (1, B, S, H, K),
+                                                     (B, H, C, Sp))],
+                "looprl_ordered_attention_values": [((B, H, C, Sp), (1, B, S, H, K),
+                                                     (B, H, C, K))]}, (C, S, calls)
+
+
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w\-]+)\((.*?)\)(.*)$")
 
 

@@ -1,0 +1,133 @@
+"""Attention's two ordered products read from the KV cache in place
+(`ordered_gemm.ordered_attention_scores` / `_values`, looprl/model/ordered_gemm.cc): each output
+is exactly the chain the kernel's comment defines, written here in numpy from the rotated
+128-slot blocks (`reference_matmul`, the ordered matmul's correctly rounded emulation), for
+fp32 and bf16 caches, GQA, a window written over the slot (w0 clamped as
+`dynamic_update_slice` clamps), sub-batch rows, another slot of a many-slot cache, 1-5 query
+rows (every register-block path) and a head dim with a scalar tail; and `attention_cached`
+gives the bits of `attention` on the slot it describes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from looprl.model import kernels as kn
+from looprl.model import ordered_gemm as og
+
+KB = og.KEY_BLOCK
+
+
+def _u32(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _slot_keys(cache, win, rows, slot, w0):
+    """The slot the kernel reads, made in numpy: `[M, S, J, D]` float32."""
+    S, C = cache.shape[2], win.shape[1]
+    w0 = min(max(w0, 0), S - C)
+    keys = np.array(cache[slot][rows], np.float32)
+    keys[:, w0:w0 + C] = win
+    return keys
+
+
+def _rotated_block(keys_SxJxD, offset, blk, Sp, kv):
+    """Block `blk` of a row's rotated key axis, head `kv`: `[128, D]`."""
+    S = keys_SxJxD.shape[0]
+    slot = np.minimum((blk * KB + np.arange(KB) + offset) % Sp, S - 1)
+    return keys_SxJxD[slot, kv]
+
+
+def _case(rng, M, H, J, R, D, N, B, S, C, dtype):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    cache = np.asarray(jnp.asarray(f(N, B, S, J, D), dtype).astype(jnp.float32))
+    win = np.asarray(jnp.asarray(f(M, C, J, D), dtype).astype(jnp.float32))
+    rows = rng.permutation(B)[:M].astype(np.int32)
+    return f(M, H, R, D), cache, win, rows
+
+
+@pytest.mark.parametrize("M, H, J, R, D, N, S, C, w0, live", [
+    (3, 4, 4, 1, 32, 1, 40, 1, 39, 1),      # a decode step: one query, window at the end
+    (2, 4, 2, 3, 40, 8, 300, 2, 298, 3),    # GQA, another slot, 3 blocks, a 40-wide head
+    (2, 2, 2, 5, 16, 2, 129, 7, 200, 2),    # w0 past the end (clamped), 5 rows (4 + 1)
+    (1, 2, 1, 2, 128, 3, 260, 260, 0, 3),   # the window is the whole slot (the learner's)
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scores_and_values_are_the_documented_chains(M, H, J, R, D, N, S, C, w0, live, dtype):
+    rng = np.random.default_rng(M * 100 + S + R)
+    B = M + 2
+    q, cache, win, rows = _case(rng, M, H, J, R, D, N, B, S, C, dtype)
+    Sp = -(-S // KB) * KB
+    slot = N - 1
+    offset = rng.integers(0, Sp, M).astype(np.int32)
+    span = rng.integers(1, live * KB + 1, M).astype(np.int32)
+    jc, jw = (jnp.asarray(cache, dtype), jnp.asarray(win, dtype))
+    scores = jax.jit(og.ordered_attention_scores, static_argnums=9)(
+        jnp.asarray(q), jc, jw, rows, offset, span, slot, w0, live, Sp)
+    probs = rng.random((M, H, R, Sp)).astype(np.float32)
+    probs[..., ::5] = 0.0
+    values = jax.jit(og.ordered_attention_values)(jnp.asarray(probs), jc, jw, rows, offset, slot,
+                                                  w0, live)
+    keys = _slot_keys(cache, win, rows, slot, w0)
+    for m in range(M):
+        for h in range(H):
+            kv = h // (H // J)
+            acc = np.full((R, D), -0.0, np.float32)
+            for blk in range(live):
+                block = _rotated_block(keys[m], offset[m], blk, Sp, kv)
+                ref = og.reference_matmul(q[m, h], block.T)  # [R, 128]
+                got = np.asarray(scores[m, h, :, blk * KB:(blk + 1) * KB])
+                seen = min(KB, max(0, span[m] - blk * KB))  # slots past the span: masked
+                assert np.array_equal(_u32(got[:, :seen]), _u32(ref[:, :seen])), (m, h, blk)
+                acc = og._flush(acc + og.reference_matmul(probs[m, h, :, blk * KB:(blk + 1) * KB],
+                                                          block))
+            past = max(live * KB, -(-span[m] // 16) * 16)  # after the span's last panel: +0.0
+            assert not np.any(_u32(scores[m, h, :, past:])), (m, h)
+            assert np.array_equal(_u32(values[m, h]), _u32(acc)), (m, h)
+
+
+def test_no_live_block_gives_zeros():
+    """live = 0: every score +0.0, every value -0.0 (the accumulator's start)."""
+    q = jnp.ones((2, 2, 1, 16), jnp.float32)
+    cache = jnp.ones((1, 2, 10, 2, 16), jnp.float32)
+    args = (cache, cache[0, :, :1], np.arange(2, dtype=np.int32), np.zeros(2, np.int32))
+    s = og.ordered_attention_scores(q, *args, np.full(2, 10, np.int32), 0, 0, 0, 128)
+    v = og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), *args, 0, 0, 0)
+    assert np.array_equal(_u32(s), np.zeros((2, 2, 1, 128), np.uint32))
+    assert np.array_equal(_u32(v), np.full((2, 2, 1, 16), 0x80000000, np.uint32))
+
+
+def test_bad_operands_are_named():
+    q = jnp.ones((2, 2, 1, 16), jnp.float32)
+    cache = jnp.ones((1, 2, 10, 2, 16), jnp.float32)
+    rows, off = np.arange(2, dtype=np.int32), np.zeros(2, np.int32)
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        og.ordered_attention_scores(q, cache, cache[0, :, :1], rows, off, off, 0, 0, 1, 100)
+    with pytest.raises(ValueError, match="head dim"):
+        og.ordered_attention_scores(q[..., :8], cache, cache[0, :, :1], rows, off, off, 0, 0, 1,
+                                    128)
+    with pytest.raises(ValueError, match=r"are not \[M\]"):
+        og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), cache, cache[0, :, :1], rows[:1],
+                                    off, 0, 0, 1)
+    with pytest.raises(ValueError, match="window"):
+        og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), cache, cache[0, :, :2, :1], rows,
+                                    off, 0, 0, 1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_cached_is_attention_on_the_slot(dtype):
+    """A 3-row sub-batch of a 5-row, 6-slot cache, GQA (4 heads, 2 kv heads), a 2-position
+    window: `attention_cached` (read in place) == `attention` on `kv.slots()`, bit for bit."""
+    rng = np.random.default_rng(7)
+    T_L, B, S, J, K, H, C = 6, 5, 150, 2, 32, 4, 2
+    cache = jnp.asarray(rng.standard_normal((2, T_L, B, S, J, K)), dtype)
+    rows = jnp.asarray([4, 0, 2], jnp.int32)
+    win = jnp.asarray(rng.standard_normal((2, 3, C, J, K)), dtype)
+    kv = kn.CachedKV(cache[0], cache[1], jnp.int32(3), rows, jnp.int32(140), win[0], win[1])
+    q = jnp.asarray(rng.standard_normal((3, C, H, K)), dtype)
+    pad = np.array([0, 30, 100])
+    s = np.arange(S)
+    mask = jnp.asarray((s[None, None] >= pad[:, None, None])
+                       & (s[None, None] <= 140 + np.arange(C)[None, :, None]))
+    got = jax.jit(kn.attention_cached, static_argnums=3)(q, kv, mask, K ** -0.5)
+    want = jax.jit(kn.attention, static_argnums=4)(q, *kv.slots(), mask, K ** -0.5)
+    assert np.array_equal(_u32(got.astype(jnp.float32)), _u32(want.astype(jnp.float32)))
