@@ -50,6 +50,7 @@ constexpr int64_t KC = 256;  // k chunk: a packed [KC, NR] weight panel is 16 KB
 constexpr int64_t NC = 256;  // columns of a task: a packed [KC, NC] weight block is 256 KB (L2)
 constexpr int64_t NC_FEW_ROWS = 1024;  // up to FEW_ROWS rows: longer contiguous weight reads
 constexpr int64_t FEW_ROWS = 48;
+constexpr int64_t SMALL_ROWS = 16;  // up to here (above MR) the weight is read unpacked
 constexpr int64_t NC_ONE_STEP = 4096;  // up to MR rows (few_rows_block): 16 KB weight reads
 constexpr int64_t MC = 96;   // rows of a packed x block: [MC, KC] is 96 KB (L2)
 
@@ -76,10 +77,12 @@ inline float widen_bf16(uint16_t b) {
 #endif
 
 // One chunk's chain c_j for R rows x NR columns: x panel xp is [kc][MR] (row r at
-// xp[k * MR + r]), weight panel wp is [kc][NR]; c points at an [R, NR] tile of out (row stride
-// ldc), which receives c_0 on the first chunk and out + c_j after it.
+// xp[k * MR + r]), weight panel wp is [kc][NR] with row stride ldw (a packed panel: NR; the
+// weight itself: N); c points at an [R, NR] tile of out (row stride ldc), which receives c_0
+// on the first chunk and out + c_j after it.
 template <int R>
-void micro(const float* xp, const float* wp, int64_t kc, float* c, int64_t ldc, bool first) {
+void micro(const float* xp, const float* wp, int64_t ldw, int64_t kc, float* c, int64_t ldc,
+           bool first) {
 #ifdef LOOPRL_AVX2
   // named accumulators (an array of __m256 is spilled to the stack by GCC at every k)
   const __m256 z = _mm256_set1_ps(-0.0f);
@@ -93,8 +96,8 @@ void micro(const float* xp, const float* wp, int64_t kc, float* c, int64_t ldc, 
   }
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w0 = _mm256_load_ps(wp + k * NR);
-    const __m256 w1 = _mm256_load_ps(wp + k * NR + 8);
+    const __m256 w0 = _mm256_loadu_ps(wp + k * ldw);
+    const __m256 w1 = _mm256_loadu_ps(wp + k * ldw + 8);
     LOOPRL_ROW(0) LOOPRL_ROW(1) LOOPRL_ROW(2) LOOPRL_ROW(3) LOOPRL_ROW(4) LOOPRL_ROW(5)
   }
 #undef LOOPRL_ROW
@@ -106,13 +109,13 @@ void micro(const float* xp, const float* wp, int64_t kc, float* c, int64_t ldc, 
     for (int j = 0; j < NR; ++j) acc[r][j] = -0.0f;
   for (int64_t k = 0; k < kc; ++k)
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NR; ++j) acc[r][j] = std::fma(xp[k * MR + r], wp[k * NR + j], acc[r][j]);
+      for (int j = 0; j < NR; ++j) acc[r][j] = std::fma(xp[k * MR + r], wp[k * ldw + j], acc[r][j]);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) c[r * ldc + j] = first ? acc[r][j] : c[r * ldc + j] + acc[r][j];
 #endif
 }
 
-using MicroFn = void (*)(const float*, const float*, int64_t, float*, int64_t, bool);
+using MicroFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, bool);
 constexpr MicroFn kMicro[MR + 1] = {nullptr,   micro<1>, micro<2>, micro<3>,
                                     micro<4>, micro<5>, micro<6>};
 
@@ -180,11 +183,11 @@ void column_block(const Problem& p, int64_t n0, int64_t width) {
           const int rows = static_cast<int>(std::min(MR, mc - i0));
           float* c = p.out + (m0 + i0) * p.n + c0;
           if (cols == NR) {
-            kMicro[rows](xbuf + i0 * kc, wp, kc, c, p.n, first);
+            kMicro[rows](xbuf + i0 * kc, wp, NR, kc, c, p.n, first);
           } else {  // a partial last panel runs on a full-width copy of its tile
             for (int r = 0; r < rows; ++r)
               for (int64_t j = 0; j < NR; ++j) tile[r * NR + j] = j < cols ? c[r * p.n + j] : 0.f;
-            kMicro[rows](xbuf + i0 * kc, wp, kc, tile, NR, first);
+            kMicro[rows](xbuf + i0 * kc, wp, NR, kc, tile, NR, first);
             for (int r = 0; r < rows; ++r)
               std::memcpy(c + r * p.n, tile + r * NR, cols * sizeof(float));
           }
@@ -243,10 +246,74 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
 // The columns a task covers: longer for fewer rows (module doc of ordered_gemm.py).
 int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : m <= FEW_ROWS ? NC_FEW_ROWS : NC; }
 
+// MR + 1 .. SMALL_ROWS rows (a decode step of 7-16 rows): no weight packing. For each k chunk,
+// x is packed into row panels of at most MR rows, balanced (7 rows: 4 + 3, 8: 4 + 4, 13:
+// 5 + 4 + 4), and each 16-column strip of the weight is read in place (an fp32 weight; a bf16
+// one, or the last partial strip, is widened / zero-padded into one [kc][NR] panel first), by
+// every row panel in turn while it is in L1. The same chain per output as column_block (the
+// same micro<R>, chunks in order): only where the operands are read from differs.
+void small_rows_block(const Problem& p, int64_t n0, int64_t width) {
+  const int64_t nc = std::min(width, p.n - n0);
+  const int64_t panels = (p.m + MR - 1) / MR;
+  int64_t start[SMALL_ROWS / MR + 2], rows[SMALL_ROWS / MR + 2];
+  for (int64_t q = 0, at = 0; q < panels; ++q) {
+    rows[q] = p.m / panels + (q < p.m % panels ? 1 : 0);
+    start[q] = at;
+    at += rows[q];
+  }
+  float* xbuf = scratch(1, panels * MR * KC);
+  float* wbuf = scratch(0, KC * NR);
+  float tile[MR * NR];
+  for (int64_t k0 = 0; k0 < p.k; k0 += KC) {
+    const int64_t kc = std::min(KC, p.k - k0);
+    const bool first = k0 == 0;
+    for (int64_t q = 0; q < panels; ++q)
+      for (int64_t r = 0; r < rows[q]; ++r) {
+        const float* s = p.x + (start[q] + r) * p.k + k0;
+        float* d = xbuf + q * MR * kc + r;
+        for (int64_t kk = 0; kk < kc; ++kk) d[kk * MR] = s[kk];
+      }
+    for (int64_t c0 = n0; c0 < n0 + nc; c0 += NR) {
+      const int64_t cols = std::min(NR, n0 + nc - c0);
+      const float* wp = static_cast<const float*>(p.w) + k0 * p.n + c0;
+      int64_t ldw = p.n;
+      if (p.w_bf16 || cols < NR) {
+        for (int64_t kk = 0; kk < kc; ++kk) {
+          float* d = wbuf + kk * NR;
+          if (p.w_bf16) {
+            const uint16_t* src = static_cast<const uint16_t*>(p.w) + (k0 + kk) * p.n + c0;
+            for (int64_t j = 0; j < cols; ++j) d[j] = widen_bf16(src[j]);
+          } else {
+            std::memcpy(d, wp + kk * p.n, cols * sizeof(float));
+          }
+          for (int64_t j = cols; j < NR; ++j) d[j] = 0.0f;
+        }
+        wp = wbuf;
+        ldw = NR;
+      }
+      for (int64_t q = 0; q < panels; ++q) {
+        float* c = p.out + start[q] * p.n + c0;
+        const int nr = static_cast<int>(rows[q]);
+        if (cols == NR) {
+          kMicro[nr](xbuf + q * MR * kc, wp, ldw, kc, c, p.n, first);
+        } else {  // a partial last strip runs on a full-width copy of its tile
+          for (int r = 0; r < nr; ++r)
+            for (int64_t j = 0; j < NR; ++j) tile[r * NR + j] = j < cols ? c[r * p.n + j] : 0.f;
+          kMicro[nr](xbuf + q * MR * kc, wp, ldw, kc, tile, NR, first);
+          for (int r = 0; r < nr; ++r)
+            std::memcpy(c + r * p.n, tile + r * NR, cols * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
 // Columns [n0, n0 + width) of one product, every row: the path is chosen by M alone.
 void product_columns(const Problem& p, int64_t n0, int64_t width) {
   if (p.m <= MR)
     few_rows_block(p, n0, width);
+  else if (p.m <= SMALL_ROWS)
+    small_rows_block(p, n0, width);
   else
     column_block(p, n0, width);
 }
@@ -585,25 +652,78 @@ void attention_scores(const AttentionProblem& p, const float* q, float* out, int
   for (int64_t r = 0; r < p.r; ++r) std::fill(om + r * p.sp + done, om + (r + 1) * p.sp, 0.0f);
 }
 
-void attention_values(const AttentionProblem& p, const float* probs, float* out, int64_t mh) {
-  const int64_t m = mh / p.h, h = mh % p.h;
-  const KeyReader values(p, m, h);
+// One query row of two heads at once, 32 columns each (a head dim of 32, the tiny presets'):
+// for g = 0, 1 the fma chain over t < len from -0.0 of a[g][t] * brow[g][t][0:32], added to
+// c[g] (c + chain) — chain_row<4>'s chain per output, two heads interleaved so that eight
+// independent accumulators keep the fma pipeline full.
+void chain_row_pair32(const float* const a[2], const float* const* const brow[2], int64_t len,
+                      float* const c[2]) {
+#ifdef LOOPRL_AVX2
+  const __m256 z = _mm256_set1_ps(-0.0f);
+  __m256 c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, c6 = z, c7 = z;
+  for (int64_t t = 0; t < len; ++t) {
+    const __m256 b0 = _mm256_broadcast_ss(a[0] + t);
+    const __m256 b1 = _mm256_broadcast_ss(a[1] + t);
+    const float* w0 = brow[0][t];
+    const float* w1 = brow[1][t];
+    c0 = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0), c0);
+    c1 = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0 + 8), c1);
+    c2 = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0 + 16), c2);
+    c3 = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0 + 24), c3);
+    c4 = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1), c4);
+    c5 = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1 + 8), c5);
+    c6 = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1 + 16), c6);
+    c7 = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1 + 24), c7);
+  }
+  const __m256 acc[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
+  for (int i = 0; i < 8; ++i) {
+    float* ci = c[i / 4] + 8 * (i % 4);
+    _mm256_storeu_ps(ci, _mm256_add_ps(_mm256_loadu_ps(ci), acc[i]));
+  }
+#else
+  for (int g = 0; g < 2; ++g) chain_product(a[g], 0, 1, brow[g], 32, len, c[g], 32, false);
+#endif
+}
+
+// Heads [h0, h0 + heads) of row m: each head's out = ((-0.0 + c_0) + c_1) + ... (the comment
+// above). A single query row with a head dim of 32 runs two heads at a time.
+void attention_values(const AttentionProblem& p, const float* probs, float* out, int64_t m,
+                      int64_t h0, int64_t heads) {
   thread_local std::vector<const float*> rows;
-  rows.resize(KEY_BLOCK);
-  float* wide = scratch(5, KEY_BLOCK * p.d);
-  const float* pm = probs + mh * p.r * p.sp;
-  float* om = out + mh * p.r * p.d;
-  std::fill(om, om + p.r * p.d, -0.0f);
-  for (int64_t blk = 0; blk < p.live; ++blk) {
-    int64_t slot = values.first(blk);
-    for (int64_t t = 0; t < KEY_BLOCK; ++t, slot = values.next(slot))
-      rows[t] = values.at(slot, wide + t * p.d);
-    chain_product(pm + blk * KEY_BLOCK, p.sp, p.r, rows.data(), p.d, KEY_BLOCK, om, p.d,
-                  /*first=*/false);  // om + c_j: the first add is -0.0 + c_0, as in kernels.py
+  rows.resize(2 * KEY_BLOCK);
+  float* wide = scratch(5, 2 * KEY_BLOCK * p.d);
+  const bool pairs = p.r == 1 && p.d == 32;
+  for (int64_t h = h0; h < h0 + heads;) {
+    const int64_t g = pairs && h + 1 < h0 + heads ? 2 : 1;
+    const float* pm[2];
+    float* om[2];
+    int64_t slot[2];
+    const KeyReader values[2] = {KeyReader(p, m, h), KeyReader(p, m, h + g - 1)};
+    for (int64_t i = 0; i < g; ++i) {
+      pm[i] = probs + (m * p.h + h + i) * p.r * p.sp;
+      om[i] = out + (m * p.h + h + i) * p.r * p.d;
+      std::fill(om[i], om[i] + p.r * p.d, -0.0f);
+    }
+    for (int64_t blk = 0; blk < p.live; ++blk) {
+      for (int64_t i = 0; i < g; ++i) {
+        slot[i] = values[i].first(blk);
+        for (int64_t t = 0; t < KEY_BLOCK; ++t, slot[i] = values[i].next(slot[i]))
+          rows[i * KEY_BLOCK + t] = values[i].at(slot[i], wide + (i * KEY_BLOCK + t) * p.d);
+      }
+      if (g == 2) {  // om + c_j: the first add is -0.0 + c_0, as in kernels.py
+        const float* a[2] = {pm[0] + blk * KEY_BLOCK, pm[1] + blk * KEY_BLOCK};
+        const float* const* b[2] = {rows.data(), rows.data() + KEY_BLOCK};
+        chain_row_pair32(a, b, KEY_BLOCK, om);
+      } else {
+        chain_product(pm[0] + blk * KEY_BLOCK, p.sp, p.r, rows.data(), p.d, KEY_BLOCK, om[0],
+                      p.d, /*first=*/false);
+      }
+    }
+    h += g;
   }
 }
 
-// The (m, h) pairs in contiguous shares, a few per pool thread.
+// Units of work ((m, h) pairs, or (m, head group)s) in contiguous shares, a few per pool thread.
 void run_heads(ffi::ThreadPool& pool, int64_t units, std::function<void(int64_t)> one) {
   const int64_t tasks = std::min<int64_t>(units, 4 * std::max<int64_t>(1, pool.num_threads()));
   if (tasks == 0) return;
@@ -692,7 +812,12 @@ ffi::Error OrderedAttentionValues(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pr
   if (err.failure()) return err;
   const float* ps = probs.typed_data();
   float* os = out->typed_data();
-  run_heads(pool, p.m * p.h, [&](int64_t mh) { attention_values(p, ps, os, mh); });
+  const int64_t group = std::min<int64_t>(p.h, 4);  // heads per unit of work (an even count)
+  const int64_t groups = (p.h + group - 1) / group;
+  run_heads(pool, p.m * groups, [&](int64_t u) {
+    const int64_t m = u / groups, h0 = (u % groups) * group;
+    attention_values(p, ps, os, m, h0, std::min(group, p.h - h0));
+  });
   return ffi::Error::Success();
 }
 

@@ -15,14 +15,19 @@ state XLA CPU's threads run in), so the bits do not depend on the calling thread
 How it runs (none of it changes a bit): tasks of output columns on XLA's intra-op thread pool
 (256 columns; 1024 up to 48 rows; 4096 up to 6 rows, so a decode step's weight rows are read in
 long contiguous sweeps); up to 6 rows, each weight row is read once and fma'd into per-row
-accumulators (a decode step's matrix-vector-like product, memory-bound like stock's); above,
-GotoBLAS-style blocking: a [256, 256] weight block packed per task and k chunk, x packed in
-96-row blocks, 6 x 16 register tiles (AVX2: 12 accumulator vectors).
+accumulators (a decode step's matrix-vector-like product, memory-bound like stock's); 7-16
+rows, the same register tiles as above but on balanced row panels (7 rows: 4 + 3) and with an
+fp32 weight read in place, one 16-column strip at a time, so a few-row call does not pay for
+packing the weight (2026-12-03, fp32 Ouro-1.4B weights at 7-16 rows: 1.10-1.46x stock, from
+1.34-2.24x with packing; side by side in one process, one thread); above, GotoBLAS-style
+blocking: a [256, 256] weight block packed per task and k chunk, x packed in 96-row blocks,
+6 x 16 register tiles (AVX2: 12 accumulator vectors).
 
 `ordered_attention_scores` / `ordered_attention_values` are attention's two products in the
 same numerics, per (row, head) and 128-slot key block, reading the rotated keys and values
 straight from the KV cache (no block, slot or sub-batch copied; `kernels.attention_cached`);
-tasks of (row, head) pairs, 4-row x 16-column register blocks (one query row: up to 64 columns).
+tasks of (row, head) pairs, 4-row x 16-column register blocks (one query row: up to 64 columns;
+its value products two heads at a time for a head dim of 32, so the chains overlap).
 `ordered_batched_matmul` runs Z independent products, one task each, every product exactly as
 a single call of its shape (attention's products before the cache was read in place).
 

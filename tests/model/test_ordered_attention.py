@@ -4,7 +4,8 @@ is exactly the chain the kernel's comment defines, written here in numpy from th
 128-slot blocks (`reference_matmul`, the ordered matmul's correctly rounded emulation), for
 fp32 and bf16 caches, GQA, a window written over the slot (w0 clamped as
 `dynamic_update_slice` clamps), sub-batch rows, another slot of a many-slot cache, 1-5 query
-rows (every register-block path) and a head dim with a scalar tail; and `attention_cached`
+rows (every register-block path), a head dim with a scalar tail and one of 32 at one query
+row (two heads' chains interleaved, an odd head alone); and `attention_cached`
 gives the bits of `attention` on the slot it describes."""
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,7 @@ def _case(rng, M, H, J, R, D, N, B, S, C, dtype):
     (2, 4, 2, 3, 40, 8, 300, 2, 298, 3),    # GQA, another slot, 3 blocks, a 40-wide head
     (2, 2, 2, 5, 16, 2, 129, 7, 200, 2),    # w0 past the end (clamped), 5 rows (4 + 1)
     (1, 2, 1, 2, 128, 3, 260, 260, 0, 3),   # the window is the whole slot (the learner's)
+    (2, 5, 5, 1, 32, 1, 200, 1, 150, 2),    # one query, head dim 32: heads in pairs, one left
 ])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_scores_and_values_are_the_documented_chains(M, H, J, R, D, N, S, C, w0, live, dtype):
