@@ -275,16 +275,19 @@ void small_rows_block(const Problem& p, int64_t n0, int64_t width) {
       }
     for (int64_t c0 = n0; c0 < n0 + nc; c0 += NR) {
       const int64_t cols = std::min(NR, n0 + nc - c0);
-      const float* wp = static_cast<const float*>(p.w) + k0 * p.n + c0;
+      const float* wp = nullptr;
       int64_t ldw = p.n;
-      if (p.w_bf16 || cols < NR) {
+      if (!p.w_bf16 && cols == NR) {
+        wp = static_cast<const float*>(p.w) + k0 * p.n + c0;
+      } else {
         for (int64_t kk = 0; kk < kc; ++kk) {
           float* d = wbuf + kk * NR;
           if (p.w_bf16) {
             const uint16_t* src = static_cast<const uint16_t*>(p.w) + (k0 + kk) * p.n + c0;
             for (int64_t j = 0; j < cols; ++j) d[j] = widen_bf16(src[j]);
           } else {
-            std::memcpy(d, wp + kk * p.n, cols * sizeof(float));
+            std::memcpy(d, static_cast<const float*>(p.w) + (k0 + kk) * p.n + c0,
+                        cols * sizeof(float));
           }
           for (int64_t j = cols; j < NR; ++j) d[j] = 0.0f;
         }
@@ -744,7 +747,7 @@ ffi::Error attention_problem(const char* name, ffi::Buffer<ffi::F32>& x, ffi::An
   };
   if (xd.size() != 4 || cd.size() != 5 || wd.size() != 4 || !fp(cache) || !fp(win) ||
       wd[0] != xd[0] || wd[2] != cd[3] || wd[3] != cd[4] || cd[3] == 0 || xd[1] % cd[3] != 0 ||
-      cd[2] == 0 || wd[1] > cd[2] || rows.element_count() != xd[0] ||
+      cd[2] == 0 || wd[1] > cd[2] || xd[1] == 0 || cd[4] == 0 || rows.element_count() != xd[0] ||
       offset.element_count() != xd[0] || ints.element_count() != 3 || sp % KEY_BLOCK != 0 ||
       sp < cd[2])
     return ffi::Error::InvalidArgument(

@@ -197,11 +197,15 @@ def _attention_call(target, x, cache, win, rows_M, offset_M, slot, w0, live_bloc
                                                              jnp.dtype(jnp.bfloat16)}:
         raise ValueError(f"{name}: x must be float32 (got {x.dtype}), the cache and window "
                          f"float32 or bfloat16 (got {cache.dtype}, {win.dtype})")
-    if (x.shape[1] % cache.shape[3] or win.shape[2:] != cache.shape[3:]
-            or not 1 <= win.shape[1] <= cache.shape[2]):
+    if win.dtype != cache.dtype:
+        raise ValueError(f"{name}: the window is {win.dtype} and the cache {cache.dtype} (the "
+                         "window is written into the cache: one dtype)")
+    if (0 in (x.shape[1], cache.shape[3], cache.shape[4]) or x.shape[1] % cache.shape[3]
+            or win.shape[2:] != cache.shape[3:] or not 1 <= win.shape[1] <= cache.shape[2]):
         raise ValueError(f"{name}: {x.shape[1]} heads cannot read the cache {cache.shape} with "
-                         f"the window {win.shape} (kv heads must divide the heads, the window "
-                         "hold 1..S slots of the same heads and head dim)")
+                         f"the window {win.shape} (kv heads must divide the heads, none of "
+                         "heads, kv heads and head dim be 0, the window hold 1..S slots of the "
+                         "same heads and head dim)")
     if slots % KEY_BLOCK or slots < cache.shape[2]:
         raise ValueError(f"{name}: {slots} key slots is not a multiple of {KEY_BLOCK} covering "
                          f"the cache's {cache.shape[2]}")

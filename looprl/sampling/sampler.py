@@ -178,15 +178,17 @@ class _Static:
 
 
 def _window_pass(st: _Static, w, d, w0, C: int, h_win, positions, pad_B, k_cache, v_cache,
-                 active_BxC, depth_win, rows_M=None):
+                 active_BxC, depth_win, rows_M=None, cache_loop=None):
     """Loop d over the chunk [w0, w0 + C) for the rows given (all, or a gathered sub-batch:
     batch rows `rows_M` of the cache): positions in `active_BxC` compute their loop-d KV and
     hidden state, the others keep theirs. `k_cache`/`v_cache`: the whole cache `[T, L, B, S,
-    Hkv, K]`, read in place at loop d and rows `rows_M` (`layers.stack_pass`'s `loop`).
+    Hkv, K]`, read in place at loop d (or at `cache_loop`, 0-based, for a cache holding other
+    loops) and rows `rows_M` (`layers.stack_pass`'s `loop`).
     Returns the chunk's windows: (k, v `[L, rows, C, Hkv, K]`, h `[rows, C, D]`, depth)."""
     h_new, k_m, v_m = stack_pass(st.cfg, w, h_win, positions, w0 + jnp.arange(C), pad_B,
                                  k_cache, v_cache, active_BxC, w0, st.scfg.kernels == "stock",
-                                 bits=True, loop=d - 1, rows_B=rows_M)
+                                 bits=True, loop=d - 1 if cache_loop is None else cache_loop,
+                                 rows_B=rows_M)
     return (k_m, v_m, jnp.where(active_BxC[..., None], h_new, h_win),
             jnp.where(active_BxC, d, depth_win))
 
@@ -284,8 +286,14 @@ def _block_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d,
     states and depths straight into the state, in place (a `lax.switch` over sub-batch sizes,
     as the width-1 pass uses, would return the windows of all B rows: XLA CPU copies an operand
     a branch updates, so the caches cannot pass through one). One block shape per width, so
-    one copy of the layer stack. Row-invariant kernels (`looprl.model.kernels`): a row's bits
-    are those it gets in the full batch. Returns (state, rows run: blocks x R, int32)."""
+    one copy of the layer stack. A block gathers its rows' KV slots of loop d (R rows, not the
+    cache) for its attention rather than reading the cache in place as the other passes do:
+    measured at 256 rows (2026-12-03, decode tokens/s, dense 20-24k), reading the cache in
+    place from inside this loop, which also updates it, ran the deferred decode at 3.9k, and
+    carrying only the windows while reading the unchanged cache at 10.6k (both as if XLA CPU
+    copied the cache into the loop; not traced); the gather: 20.1k.
+    Row-invariant kernels (`looprl.model.kernels`): a row's bits are those it gets in the full
+    batch. Returns (state, rows run: blocks x R, int32)."""
     B = run_B.shape[0]
     R, R_tail = (min(r, B) for r in policies.window_block_rows(C))
     n = jnp.sum(run_B, dtype=jnp.int32)
@@ -303,9 +311,12 @@ def _block_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d,
         ok = start + jnp.arange(R) < n
         back = jnp.where(ok, idx, B)[:, None]  # filler rows: dropped (index B)
         rws = idx[:, None]
+        # the block's rows of the loop's slots, gathered: `[1, L, R, S, J, K]` (docstring)
+        k_slots, v_slots = (jax.lax.dynamic_index_in_dim(c, d - 1, 0)[:, :, idx]
+                            for c in (k_cache, v_cache))
         k_m, v_m, h_m, depth_m = _window_pass(
-            st, w, d, w0, C, h[rws, cols], positions_BxS[rws, cols], rows.pad_B[idx], k_cache,
-            v_cache, active_BxC[idx] & ok[:, None], depth[rws, cols], rows_M=idx)
+            st, w, d, w0, C, h[rws, cols], positions_BxS[rws, cols], rows.pad_B[idx], k_slots,
+            v_slots, active_BxC[idx] & ok[:, None], depth[rws, cols], cache_loop=0)
         put = lambda c, win: c.at[d - 1, :, back, cols].set(  # noqa: E731  win [L, R, C, J, K]
             jnp.moveaxis(win, 0, 2).astype(c.dtype), mode="drop")
         return (put(k_cache, k_m), put(v_cache, v_m), h.at[back, cols].set(h_m, mode="drop"),

@@ -5,8 +5,10 @@ is exactly the chain the kernel's comment defines, written here in numpy from th
 fp32 and bf16 caches, GQA, a window written over the slot (w0 clamped as
 `dynamic_update_slice` clamps), sub-batch rows, another slot of a many-slot cache, 1-5 query
 rows (every register-block path), a head dim with a scalar tail and one of 32 at one query
-row (two heads' chains interleaved, an odd head alone); and `attention_cached`
-gives the bits of `attention` on the slot it describes."""
+row (two heads' chains interleaved, an odd head alone); `attention` gives the bits of the form
+it replaced (rotated K/V blocks gathered, then `ordered_batched_matmul`, rebuilt below) on one
+block (Sp = 128), several, and several query tiles; and `attention_cached` gives the bits of
+`attention` on the slot it describes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +115,12 @@ def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="window"):
         og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), cache, cache[0, :, :2, :1], rows,
                                     off, 0, 0, 1)
+    with pytest.raises(ValueError, match="one dtype"):
+        og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), cache,
+                                    cache[0, :, :1].astype(jnp.bfloat16), rows, off, 0, 0, 1)
+    with pytest.raises(ValueError, match="be 0"):
+        og.ordered_attention_values(jnp.ones((2, 0, 1, 128)), cache, cache[0, :, :1], rows, off,
+                                    0, 0, 1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -132,4 +140,74 @@ def test_attention_cached_is_attention_on_the_slot(dtype):
                        & (s[None, None] <= 140 + np.arange(C)[None, :, None]))
     got = jax.jit(kn.attention_cached, static_argnums=3)(q, kv, mask, K ** -0.5)
     want = jax.jit(kn.attention, static_argnums=4)(q, *kv.slots(), mask, K ** -0.5)
+    assert np.array_equal(_u32(got.astype(jnp.float32)), _u32(want.astype(jnp.float32)))
+
+
+def _gathered_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale):
+    """The ordered CPU attention as it was before the cache was read in place (6814715): each
+    live block's rotated K/V gathered, both products `ordered_batched_matmul` per (b, h)."""
+    B, C, H, K = q_BxCxHxK.shape
+    k_BxSxHxK, v_BxSxHxK = kn.repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
+    q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)
+    dtype = q_BxHxCxK.dtype
+    mask, offset_B = kn._mask_in_blocks(mask_BxCxS)
+    S = mask.shape[2]
+    mask = kn._keys_from_first_live(mask, offset_B, 2)
+
+    def key_block(x_BxSxHxK, j):
+        x = kn._keys_from_first_live(x_BxSxHxK, offset_B, 1, j * KB, KB, period=S)
+        return jnp.swapaxes(x, 1, 2).astype(jnp.float32)
+
+    def per_head_dot(x, w, transposed=False):
+        b, h, r, i = x.shape
+        y = og.ordered_batched_matmul(x.reshape(b * h, r, i), w.reshape(b * h, *w.shape[2:]),
+                                      transposed)
+        return y.reshape(b, h, r, y.shape[-1])
+
+    def tile(qm):
+        q, m = qm
+        q32 = q.astype(jnp.float32)
+        R = q32.shape[2]
+        n = kn._live_key_blocks(m)
+
+        def over(body, init):
+            return body(0, init) if S == KB else jax.lax.fori_loop(0, n, body, init)
+
+        scores = over(lambda j, buf: jax.lax.dynamic_update_slice_in_dim(
+            buf, per_head_dot(q32, key_block(k_BxSxHxK, j), True), j * KB, axis=3),
+            jnp.zeros((B, H, R, S), jnp.float32))
+        probs = kn._masked_probs(scores, m, scale, dtype, kn.softmax).astype(jnp.float32)
+        acc = over(lambda j, acc: acc + per_head_dot(
+            jax.lax.dynamic_slice_in_dim(probs, j * KB, KB, axis=3), key_block(v_BxSxHxK, j)),
+            jnp.full((B, H, R, K), -0.0, jnp.float32))
+        return acc.astype(dtype)
+
+    t = kn._row_tile_for(C)
+    if C <= t:
+        out = tile((q_BxHxCxK, mask))
+    else:
+        q_pad, _ = kn._pad_rows(q_BxHxCxK, 2, t)
+        m_pad, _ = kn._pad_rows(mask, 1, t)
+        out = kn._map_query_tiles(tile, q_pad, m_pad, t)[:, :, :C]
+    return jnp.swapaxes(out, 1, 2)
+
+
+@pytest.mark.parametrize("B, C, S, H, J, K, dtype", [
+    (5, 1, 40, 4, 4, 32, jnp.float32),     # a decode step of the tiny preset: Sp = 128
+    (3, 3, 300, 4, 2, 32, jnp.bfloat16),   # a deferred window, GQA, three blocks
+    (2, 600, 600, 2, 2, 64, jnp.float32),  # a prefill of two query tiles, five blocks
+])
+def test_attention_has_the_bits_of_the_gathered_form(B, C, S, H, J, K, dtype, monkeypatch):
+    monkeypatch.setenv("LOOPRL_CPU_MATMUL", "ordered")  # the default form, whatever the env
+    jax.clear_caches()
+    rng = np.random.default_rng(S + C)
+    q = jnp.asarray(rng.standard_normal((B, C, H, K)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, J, K)), dtype) for _ in range(2))
+    pad = rng.integers(0, S - C + 1, B)
+    pad[0] = S - C  # a row whose only keys are its queries'
+    s = np.arange(S)
+    mask = jnp.asarray((s[None, None] >= pad[:, None, None])
+                       & (s[None, None] <= (S - C + np.arange(C))[None, :, None]))
+    got = jax.jit(kn.attention, static_argnums=4)(q, k, v, mask, K ** -0.5)
+    want = jax.jit(_gathered_attention, static_argnums=4)(q, k, v, mask, K ** -0.5)
     assert np.array_equal(_u32(got.astype(jnp.float32)), _u32(want.astype(jnp.float32)))
