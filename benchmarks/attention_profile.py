@@ -9,9 +9,10 @@ attention costs it, from a `jax.profiler` trace rather than by guessing: one dec
 calls and traced once, on one XLA thread. Per XLA op (thunk) of the compiled program it
 reports microseconds per call, summed over the trace, largest first (a loop's ops are counted
 themselves, the loop container not; an op XLA hoisted out of the loop is still divided by
-REPEATS); the op names are XLA's (with the CPU's default ordered kernels, 2026-12-03:
-`ffi_call.N`, the ordered products: the score and value dots, batched over (row, head), and the
-softmax's `rowsum`; with `LOOPRL_CPU_MATMUL=xla`: `dot_general.N`, the same dots as XLA's;
+REPEATS); the op names are XLA's (with the CPU's default ordered kernels, since the evening of
+2026-12-03: `ffi_call.N`, the ordered attention kernels, scores and values, reading K/V from
+the cache in place, and the softmax's `rowsum`; before that, the score and value dots batched
+over (row, head), fed by K/V block gathers; with `LOOPRL_CPU_MATMUL=xla`: `dot_general.N`, the same dots as XLA's;
 `transpose_copy_fusion*`: the rotated K/V block gathers into head-major order;
 `bitcast_pad_fusion*`: the query and probability padding and the masked scores). The dots' share
 counts every op named `dot*` or `ffi_call*`.

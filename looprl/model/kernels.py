@@ -238,7 +238,7 @@ import numpy as np
 from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
 from looprl.model.ordered_gemm import (ordered_attention_scores, ordered_attention_values,
-                                       ordered_batched_matmul, ordered_matmul)
+                                       ordered_matmul)
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
@@ -729,15 +729,10 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cach
         return jnp.swapaxes(x_BxZxHxK, 1, 2).astype(jnp.float32)
 
     def per_head_dot(x_BxHxRxI, w_BxHxIxO, transposed=False):
-        """`x @ w` (`x @ w^T` when transposed) per (b, h), fp32: the ordered kernel's batched
-        products (each (b, h) exactly as one call of its shape), or XLA's batched dot."""
-        if not ordered:
-            spec = "bhri,bhoi->bhro" if transposed else "bhri,bhio->bhro"
-            return jnp.einsum(spec, x_BxHxRxI, w_BxHxIxO, preferred_element_type=jnp.float32)
-        b, h, r, i = x_BxHxRxI.shape
-        y = ordered_batched_matmul(x_BxHxRxI.reshape(b * h, r, i),
-                                   w_BxHxIxO.reshape(b * h, *w_BxHxIxO.shape[2:]), transposed)
-        return y.reshape(b, h, r, y.shape[-1])
+        """`x @ w` (`x @ w^T` when transposed) per (b, h), fp32, XLA's batched dot (the XLA
+        form; the ordered form's products are the attention kernels below)."""
+        spec = "bhri,bhoi->bhro" if transposed else "bhri,bhio->bhro"
+        return jnp.einsum(spec, x_BxHxRxI, w_BxHxIxO, preferred_element_type=jnp.float32)
 
     def tile(qm, live_rows=None):
         q_BxHxRxK, mask_BxRxS = qm
