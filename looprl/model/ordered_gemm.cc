@@ -9,7 +9,7 @@
 // number of rows M, a row's position, the column blocking, the task split or the thread count
 // choose the arithmetic.  Those only decide where an accumulator lives (a register, the `acc`
 // buffer of few_rows_block, or `out` between chunks: fp32 stores and loads are exact) and
-// which of the identical code paths runs a row (few_rows_block for M <= MR, micro<R> for R
+// which of the identical code paths runs a row (few_rows_block for M <= 2, micro<R> for R
 // rows of a micro-panel).  fma and + are correctly rounded (IEEE 754), so the vector
 // `vfmadd`/`vaddps` and the scalar std::fma / + give the same bits; the file is compiled with
 // -ffp-contract=off (no other fused operation is formed) and without -ffast-math (nothing is
@@ -50,7 +50,8 @@ constexpr int64_t KC = 256;  // k chunk: a packed [KC, NR] weight panel is 16 KB
 constexpr int64_t NC = 256;  // columns of a task: a packed [KC, NC] weight block is 256 KB (L2)
 constexpr int64_t NC_FEW_ROWS = 1024;  // up to FEW_ROWS rows: longer contiguous weight reads
 constexpr int64_t FEW_ROWS = 48;
-constexpr int64_t SMALL_ROWS = 16;  // up to here (above MR) the weight is read unpacked
+constexpr int64_t STREAM_ROWS = 2;  // up to here: few_rows_block
+constexpr int64_t SMALL_ROWS = 16;  // up to here (above STREAM_ROWS): small_rows_block
 constexpr int64_t NC_ONE_STEP = 4096;  // up to MR rows (few_rows_block): 16 KB weight reads
 constexpr int64_t MC = 96;   // rows of a packed x block: [MC, KC] is 96 KB (L2)
 
@@ -209,7 +210,7 @@ inline void axpy_fma(float b, const float* w, float* acc, int64_t n) {
   for (; j < n; ++j) acc[j] = std::fma(b, w[j], acc[j]);
 }
 
-// Up to MR rows (a decode step's matmul): no packing; for each k the weight row's columns
+// Up to STREAM_ROWS rows (a decode step's matmul): no packing; for each k the weight row's columns
 // [n0, n0 + nc) are read in one contiguous sweep and fma'd into per-row accumulators held in a
 // [rows, nc] buffer, so the weight streams from memory once, in order. The same chain per
 // output as column_block: every chunk from -0.0, k in order, chunks added in order.
@@ -246,12 +247,13 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
 // The columns a task covers: longer for fewer rows (module doc of ordered_gemm.py).
 int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : m <= FEW_ROWS ? NC_FEW_ROWS : NC; }
 
-// MR + 1 .. SMALL_ROWS rows (a decode step of 7-16 rows): no weight packing. For each k chunk,
-// x is packed into row panels of at most MR rows, balanced (7 rows: 4 + 3, 8: 4 + 4, 13:
-// 5 + 4 + 4), and each 16-column strip of the weight is read in place (an fp32 weight; a bf16
-// one, or the last partial strip, is widened / zero-padded into one [kc][NR] panel first), by
-// every row panel in turn while it is in L1. The same chain per output as column_block (the
-// same micro<R>, chunks in order): only where the operands are read from differs.
+// STREAM_ROWS + 1 .. SMALL_ROWS rows (a decode step of 3-16 rows): no weight packing. For
+// each k chunk, x is packed into row panels of at most MR rows, balanced (7 rows: 4 + 3, 8:
+// 4 + 4, 13: 5 + 4 + 4), and each 16-column strip of the weight is read in place (an fp32
+// weight; a bf16 one, or the last partial strip, is widened / zero-padded into one [kc][NR]
+// panel first), by every row panel in turn while it is in L1. The same chain per output as
+// column_block (the same micro<R>, chunks in order): only where the operands are read from
+// differs.
 void small_rows_block(const Problem& p, int64_t n0, int64_t width) {
   const int64_t nc = std::min(width, p.n - n0);
   const int64_t panels = (p.m + MR - 1) / MR;
@@ -313,7 +315,7 @@ void small_rows_block(const Problem& p, int64_t n0, int64_t width) {
 
 // Columns [n0, n0 + width) of one product, every row: the path is chosen by M alone.
 void product_columns(const Problem& p, int64_t n0, int64_t width) {
-  if (p.m <= MR)
+  if (p.m <= STREAM_ROWS)
     few_rows_block(p, n0, width);
   else if (p.m <= SMALL_ROWS)
     small_rows_block(p, n0, width);
