@@ -52,7 +52,11 @@ constexpr int64_t NC_FEW_ROWS = 1024;  // up to FEW_ROWS rows: longer contiguous
 constexpr int64_t FEW_ROWS = 48;
 constexpr int64_t STREAM_ROWS = 2;  // up to here: few_rows_block
 constexpr int64_t SMALL_ROWS = 16;  // up to here (above STREAM_ROWS): small_rows_block
-constexpr int64_t NC_ONE_STEP = 4096;  // up to MR rows (few_rows_block): 16 KB weight reads
+// up to MR rows: 64 KB runs of a weight row (at 4096 columns the M = 1 lm_head ran at
+// 1.3-1.6x stock, at 16384 about 1.2x: 2026-12-04, one thread)
+constexpr int64_t NC_ONE_STEP = 16384;
+constexpr int64_t PACK_COLS = 1024;  // small_rows_block's packed blocks: [KC, 1024] is 1 MB
+constexpr int64_t IN_PLACE_MAX_N = 8192;  // up to here small_rows_block reads fp32 in place
 constexpr int64_t MC = 96;   // rows of a packed x block: [MC, KC] is 96 KB (L2)
 
 inline float widen_bf16(uint16_t b) {
@@ -247,11 +251,64 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
 // The columns a task covers: longer for fewer rows (module doc of ordered_gemm.py).
 int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : m <= FEW_ROWS ? NC_FEW_ROWS : NC; }
 
-// STREAM_ROWS + 1 .. SMALL_ROWS rows (a decode step of 3-16 rows): no weight packing. For
-// each k chunk, x is packed into row panels of at most MR rows, balanced (7 rows: 4 + 3, 8:
-// 4 + 4, 13: 5 + 4 + 4), and each 16-column strip of the weight is read in place (an fp32
-// weight; a bf16 one, or the last partial strip, is widened / zero-padded into one [kc][NR]
-// panel first), by every row panel in turn while it is in L1. The same chain per output as
+// Runs micro<R> on the row panels of small_rows_block for one 16-column strip (columns
+// [c0, c0 + cols), cols <= NR) whose [kc][NR] weight panel wp has row stride ldw.
+void strip_panels(const Problem& p, const float* xbuf, int64_t kc, const int64_t* start,
+                  const int64_t* rows, int64_t panels, const float* wp, int64_t ldw, int64_t c0,
+                  int64_t cols, bool first) {
+  float tile[MR * NR];
+  for (int64_t q = 0; q < panels; ++q) {
+    float* c = p.out + start[q] * p.n + c0;
+    const int nr = static_cast<int>(rows[q]);
+    if (cols == NR) {
+      kMicro[nr](xbuf + q * MR * kc, wp, ldw, kc, c, p.n, first);
+    } else {  // a partial last strip runs on a full-width copy of its tile
+      for (int r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < NR; ++j) tile[r * NR + j] = j < cols ? c[r * p.n + j] : 0.f;
+      kMicro[nr](xbuf + q * MR * kc, wp, NR, kc, tile, NR, first);
+      for (int r = 0; r < nr; ++r) std::memcpy(c + r * p.n, tile + r * NR, cols * sizeof(float));
+    }
+  }
+}
+
+// w[k0:k0+kc, b0:b0+bw] packed as strips [strip][k][NR] (zero past column b0 + bw), each weight
+// row's bw values read in one contiguous run.
+void pack_strips(const Problem& p, int64_t k0, int64_t kc, int64_t b0, int64_t bw, float* wbuf) {
+  const int64_t strips = (bw + NR - 1) / NR;
+  for (int64_t kk = 0; kk < kc; ++kk) {
+    const int64_t row = (k0 + kk) * p.n + b0;
+    int64_t q = 0;
+#ifdef LOOPRL_AVX2
+    if (!p.w_bf16) {  // whole fp32 strips: two vector copies (a memcpy call each cost more)
+      const float* src = static_cast<const float*>(p.w) + row;
+      for (; (q + 1) * NR <= bw; ++q) {
+        float* d = wbuf + (q * kc + kk) * NR;
+        _mm256_storeu_ps(d, _mm256_loadu_ps(src + q * NR));
+        _mm256_storeu_ps(d + 8, _mm256_loadu_ps(src + q * NR + 8));
+      }
+    }
+#endif
+    for (; q < strips; ++q) {
+      const int64_t cols = std::min(NR, bw - q * NR);
+      float* d = wbuf + (q * kc + kk) * NR;
+      if (p.w_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(p.w) + row + q * NR;
+        for (int64_t j = 0; j < cols; ++j) d[j] = widen_bf16(src[j]);
+      } else {
+        std::memcpy(d, static_cast<const float*>(p.w) + row + q * NR, cols * sizeof(float));
+      }
+      for (int64_t j = cols; j < NR; ++j) d[j] = 0.0f;
+    }
+  }
+}
+
+// STREAM_ROWS + 1 .. SMALL_ROWS rows (a decode step of 3-16 rows). For each k chunk, x is
+// packed into row panels of at most MR rows, balanced (7 rows: 4 + 3, 8: 4 + 4, 13: 5 + 4 + 4),
+// and every row panel runs micro<R> on a 16-column strip of the weight while it is in L1. An
+// fp32 weight of at most IN_PLACE_MAX_N columns is read in place, strip by strip (no packing);
+// a wider one (the lm_head), or a bf16 one, is packed PACK_COLS columns at a time from
+// contiguous row runs first (reading 16-column strips of a 49152-wide weight in place, 256 rows
+// 192 KB apart, ran 3-5 rows at 1.4-1.8x stock; packed, 0.7x). The same chain per output as
 // column_block (the same micro<R>, chunks in order): only where the operands are read from
 // differs.
 void small_rows_block(const Problem& p, int64_t n0, int64_t width) {
@@ -263,9 +320,9 @@ void small_rows_block(const Problem& p, int64_t n0, int64_t width) {
     start[q] = at;
     at += rows[q];
   }
+  const bool in_place = !p.w_bf16 && p.n <= IN_PLACE_MAX_N;
   float* xbuf = scratch(1, panels * MR * KC);
-  float* wbuf = scratch(0, KC * NR);
-  float tile[MR * NR];
+  float* wbuf = scratch(0, KC * PACK_COLS);
   for (int64_t k0 = 0; k0 < p.k; k0 += KC) {
     const int64_t kc = std::min(KC, p.k - k0);
     const bool first = k0 == 0;
@@ -275,39 +332,15 @@ void small_rows_block(const Problem& p, int64_t n0, int64_t width) {
         float* d = xbuf + q * MR * kc + r;
         for (int64_t kk = 0; kk < kc; ++kk) d[kk * MR] = s[kk];
       }
-    for (int64_t c0 = n0; c0 < n0 + nc; c0 += NR) {
-      const int64_t cols = std::min(NR, n0 + nc - c0);
-      const float* wp = nullptr;
-      int64_t ldw = p.n;
-      if (!p.w_bf16 && cols == NR) {
-        wp = static_cast<const float*>(p.w) + k0 * p.n + c0;
-      } else {
-        for (int64_t kk = 0; kk < kc; ++kk) {
-          float* d = wbuf + kk * NR;
-          if (p.w_bf16) {
-            const uint16_t* src = static_cast<const uint16_t*>(p.w) + (k0 + kk) * p.n + c0;
-            for (int64_t j = 0; j < cols; ++j) d[j] = widen_bf16(src[j]);
-          } else {
-            std::memcpy(d, static_cast<const float*>(p.w) + (k0 + kk) * p.n + c0,
-                        cols * sizeof(float));
-          }
-          for (int64_t j = cols; j < NR; ++j) d[j] = 0.0f;
-        }
-        wp = wbuf;
-        ldw = NR;
-      }
-      for (int64_t q = 0; q < panels; ++q) {
-        float* c = p.out + start[q] * p.n + c0;
-        const int nr = static_cast<int>(rows[q]);
-        if (cols == NR) {
-          kMicro[nr](xbuf + q * MR * kc, wp, ldw, kc, c, p.n, first);
-        } else {  // a partial last strip runs on a full-width copy of its tile
-          for (int r = 0; r < nr; ++r)
-            for (int64_t j = 0; j < NR; ++j) tile[r * NR + j] = j < cols ? c[r * p.n + j] : 0.f;
-          kMicro[nr](xbuf + q * MR * kc, wp, ldw, kc, tile, NR, first);
-          for (int r = 0; r < nr; ++r)
-            std::memcpy(c + r * p.n, tile + r * NR, cols * sizeof(float));
-        }
+    for (int64_t b0 = n0; b0 < n0 + nc; b0 += PACK_COLS) {
+      const int64_t bw = std::min(PACK_COLS, n0 + nc - b0);
+      const bool packed = !in_place || bw % NR != 0;
+      if (packed) pack_strips(p, k0, kc, b0, bw, wbuf);
+      for (int64_t c0 = b0; c0 < b0 + bw; c0 += NR) {
+        const int64_t cols = std::min(NR, b0 + bw - c0);
+        const float* wp = packed ? wbuf + (c0 - b0) * kc
+                                 : static_cast<const float*>(p.w) + k0 * p.n + c0;
+        strip_panels(p, xbuf, kc, start, rows, panels, wp, packed ? NR : p.n, c0, cols, first);
       }
     }
   }

@@ -1,7 +1,8 @@
 """The ordered CPU matmul (looprl/model/ordered_gemm.cc): its bits are exactly the chain its
 docstring defines (`reference_matmul`, a correctly rounded numpy emulation), on every code path
-(1-2 rows, 3-16 with the weight read in place, more; partial column panels; a last short k
-chunk), for fp32 and bf16 weights; and its errors name the problem."""
+(1-2 rows; 3-16 with the weight read in place or, past 8192 columns or in bf16, packed 1024
+columns at a time; more; partial column panels; a last short k chunk), for fp32 and bf16
+weights; and its errors name the problem."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ def _u32(x):
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 300, 1), (2, 300, 40), (5, 2048, 300), (6, 257, 17),
-                                     (7, 513, 64),
+                                     (7, 513, 64), (3, 300, 8200), (11, 130, 8300),
                                      (13, 700, 37), (16, 300, 1040), (49, 512, 40),
                                      (100, 256, 16)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
