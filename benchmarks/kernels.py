@@ -10,13 +10,14 @@ call is ~10 s on one core); its 4096-row memory is still measured. Peak memory =
 bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`, recorded).
 
-Run: `python benchmarks/kernels.py` (no arguments; about 7-8 minutes on 2 shared CPU cores). The
-last line is a JSON object with `matmul_vs_stock_large_1p4b` (worst ratio at M >= 256),
-`matmul_vs_stock_small_1p4b` (worst at M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst
-memory ratio at M = 4096) over the big weights (q/k/v/o, gate/up, down, lm_head), the same three
-as `gate_*` for the exit gate `[2048, 1]` alone (whose stock call is a ~1 ms matrix-vector
-product with a near-zero peak, `gate_stock_ms_M1000`, so its ratios say little about a step's
-cost), plus every figure.
+Run: `python benchmarks/kernels.py` (no arguments; 12-13 minutes on the 2-core AVX2 host of
+2026-12-04, over its 600 s budget: `section_seconds` gives the wall seconds of the matmul,
+attention, sampler and learner parts). The last line is a JSON object with
+`matmul_vs_stock_large_1p4b` (worst ratio at M >= 256), `matmul_vs_stock_small_1p4b` (worst at
+M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst memory ratio at M = 4096) over the big
+weights (q/k/v/o, gate/up, down, lm_head), the same three as `gate_*` for the exit gate
+`[2048, 1]` alone (whose stock call is a ~1 ms matrix-vector product with a near-zero peak,
+`gate_stock_ms_M1000`, so its ratios say little about a step's cost), plus every figure.
 
 Attention at decode (`attention_decode_*`): one query per row, ATTN_ROWS = 16 rows, Ouro-1.4B
 width (16 heads x 128), a cache of ATTN_CACHE = 768 slots (a GSM8K rollout: a ~256-token prompt
@@ -36,8 +37,9 @@ loops 1/2/3/4 about 35/47/13/5%, mean exit loop ~1.9), both invariant / stock, l
   `dense`, fp32 compute, q = 0.5, temperature 1, row compaction on (the defaults). Under `dense`
   every live row runs all T loops at every step (the exits only pick the hidden state the
   lm_head reads), so both calls do the same work. Whole calls (prefill + 63 decode steps), one
-  warm-up (compile) call each, then SAMPLER_REPEATS interleaved pairs; `sampler_invariant_s`,
-  `sampler_stock_s` are the medians. fp32 only: a bf16 pair would not fit the 600 s budget.
+  warm-up (compile) call each, then SAMPLER_REPEATS = 2 interleaved pairs (3 until 2026-12-04:
+  a pair is ~70 s of the budget); `sampler_invariant_s`, `sampler_stock_s` are the medians.
+  fp32 only: a bf16 pair would not fit the 600 s budget.
 - `hybrid_vs_stock_step_1p4b`: one learner step, the jitted `jax.value_and_grad` of the sum of
   the learner's log-probs (`looprl.learner.logprobs.sequence_logprobs`, KV policy `dense`, fp32,
   temperature 1, per-loop rematerialisation as in `looprl.rl.loss`) with `method="hybrid"` (the
@@ -88,7 +90,7 @@ ROWS = (1, 2, 3, 5, 7, 8, 16, 256, 300, 1000, 4096)
 TIMED_MAX_ROWS = {"lm_head": 1000}
 MODEL = preset("ouro-1.4b", num_layers=1)  # the whole-program figures' model (module doc)
 EXIT_Q = 0.5
-SAMPLER_ROWS, SAMPLER_PROMPT, SAMPLER_NEW, SAMPLER_REPEATS = 8, 64, 64, 3
+SAMPLER_ROWS, SAMPLER_PROMPT, SAMPLER_NEW, SAMPLER_REPEATS = 8, 64, 64, 2
 ATTN_ROWS, ATTN_CACHE, ATTN_LIVE, ATTN_REPEATS = 16, 768, (128, 384, 768), 5
 STEP_ROWS, STEP_LEN, STEP_REPEATS = 8, 512, 1
 
@@ -237,9 +239,14 @@ def main() -> dict:
     p = init_params(MODEL, 0)
     p["early_exit_gate"]["bias"] = jnp.zeros_like(p["early_exit_gate"]["bias"])
     params = jax.device_put(jax.tree.map(np.asarray, p))
+    sections = {"matmul": time.perf_counter() - t_start}
+    t = time.perf_counter()
     attn = _attention_decode()
+    sections["attention"], t = time.perf_counter() - t, time.perf_counter()
     sampler, exits = _sampler(params)
+    sections["sampler"], t = time.perf_counter() - t, time.perf_counter()
     step = _learner_step(params, exits)
+    sections["learner"] = time.perf_counter() - t
     env = environment()
     return {
         **out, **attn, **sampler, **step,
@@ -248,6 +255,7 @@ def main() -> dict:
         "kernels_file": kn.__file__, "threads": 1, "xla_flags": env["xla_flags"], "cpu_model": env["cpu_model"],
         "jax": env["jax"], "git_commit": env["git_commit"],
         "clock": default_clock().__name__, "seconds": round(time.perf_counter() - t_start, 1),
+        "section_seconds": {k: round(v, 1) for k, v in sections.items()},
     }
 
 
