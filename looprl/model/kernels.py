@@ -238,7 +238,7 @@ import numpy as np
 from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
 from looprl.model.ordered_gemm import (ordered_attention_scores, ordered_attention_values,
-                                       ordered_matmul)
+                                       ordered_matmul, row_argmax as ordered_row_argmax)
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
@@ -962,6 +962,16 @@ def log_softmax(x):
         return shifted - jnp.log(rowsum(jnp.exp(shifted)))
 
     return _tiled_rows(fn, x.astype(jnp.float32))
+
+
+def row_argmax(x_RxN):
+    """`jnp.argmax(x, axis=-1)` (int32 `[R]`, each row's first maximum) of x float32 `[R, N]`,
+    with x materialised first on XLA CPU's ordered form (`ordered_gemm.row_argmax`, an FFI
+    call): fused into XLA's argmax reduce, x's producer runs in the reduce's scalar loop (the
+    sampler's Gumbel noise: two logs per element). The same index either way."""
+    if on_cpu() and cpu_matmul_impl() == "ordered":
+        return ordered_row_argmax(x_RxN)
+    return jnp.argmax(x_RxN, axis=-1).astype(jnp.int32)
 
 
 def stock_matmul(x, w, out_dtype=None):

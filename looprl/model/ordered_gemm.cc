@@ -859,6 +859,30 @@ ffi::Error OrderedAttentionValues(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pr
   return ffi::Error::Success();
 }
 
+// The index of each row's first maximum of x [R, N] (the first NaN where a row has one),
+// int32 [R]: `jnp.argmax(x, axis=-1)` (-0.0 and +0.0 are equal, the lower index wins). The
+// sampler's Gumbel-max draw runs it on materialised scores (kernels.row_argmax).
+ffi::Error RowArgmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto d = x.dimensions();
+  if (d.size() != 2 || d[1] == 0)
+    return ffi::Error::InvalidArgument("looprl_row_argmax: expected x [R, N] with N >= 1");
+  const float* v = x.typed_data();
+  int32_t* o = out->typed_data();
+  for (int64_t r = 0; r < d[0]; ++r, v += d[1]) {
+    int64_t best = 0;
+    float bv = v[0];
+    for (int64_t j = 1; j < d[1]; ++j) {
+      const float a = v[j];
+      if (a > bv || (a != a && bv == bv)) {
+        best = j;
+        bv = a;
+      }
+    }
+    o[r] = static_cast<int32_t>(best);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedMatmul, OrderedMatmul,
@@ -896,3 +920,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedAttentionValues, OrderedAttentionValu
                               LOOPRL_ATTENTION_HEAD
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlRowArgmax, RowArgmax,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

@@ -139,7 +139,8 @@ TARGETS = {TARGET: "LooprlOrderedMatmul",
            "looprl_ordered_batched_matmul": "LooprlOrderedBatchedMatmul",
            "looprl_ordered_batched_matmul_t": "LooprlOrderedBatchedMatmulT",
            "looprl_ordered_attention_scores": "LooprlOrderedAttentionScores",
-           "looprl_ordered_attention_values": "LooprlOrderedAttentionValues"}
+           "looprl_ordered_attention_values": "LooprlOrderedAttentionValues",
+           "looprl_row_argmax": "LooprlRowArgmax"}
 
 
 @functools.cache
@@ -165,6 +166,19 @@ def ordered_matmul(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
                          f"or bfloat16 (got {w_KxN.dtype})")
     out = jax.ShapeDtypeStruct((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(_registered(), out, vmap_method="sequential")(x_MxK, w_KxN)
+
+
+def row_argmax(x_RxN: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` of a materialised `[R, N]` float32 array (N >= 1), int32 `[R]`:
+    each row's first maximum, or its first NaN. An FFI call, so XLA cannot fuse x's producer
+    into it (`looprl.sampling.processing.sample_tokens`). XLA CPU only. Raises ValueError for
+    another rank, dtype or N = 0 (at trace time)."""
+    if x_RxN.ndim != 2 or x_RxN.shape[1] == 0 or x_RxN.dtype != jnp.float32:
+        raise ValueError(f"row_argmax: x {x_RxN.shape} {x_RxN.dtype} is not a float32 [R, N] "
+                         "with N >= 1")
+    _registered()
+    out = jax.ShapeDtypeStruct((x_RxN.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call("looprl_row_argmax", out, vmap_method="sequential")(x_RxN)
 
 
 def ordered_batched_matmul(x_ZxMxK: jax.Array, w: jax.Array, transposed: bool = False):
