@@ -142,62 +142,84 @@ float* scratch(int slot, int64_t count) {
   return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
 }
 
+// Runs micro<R> on row panels q (x at xbuf + q * MR * kc, output rows start[q] .. start[q] +
+// rows[q] - 1) for one 16-column strip (columns [c0, c0 + cols), cols <= NR) whose [kc][NR]
+// weight panel wp has row stride ldw.
+void strip_panels(const Problem& p, const float* xbuf, int64_t kc, const int64_t* start,
+                  const int64_t* rows, int64_t panels, const float* wp, int64_t ldw, int64_t c0,
+                  int64_t cols, bool first) {
+  float tile[MR * NR];
+  for (int64_t q = 0; q < panels; ++q) {
+    float* c = p.out + start[q] * p.n + c0;
+    const int nr = static_cast<int>(rows[q]);
+    if (cols == NR) {
+      kMicro[nr](xbuf + q * MR * kc, wp, ldw, kc, c, p.n, first);
+    } else {  // a partial last strip runs on a full-width copy of its tile
+      for (int r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < NR; ++j) tile[r * NR + j] = j < cols ? c[r * p.n + j] : 0.f;
+      kMicro[nr](xbuf + q * MR * kc, wp, NR, kc, tile, NR, first);
+      for (int r = 0; r < nr; ++r) std::memcpy(c + r * p.n, tile + r * NR, cols * sizeof(float));
+    }
+  }
+}
+
+// w[k0:k0+kc, b0:b0+bw] packed as strips [strip][k][NR] (zero past column b0 + bw), each weight
+// row's bw values read in one contiguous run.
+void pack_strips(const Problem& p, int64_t k0, int64_t kc, int64_t b0, int64_t bw, float* wbuf) {
+  const int64_t strips = (bw + NR - 1) / NR;
+  for (int64_t kk = 0; kk < kc; ++kk) {
+    const int64_t row = (k0 + kk) * p.n + b0;
+    int64_t q = 0;
+#ifdef LOOPRL_AVX2
+    if (!p.w_bf16) {  // whole fp32 strips: two vector copies (a memcpy call each cost more)
+      const float* src = static_cast<const float*>(p.w) + row;
+      for (; (q + 1) * NR <= bw; ++q) {
+        float* d = wbuf + (q * kc + kk) * NR;
+        _mm256_storeu_ps(d, _mm256_loadu_ps(src + q * NR));
+        _mm256_storeu_ps(d + 8, _mm256_loadu_ps(src + q * NR + 8));
+      }
+    }
+#endif
+    for (; q < strips; ++q) {
+      const int64_t cols = std::min(NR, bw - q * NR);
+      float* d = wbuf + (q * kc + kk) * NR;
+      if (p.w_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(p.w) + row + q * NR;
+        for (int64_t j = 0; j < cols; ++j) d[j] = widen_bf16(src[j]);
+      } else {
+        std::memcpy(d, static_cast<const float*>(p.w) + row + q * NR, cols * sizeof(float));
+      }
+      for (int64_t j = cols; j < NR; ++j) d[j] = 0.0f;
+    }
+  }
+}
+
 // Columns [n0, n0 + nc) of the output, every row, every k chunk.
 void column_block(const Problem& p, int64_t n0, int64_t width) {
   const int64_t nc = std::min(width, p.n - n0);
-  const int64_t panels = (nc + NR - 1) / NR;
-  float* wbuf = scratch(0, KC * panels * NR);
+  float* wbuf = scratch(0, KC * ((nc + NR - 1) / NR) * NR);
   float* xbuf = scratch(1, MC * KC);
-  float tile[MR * NR];
+  int64_t start[MC / MR], rows[MC / MR];
   for (int64_t k0 = 0; k0 < p.k; k0 += KC) {
     const int64_t kc = std::min(KC, p.k - k0);
-    const bool first = k0 == 0;
-    // pack w[k0:k0+kc, n0:n0+nc] as panels [panel][k][NR], zero past column n; a weight row
-    // is read whole (nc contiguous values) before the next, so the reads stream
-    for (int64_t kk = 0; kk < kc; ++kk) {
-      const int64_t row = (k0 + kk) * p.n;
-      for (int64_t q = 0; q < panels; ++q) {
-        const int64_t c0 = n0 + q * NR;
-        const int64_t cols = std::min(NR, p.n - c0);
-        float* d = wbuf + (q * kc + kk) * NR;
-        if (p.w_bf16) {
-          const uint16_t* s = static_cast<const uint16_t*>(p.w) + row + c0;
-          for (int64_t j = 0; j < cols; ++j) d[j] = widen_bf16(s[j]);
-        } else {
-          std::memcpy(d, static_cast<const float*>(p.w) + row + c0, cols * sizeof(float));
-        }
-        for (int64_t j = cols; j < NR; ++j) d[j] = 0.0f;
-      }
-    }
+    // a weight row is read whole (nc contiguous values) before the next, so the reads stream
+    pack_strips(p, k0, kc, n0, nc, wbuf);
     for (int64_t m0 = 0; m0 < p.m; m0 += MC) {
       const int64_t mc = std::min(MC, p.m - m0);
+      const int64_t panels = (mc + MR - 1) / MR;
       // pack x[m0:m0+mc, k0:k0+kc] as micro-panels [panel][k][MR]
-      for (int64_t i0 = 0; i0 < mc; i0 += MR) {
-        const int64_t rows = std::min(MR, mc - i0);
-        float* dst = xbuf + i0 * kc;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* s = p.x + (m0 + i0 + r) * p.k + k0;
+      for (int64_t q = 0; q < panels; ++q) {
+        start[q] = m0 + q * MR;
+        rows[q] = std::min(MR, mc - q * MR);
+        float* dst = xbuf + q * MR * kc;
+        for (int64_t r = 0; r < rows[q]; ++r) {
+          const float* s = p.x + (start[q] + r) * p.k + k0;
           for (int64_t kk = 0; kk < kc; ++kk) dst[kk * MR + r] = s[kk];
         }
       }
-      for (int64_t q = 0; q < panels; ++q) {
-        const float* wp = wbuf + q * kc * NR;
-        const int64_t c0 = n0 + q * NR;
-        const int64_t cols = std::min(NR, p.n - c0);
-        for (int64_t i0 = 0; i0 < mc; i0 += MR) {
-          const int rows = static_cast<int>(std::min(MR, mc - i0));
-          float* c = p.out + (m0 + i0) * p.n + c0;
-          if (cols == NR) {
-            kMicro[rows](xbuf + i0 * kc, wp, NR, kc, c, p.n, first);
-          } else {  // a partial last panel runs on a full-width copy of its tile
-            for (int r = 0; r < rows; ++r)
-              for (int64_t j = 0; j < NR; ++j) tile[r * NR + j] = j < cols ? c[r * p.n + j] : 0.f;
-            kMicro[rows](xbuf + i0 * kc, wp, NR, kc, tile, NR, first);
-            for (int r = 0; r < rows; ++r)
-              std::memcpy(c + r * p.n, tile + r * NR, cols * sizeof(float));
-          }
-        }
-      }
+      for (int64_t c0 = n0; c0 < n0 + nc; c0 += NR)
+        strip_panels(p, xbuf, kc, start, rows, panels, wbuf + (c0 - n0) * kc, NR, c0,
+                     std::min(NR, n0 + nc - c0), k0 == 0);
     }
   }
 }
@@ -250,57 +272,6 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
 
 // The columns a task covers: longer for fewer rows (module doc of ordered_gemm.py).
 int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : m <= FEW_ROWS ? NC_FEW_ROWS : NC; }
-
-// Runs micro<R> on the row panels of small_rows_block for one 16-column strip (columns
-// [c0, c0 + cols), cols <= NR) whose [kc][NR] weight panel wp has row stride ldw.
-void strip_panels(const Problem& p, const float* xbuf, int64_t kc, const int64_t* start,
-                  const int64_t* rows, int64_t panels, const float* wp, int64_t ldw, int64_t c0,
-                  int64_t cols, bool first) {
-  float tile[MR * NR];
-  for (int64_t q = 0; q < panels; ++q) {
-    float* c = p.out + start[q] * p.n + c0;
-    const int nr = static_cast<int>(rows[q]);
-    if (cols == NR) {
-      kMicro[nr](xbuf + q * MR * kc, wp, ldw, kc, c, p.n, first);
-    } else {  // a partial last strip runs on a full-width copy of its tile
-      for (int r = 0; r < nr; ++r)
-        for (int64_t j = 0; j < NR; ++j) tile[r * NR + j] = j < cols ? c[r * p.n + j] : 0.f;
-      kMicro[nr](xbuf + q * MR * kc, wp, NR, kc, tile, NR, first);
-      for (int r = 0; r < nr; ++r) std::memcpy(c + r * p.n, tile + r * NR, cols * sizeof(float));
-    }
-  }
-}
-
-// w[k0:k0+kc, b0:b0+bw] packed as strips [strip][k][NR] (zero past column b0 + bw), each weight
-// row's bw values read in one contiguous run.
-void pack_strips(const Problem& p, int64_t k0, int64_t kc, int64_t b0, int64_t bw, float* wbuf) {
-  const int64_t strips = (bw + NR - 1) / NR;
-  for (int64_t kk = 0; kk < kc; ++kk) {
-    const int64_t row = (k0 + kk) * p.n + b0;
-    int64_t q = 0;
-#ifdef LOOPRL_AVX2
-    if (!p.w_bf16) {  // whole fp32 strips: two vector copies (a memcpy call each cost more)
-      const float* src = static_cast<const float*>(p.w) + row;
-      for (; (q + 1) * NR <= bw; ++q) {
-        float* d = wbuf + (q * kc + kk) * NR;
-        _mm256_storeu_ps(d, _mm256_loadu_ps(src + q * NR));
-        _mm256_storeu_ps(d + 8, _mm256_loadu_ps(src + q * NR + 8));
-      }
-    }
-#endif
-    for (; q < strips; ++q) {
-      const int64_t cols = std::min(NR, bw - q * NR);
-      float* d = wbuf + (q * kc + kk) * NR;
-      if (p.w_bf16) {
-        const uint16_t* src = static_cast<const uint16_t*>(p.w) + row + q * NR;
-        for (int64_t j = 0; j < cols; ++j) d[j] = widen_bf16(src[j]);
-      } else {
-        std::memcpy(d, static_cast<const float*>(p.w) + row + q * NR, cols * sizeof(float));
-      }
-      for (int64_t j = cols; j < NR; ++j) d[j] = 0.0f;
-    }
-  }
-}
 
 // STREAM_ROWS + 1 .. SMALL_ROWS rows (a decode step of 3-16 rows). For each k chunk, x is
 // packed into row panels of at most MR rows, balanced (7 rows: 4 + 3, 8: 4 + 4, 13: 5 + 4 + 4),
