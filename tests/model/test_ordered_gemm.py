@@ -21,7 +21,7 @@ def _u32(x):
                                      (7, 513, 64), (3, 300, 8200), (11, 130, 8300),
                                      (9, 300, 8250), (2, 260, 17000),
                                      (13, 700, 37), (16, 300, 1040), (49, 512, 40),
-                                     (100, 256, 16)])
+                                     (100, 256, 16), (1601, 260, 24)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bits_are_the_documented_chain(m, k, n, dtype):
     rng = np.random.default_rng(m * 1000 + k + n)
