@@ -12,8 +12,8 @@ bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one int
 (`--xla_cpu_multi_thread_eigen=false`, recorded).
 
 Run: `python benchmarks/kernels.py` (no arguments; 12-13 minutes on the 2-core AVX2 host of
-2026-12-04, over its 600 s budget: `section_seconds` gives the wall seconds of the matmul,
-attention, sampler and learner parts). The last line is a JSON object with
+2026-12-04, over its 600 s budget, and 253-296 s on a 2-core AVX-512 AMD EPYC the same day:
+`section_seconds` gives the wall seconds of the matmul, attention, sampler and learner parts). The last line is a JSON object with
 `matmul_vs_stock_large_1p4b` (worst ratio at M >= 256), `matmul_vs_stock_small_1p4b` (worst at
 M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst memory ratio at M = 4096) over the big
 weights (q/k/v/o, gate/up, down, lm_head), the same three as `gate_*` for the exit gate
@@ -99,10 +99,12 @@ STEP_ROWS, STEP_LEN, STEP_REPEATS = 8, 512, 1
 def _repeats(name: str, m: int) -> int:
     """Interleaved pairs per figure: 15 for the millisecond calls (up to 16 rows, weights other
     than the lm_head: with 5, q/k/v/o fp32 at 2 rows read 0.83-0.92 in three runs and 1.87 in a
-    fourth whose stock median was 1.4 ms against 2.3-4.0), 5 for the lm_head's, fewer above."""
+    fourth whose stock median was 1.4 ms against 2.3-4.0), 5 for the lm_head's, 3 above (1 for
+    the lm_head at 1000 rows, a ~5 s pair; until 2026-12-04 every call above 300 rows had one
+    pair, and `matmul_vs_stock_large_1p4b`, decided at 4096 rows, was a single ratio)."""
     if m <= 16:
         return 5 if name == "lm_head" else 15
-    return 3 if m <= 300 else 1
+    return 1 if name == "lm_head" and m > 300 else 3
 
 
 def _peak_bytes(fn, *args) -> int:

@@ -53,8 +53,8 @@ tokens, whole calls on both sides (prefill included), each side at its better se
 Run: `python benchmarks/rollout.py` (no arguments; budget 400 s on 2 CPU cores: 284 s on the
 AVX-512 host of 2026-12-02, 457 s on an AVX2 host on 2026-12-03, 811 s and 925 s on a slower
 one later that day, 560 s and then 497 s on it alone, over budget; 402 s and 486 s that
-evening, after attention read the KV cache in place; 397 s and 494 s on 2026-12-04). Last
-line: JSON.
+evening, after attention read the KV cache in place; 397 s and 494 s on 2026-12-04, and 216 s
+on a 2-core AVX-512 AMD EPYC later that day). Last line: JSON.
 """
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ accumulators, four weight rows at a time (a decode step's matrix-vector-like pro
 memory-bound like stock's); 3-16 rows, the same register tiles as above but on balanced row
 panels (7 rows: 4 + 3), with an fp32 weight of up to 8192 columns read in place, one 16-column
 strip at a time, so a few-row call does not pay for packing it (2026-12-03, fp32 Ouro-1.4B
-weights, side by side in one process, one thread: 7-16 rows 1.10-1.46x stock, from 1.34-2.24x with packing; 3-6 rows about 1.5-3x
-faster than the streaming pass, which had 3-6 rows at 1.5-2.9x stock), and a wider weight
+weights, side by side in one process, one thread: 7-16 rows 1.10-1.46x stock, from 1.34-2.24x
+with packing; 3-6 rows about 1.5-3x faster than the streaming pass, which had 3-6 rows at
+1.5-2.9x stock), and a wider weight
 (the 49152-column lm_head: its strips read in place are 256 rows 192 KB apart, 1.4-1.8x stock at
 3-5 rows) or a bf16 one packed 1024 columns at a time from contiguous row runs (0.6-0.7x stock,
 2026-12-04); above, GotoBLAS-style blocking: tasks of (row block, 256 columns), the rows in
