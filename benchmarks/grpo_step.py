@@ -16,6 +16,16 @@ step seconds / dense learner seconds, the speedup a free rollout would give. The
 `deferred_vs_dense_step` / `deferred_vs_dense_rollout` keys stay time ratios (policy / dense,
 below 1: faster), as they were first reported.
 
+Every configuration above measures the stock negative control each step, as the main job does
+(`learner.measure_stock`, default on: `stock_max_abs_diff`). That pass runs on the exact live
+prefix (P + the longest completion, unbucketed, as common code does), so a step whose longest
+completion is a new length compiles it again, and `copy`'s stock program costs far more to
+compile and run than dense's (2026-12-04: copy's learner 1.83 s against dense's 1.15 s with the
+control, 1.05 s against 1.09 s without). `dense_no_stock` and `copy_no_stock` run without it:
+`copy_vs_dense_step_b256_no_stock_control` and `amdahl_bound_step_b256_no_stock_control` are
+the same two figures on those, and `stock_control_learner_s` the control's learner seconds per
+step (learner seconds with it minus without).
+
 The learner runs on each batch's live prefix (`learner.seq_bucket`, default 64: P + the longest
 completion rounded up to 64 positions, instead of P + 128; the same bits). A fourth
 configuration, `dense_whole_layout` (dense with `learner.seq_bucket=0`, the learner on all
@@ -51,6 +61,10 @@ WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 2
 POLICIES = ("dense", "deferred", "copy")
 CONFIGS = {p: [f"rollout.kv_policy={p}"] for p in POLICIES}
 CONFIGS["dense_whole_layout"] = ["rollout.kv_policy=dense", "learner.seq_bucket=0"]
+# without the stock negative control (`learner.measure_stock`, on by default): its pass runs on
+# the exact live prefix, so each new longest completion compiles it again (module doc)
+CONFIGS.update({f"{p}_no_stock": [f"rollout.kv_policy={p}", "learner.measure_stock=false"]
+                for p in ("dense", "copy")})
 MAX_NEW = 128  # rollout.max_new_tokens: the rollout a real share of the step (issue 18)
 
 
@@ -116,6 +130,12 @@ def main() -> dict:
         "copy_vs_dense_step_b256": round(out["dense_step_s"] / out["copy_step_s"], 3),
         "amdahl_bound_step_b256": round(out["dense_step_s"] / out["dense_learner_s"], 3),
         "rollout_share_of_dense_step": round(out["dense_rollout_s"] / out["dense_step_s"], 3),
+        "copy_vs_dense_step_b256_no_stock_control": round(out["dense_no_stock_step_s"]
+                                                          / out["copy_no_stock_step_s"], 3),
+        "amdahl_bound_step_b256_no_stock_control": round(out["dense_no_stock_step_s"]
+                                                         / out["dense_no_stock_learner_s"], 3),
+        "stock_control_learner_s": {p: round(out[f"{p}_learner_s"] - out[f"{p}_no_stock_learner_s"],
+                                             4) for p in ("dense", "copy")},
         "live_prefix_learner_speedup_b256": round(out["dense_whole_layout_learner_s"]
                                                   / out["dense_learner_s"], 3),
         "live_prefix_step_speedup_b256": round(out["dense_whole_layout_step_s"]
