@@ -19,9 +19,9 @@ below 1: faster), as they were first reported.
 Every configuration above measures the stock negative control each step, as the main job does
 (`learner.measure_stock`, default on: `stock_max_abs_diff`). That pass runs on the exact live
 prefix (P + the longest completion, unbucketed, as common code does), so a step whose longest
-completion is a new length compiles it again, and `copy`'s stock program costs far more to
-compile and run than dense's (2026-12-04: copy's learner 1.83 s against dense's 1.15 s with the
-control, 1.05 s against 1.09 s without). `dense_no_stock` and `copy_no_stock` run without it:
+completion is a new length compiles it again (0.7-0.9 s on a 2-core host), and the median of
+a few timed steps carries those compiles unevenly (2026-12-04: copy's learner 1.83 s against
+dense's 1.15 s with the control, 1.05 s against 1.09 s without). `dense_no_stock` and `copy_no_stock` run without it:
 `copy_vs_dense_step_b256_no_stock_control` and `amdahl_bound_step_b256_no_stock_control` are
 the same two figures on those, and `stock_control_learner_s` the control's learner seconds per
 step (learner seconds with it minus without).
