@@ -19,12 +19,13 @@ below 1: faster), as they were first reported.
 Every configuration above measures the stock negative control each step, as the main job does
 (`learner.measure_stock`, default on: `stock_max_abs_diff`). That pass runs on the exact live
 prefix (P + the longest completion, unbucketed, as common code does), so a step whose longest
-completion is a new length compiles it again (0.7-0.9 s on a 2-core host), and the median of
-a few timed steps carries those compiles unevenly (2026-12-04: copy's learner 1.83 s against
-dense's 1.15 s with the control, 1.05 s against 1.09 s without). `dense_no_stock` and `copy_no_stock` run without it:
-`copy_vs_dense_step_b256_no_stock_control` and `amdahl_bound_step_b256_no_stock_control` are
-the same two figures on those, and `stock_control_learner_s` the control's learner seconds per
-step (learner seconds with it minus without).
+completion is a new length compiles it again (0.7-0.9 s on a 2-core host), and the median of a few
+timed steps carries those compiles unevenly (2026-12-04: copy's learner 1.83 s against dense's 1.15
+s with the control, 1.05 s against 1.09 s without). `dense_no_stock` and `copy_no_stock` run
+without it: `copy_vs_dense_step_b256_no_stock_control` and
+`amdahl_bound_step_b256_no_stock_control` are the same two figures on those, and
+`stock_control_learner_s` the control's learner seconds per step (learner seconds with it minus
+without).
 
 The learner runs on each batch's live prefix (`learner.seq_bucket`, default 64: P + the longest
 completion rounded up to 64 positions, instead of P + 128; the same bits). A fourth
@@ -134,8 +135,9 @@ def main() -> dict:
                                                           / out["copy_no_stock_step_s"], 3),
         "amdahl_bound_step_b256_no_stock_control": round(out["dense_no_stock_step_s"]
                                                          / out["dense_no_stock_learner_s"], 3),
-        "stock_control_learner_s": {p: round(out[f"{p}_learner_s"] - out[f"{p}_no_stock_learner_s"],
-                                             4) for p in ("dense", "copy")},
+        "stock_control_learner_s": {
+            p: round(out[f"{p}_learner_s"] - out[f"{p}_no_stock_learner_s"], 4)
+            for p in ("dense", "copy")},
         "live_prefix_learner_speedup_b256": round(out["dense_whole_layout_learner_s"]
                                                   / out["dense_learner_s"], 3),
         "live_prefix_step_speedup_b256": round(out["dense_whole_layout_step_s"]

@@ -13,12 +13,13 @@ bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one int
 
 Run: `python benchmarks/kernels.py` (no arguments; 12-13 minutes on the 2-core AVX2 host of
 2026-12-04, over its 600 s budget, and 253-296 s on a 2-core AVX-512 AMD EPYC the same day:
-`section_seconds` gives the wall seconds of the matmul, attention, sampler and learner parts). The last line is a JSON object with
-`matmul_vs_stock_large_1p4b` (worst ratio at M >= 256), `matmul_vs_stock_small_1p4b` (worst at
-M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst memory ratio at M = 4096) over the big
-weights (q/k/v/o, gate/up, down, lm_head), the same three as `gate_*` for the exit gate
-`[2048, 1]` alone (whose stock call is a ~1 ms matrix-vector product with a near-zero peak,
-`gate_stock_ms_M1000`, so its ratios say little about a step's cost), plus every figure.
+`section_seconds` gives the wall seconds of the matmul, attention, sampler and learner parts). The
+last line is a JSON object with `matmul_vs_stock_large_1p4b` (worst ratio at M >= 256),
+`matmul_vs_stock_small_1p4b` (worst at M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst memory
+ratio at M = 4096) over the big weights (q/k/v/o, gate/up, down, lm_head), the same three as
+`gate_*` for the exit gate `[2048, 1]` alone (whose stock call is a ~1 ms matrix-vector product
+with a near-zero peak, `gate_stock_ms_M1000`, so its ratios say little about a step's cost), plus
+every figure.
 
 Attention at decode (`attention_decode_*`): one query per row, ATTN_ROWS = 16 rows, Ouro-1.4B
 width (16 heads x 128), a cache of ATTN_CACHE = 768 slots (a GSM8K rollout: a ~256-token prompt

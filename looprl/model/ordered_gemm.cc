@@ -66,6 +66,14 @@ inline float widen_bf16(uint16_t b) {
   return f;
 }
 
+// The d values at element `at` of base as fp32: in place, or (bf16) widened into `wide`.
+inline const float* as_fp32(const void* base, bool bf16, int64_t at, int64_t d, float* wide) {
+  if (!bf16) return static_cast<const float*>(base) + at;
+  const uint16_t* src = static_cast<const uint16_t*>(base) + at;
+  for (int64_t e = 0; e < d; ++e) wide[e] = widen_bf16(src[e]);
+  return wide;
+}
+
 #ifdef LOOPRL_AVX2
 // Row r's two accumulator vectors c<r>0, c<r>1 into c[r * ldc : + 16]: stored (first) or added
 // to what is there (micro and chain16).
@@ -264,8 +272,8 @@ inline void axpy4_fma(const float* b, const float* const* w, float* acc, int64_t
 // [rows, nc] buffer, so the weight streams from memory once, in order; four k at a time
 // (axpy4_fma: the accumulators read and written once per four fmas, four weight rows in flight;
 // one thread, Ouro-1.4B fp32 gate/up at 1 row 1.36x -> 0.76x stock, lm_head 1.2-1.35x -> 0.84x,
-// 2026-12-04, AVX-512 host). The same chain per
-// output as column_block: every chunk from -0.0, k in order, chunks added in order.
+// 2026-12-04, AVX-512 host). The same chain per output as column_block: every chunk from -0.0,
+// k in order, chunks added in order.
 void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
   const int64_t nc = std::min(width, p.n - n0);
   float* acc = scratch(2, p.m * nc);
@@ -276,29 +284,13 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
     int64_t kk = 0;
     for (; kk + 4 <= kc; kk += 4) {  // four weight rows at a time: axpy4_fma
       const float* w4[4];
-      for (int i = 0; i < 4; ++i) {
-        const int64_t row = (k0 + kk + i) * p.n + n0;
-        if (p.w_bf16) {
-          const uint16_t* s = static_cast<const uint16_t*>(p.w) + row;
-          float* d = wide + i * nc;
-          for (int64_t j = 0; j < nc; ++j) d[j] = widen_bf16(s[j]);
-          w4[i] = d;
-        } else {
-          w4[i] = static_cast<const float*>(p.w) + row;
-        }
-      }
+      for (int i = 0; i < 4; ++i)
+        w4[i] = as_fp32(p.w, p.w_bf16, (k0 + kk + i) * p.n + n0, nc, wide + i * nc);
       for (int64_t r = 0; r < p.m; ++r)
         axpy4_fma(p.x + r * p.k + k0 + kk, w4, acc + r * nc, nc);
     }
     for (; kk < kc; ++kk) {
-      const int64_t row = (k0 + kk) * p.n + n0;
-      const float* w = wide;
-      if (p.w_bf16) {
-        const uint16_t* s = static_cast<const uint16_t*>(p.w) + row;
-        for (int64_t j = 0; j < nc; ++j) wide[j] = widen_bf16(s[j]);
-      } else {
-        w = static_cast<const float*>(p.w) + row;
-      }
+      const float* w = as_fp32(p.w, p.w_bf16, (k0 + kk) * p.n + n0, nc, wide);
       for (int64_t r = 0; r < p.m; ++r) axpy_fma(p.x[r * p.k + k0 + kk], w, acc + r * nc, nc);
     }
     for (int64_t r = 0; r < p.m; ++r) {
@@ -645,13 +637,6 @@ struct AttentionProblem {
   const int32_t* offset;         // [M]
   const int32_t* span;           // [M] (scores only): rotated slots any query of the row sees
 };
-
-inline const float* as_fp32(const void* base, bool bf16, int64_t at, int64_t d, float* wide) {
-  if (!bf16) return static_cast<const float*>(base) + at;
-  const uint16_t* src = static_cast<const uint16_t*>(base) + at;
-  for (int64_t e = 0; e < d; ++e) wide[e] = widen_bf16(src[e]);
-  return wide;
-}
 
 // Row m's keys (or values) of head h in rotated slot order (the comment above), as fp32.
 struct KeyReader {
