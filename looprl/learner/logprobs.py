@@ -197,9 +197,14 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
     """Learner log-probs for rows `rows` of a `RolloutBatch` (all rows by default), as numpy.
 
     `seq_len`: run on the first `seq_len` positions (`live_seq_len`; the same bits at every
-    emitting position, module doc) and pad the result back to S with zeros; default S.
-    `stock` trims the layout to the live prefix (P + the longest completion), as common code
-    does, whatever `seq_len` is. A rollout sampled with `kernels="stock"`
+    emitting position, module doc) and pad the result back to S with zeros; default S, except
+    for `stock`, whose default is the exact live prefix (P + the longest completion, as common
+    code pads a batch). The learner passes its bucketed live prefix to every method, `stock`
+    included, so a GRPO step compiles at most max_new_tokens / seq_bucket + 1 lengths of each
+    pass (an unbucketed stock control compiled again for each new longest completion, 0.7-0.9
+    s a step at 256 rows; experiments/README "Whole GRPO step"). A stock pass's bits may depend
+    on the key-axis length; it is the baseline, not a replay. A rollout sampled with
+    `kernels="stock"`
     has no invariant pass that reproduces it: its `replay` (and `hybrid`, whose value is
     replay's) is `forced_replay_logprobs`. With a `mesh` of several devices the rows are split
     over its row axes and each device runs this one-device program on its rows
@@ -211,11 +216,12 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
     tokens, pad = np.asarray(sub.tokens_BxS), np.asarray(sub.pad_B)
     exit_loop, kv_depth = np.asarray(sub.exit_loop_BxS), sub.kv_depth_BxS()
     S = sch.seq_len
-    live = S if seq_len is None else seq_len
+    if seq_len is None:  # stock: the exact live prefix, as common code pads a batch
+        live = live_seq_len(sub, 1) if method == "stock" else S
+    else:
+        live = seq_len
     if not sch.prompt_len < live <= S:
         raise ValueError(f"seq_len {seq_len}: expected a length in ({sch.prompt_len}, {S}]")
-    if method == "stock":  # the exact live prefix, unbucketed
-        live = live_seq_len(sub, 1)
     if live < S:
         tokens, exit_loop, kv_depth = tokens[:, :live], exit_loop[:, :live], kv_depth[:, :live]
     static = dict(cfg=cfg, kv_policy=sch.kv_policy, compute_dtype=sch.compute_dtype,

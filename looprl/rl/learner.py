@@ -311,7 +311,8 @@ class GRPOLearner:
                                 f"learner.require_exact=false to train anyway)")
         stock_diff, stock = float("nan"), None
         if exp_cfg.learner.measure_stock:
-            stock = batch_logprobs(self.model_cfg, self.params, batch, "stock", mesh=self.mesh)
+            stock = batch_logprobs(self.model_cfg, self.params, batch, "stock", mesh=self.mesh,
+                                   seq_len=live)
             stock_diff = float(np.max(np.abs(stock[0] - recorded)[emit], initial=0.0))
         ref_lp = replay_lp
         if not self._params_at_ref:

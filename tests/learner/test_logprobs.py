@@ -146,10 +146,36 @@ def test_stock_negative_control_mismatches_bits_but_within_1e4(params, policy):
     for rows in (None, np.array([2, 0, 3])):
         ref = rb.logprob_BxS if rows is None else rb.logprob_BxS[rows]
         m = mask if rows is None else mask[rows]
-        lp, _ = batch_logprobs(CFG, params, rb, "stock", rows=rows)
-        c = compare_logprobs(lp, ref, m)
-        assert c["exact_fraction"] < 1.0
-        assert c["max_abs_diff"] <= 1e-4
+        for seq_len in (None, rb.schedule.seq_len):  # alone; at the learner's bucketed length
+            lp, _ = batch_logprobs(CFG, params, rb, "stock", rows=rows, seq_len=seq_len)
+            c = compare_logprobs(lp, ref, m)
+            assert c["exact_fraction"] < 1.0
+            assert c["max_abs_diff"] <= 1e-4
+
+
+def test_stock_runs_on_the_given_seq_len_and_defaults_to_the_exact_live_prefix(params,
+                                                                               monkeypatch):
+    """The learner hands the stock control its bucketed live prefix (one compiled length per
+    bucket, not one per longest completion); called alone it trims to the exact live prefix."""
+    from looprl.learner import logprobs as lp_mod
+    rb = _rollout(params, "float32", "copy")
+    S, P = rb.schedule.seq_len, rb.schedule.prompt_len
+    seen = []
+    real = lp_mod._jit_logprobs
+
+    def spy(params, tokens, *args, **kw):
+        seen.append((kw["method"], tokens.shape[1]))
+        return real(params, tokens, *args, **kw)
+
+    monkeypatch.setattr(lp_mod, "_jit_logprobs", spy)
+    for seq_len in (None, P + 2, S):
+        lp, lpp = batch_logprobs(CFG, params, rb, "stock", seq_len=seq_len)
+        assert lp.shape == lpp.shape == (len(rb.pad_B), S)
+        if seq_len is not None and seq_len < S:  # padded back with zeros past the prefix
+            assert not lp[:, seq_len:].any() and lp[:, :seq_len].any()
+    assert seen == [("stock", lp_mod.live_seq_len(rb, 1)), ("stock", P + 2), ("stock", S)]
+    batch_logprobs(CFG, params, rb, "dense")
+    assert seen[-1] == ("dense", S)  # the other methods default to the whole layout
 
 
 @pytest.mark.slow

@@ -27,12 +27,24 @@ def test_params_sha256_matches_the_documented_recipe():
     assert params_sha256(params) == h.hexdigest()
 
 
-def test_smoke_run_is_bit_exact_every_step_and_writes_the_run_directory(tmp_path):
+def test_smoke_run_is_bit_exact_every_step_and_writes_the_run_directory(tmp_path,
+                                                                        monkeypatch):
+    from looprl.rl import learner as rl_learner
     from looprl.train.run import train
+    real, stock_lens = rl_learner.batch_logprobs, []
+
+    def spy(cfg, params, batch, method="replay", **kw):
+        if method == "stock":
+            stock_lens.append(kw.get("seq_len"))
+        return real(cfg, params, batch, method, **kw)
+
+    monkeypatch.setattr(rl_learner, "batch_logprobs", spy)
     cfg = apply_overrides(load_experiment(SMOKE), FAST + [f"out_dir={tmp_path / 'run'}"])
     summary = train(cfg, quiet=True)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+    # the stock control runs on each step's bucketed live prefix, like the learner's passes
+    assert stock_lens == [r["learner_seq_len"] for r in rows]
     for r in rows:
         assert r["replay_exact_fraction"] == 1.0, r
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
