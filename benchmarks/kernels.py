@@ -100,12 +100,17 @@ STEP_ROWS, STEP_LEN, STEP_REPEATS = 8, 512, 1
 def _repeats(name: str, m: int) -> int:
     """Interleaved pairs per figure: 15 for the millisecond calls (up to 16 rows, weights other
     than the lm_head: with 5, q/k/v/o fp32 at 2 rows read 0.83-0.92 in three runs and 1.87 in a
-    fourth whose stock median was 1.4 ms against 2.3-4.0), 5 for the lm_head's, 3 above (1 for
-    the lm_head at 1000 rows, a ~5 s pair; until 2026-12-04 every call above 300 rows had one
-    pair, and `matmul_vs_stock_large_1p4b`, decided at 4096 rows, was a single ratio)."""
+    fourth whose stock median was 1.4 ms against 2.3-4.0), 5 for the lm_head's, 3 up to 300
+    rows and 5 above (1 for the lm_head at 1000 rows, a ~5 s pair). The large-M figure is the
+    worst of 16 ratios, so one noisy median decides it: with 3 pairs above 300 rows, down bf16
+    at 4096 rows read 1.27 in one run (2026-12-04, every other large ratio <= 1.16) and 1.10 /
+    1.12 in two runs of its own beside it; with 1 pair (until 2026-12-04 morning) the figure
+    was a single ratio."""
     if m <= 16:
         return 5 if name == "lm_head" else 15
-    return 1 if name == "lm_head" and m > 300 else 3
+    if name == "lm_head" and m > 300:
+        return 1
+    return 3 if m <= 300 else 5
 
 
 def _peak_bytes(fn, *args) -> int:
