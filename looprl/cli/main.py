@@ -51,7 +51,8 @@ def _add_verify(sub):
                         "parameters it was sampled with, unless `looprl verify` wrote it (its "
                         "<weights>_params.npz lies next to it)")
     p.add_argument("--quick", action="store_true",
-                   help="the small matrix (<= 15 min on 2 CPU cores)")
+                   help="the small matrix (6-17 min on 2 CPU cores: 6 on an AVX-512 "
+                        "host, 10-17 on slower AVX2 ones)")
     p.add_argument("--replay-impl", default="invariant", choices=["invariant", "auto"],
                    help="auto: where the invariant replay is not exact, replay by re-running the "
                         "sampler in forced mode (recorded per cell as replay_impl)")

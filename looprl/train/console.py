@@ -44,6 +44,28 @@ def warm_start_line(d: dict[str, Any]) -> str:
             f"{d['ce_last_loop']:.3f}, held-out accuracy {d['accuracy']:.3f}")
 
 
+def warm_start_logger(bar, say, gate_steps: int):
+    """The warm start's `log` callback: each stage-I evaluation point as a line (above the bar,
+    or through `say` without one), and at the first stage-II point the bar's total cut to the
+    steps that will run, so a stage I that stopped at its plateau does not leave a bar that
+    looks aborted (`total` is stage I's maximum + `gate_steps` until then)."""
+    cut = False
+
+    def log(d: dict[str, Any]) -> None:
+        nonlocal cut
+        if "accuracy" in d:
+            if bar is not None:
+                bar.set_postfix(loss=f"{d['loss']:.3f}", acc=f"{d['accuracy']:.3f}")
+                bar.write(warm_start_line(d), file=sys.stderr)
+            else:
+                say(warm_start_line(d))
+        if d.get("stage") == 2 and bar is not None and not cut:
+            cut = True
+            bar.total = bar.n - d["step"] + gate_steps  # stage I's steps + every gate step
+            bar.refresh()
+    return log
+
+
 def replay_exact_steps(metrics_path: Path, n_steps: int) -> int:
     """How many of the GRPO steps 0..n_steps-1 in metrics.jsonl replayed the sampler's
     log-probs bit for bit (`replay_exact_fraction` 1.0)."""

@@ -64,7 +64,7 @@ from looprl.train.resume import (REFERENCE_FILE, without_run_control, check_resu
                                  restore_training_checkpoint, resume_candidates,
                                  save_training_checkpoint)
 from looprl.train.console import (evaluate_and_say, progress_bar, replay_exact_steps, replay_record,
-                                  warm_start_line, warn_inexact)
+                                  warm_start_logger, warn_inexact)
 from looprl.train.interrupts import CtrlC, DeferredSignals
 from looprl.train.setup import build_tasks, checkpoint_task_meta, run_tokenizer
 from looprl.train.warm_start import warm_start
@@ -121,15 +121,7 @@ def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main
             return evaluate(model_cfg, p, warm_task, tokenizer, exp_cfg, plateau_set)["accuracy"]
 
         bar = progress_bar(bars, ws.max_steps + ws.gate_steps, "warm start", "step")
-
-        def log(d):
-            if "accuracy" in d:
-                if bar is not None:
-                    bar.set_postfix(loss=f"{d['loss']:.3f}", acc=f"{d['accuracy']:.3f}")
-                    bar.write(warm_start_line(d), file=sys.stderr)
-                else:
-                    say(warm_start_line(d))
-
+        log = warm_start_logger(bar, say, ws.gate_steps)
         params, report = warm_start(
             model_cfg, params, warm_task, tokenizer, steps=ws.max_steps, batch_size=ws.batch_size,
             learning_rate=ws.learning_rate, seed=exp_cfg.run.seed, gate_steps=ws.gate_steps,

@@ -50,3 +50,24 @@ def test_plateau_rule():
             zip(range(100, 1100, 100), [.1, .3, .5, .6, .65, .66, .66, .67, .67, .67])]
     rising = [{"step": s, "accuracy": 0.1 * i} for i, s in enumerate(range(100, 1100, 100))]
     assert plateaued(flat) and not plateaued(rising) and not plateaued(flat[:3])
+
+
+def test_progress_bar_total_shrinks_to_the_steps_run_when_stage1_plateaus():
+    """A stage I that stops at its plateau cuts the bar's total to the steps that run, so the
+    bar ends full (`looprl.train.console.warm_start_logger`), not at 12 of 1025."""
+    import io
+
+    from tqdm import tqdm
+
+    from looprl.train.console import warm_start_logger
+    task = _task()
+    bar = tqdm(total=1000 + 25, file=io.StringIO())
+    said = []
+    log = warm_start_logger(bar, said.append, gate_steps=25)
+    _, rep = warm_start(CFG, init_params(CFG, 0), task, task.tokenizer(), steps=1000,
+                        batch_size=4, learning_rate=3e-3, seed=0, gate_steps=25,
+                        eval_fn=lambda p: 0.5, eval_every=2, log=log,
+                        progress=bar.update, plateau_min_evals=5)
+    assert rep["plateaued"] and rep["stage1_steps"] == 10 and rep["stage2_steps"] == 25
+    assert bar.n == bar.total == 10 + 25
+    assert said == []  # with a bar, the evaluation lines go above it, not through `say`
