@@ -47,7 +47,9 @@ namespace {
 constexpr int64_t MR = 6;    // rows of a micro-panel (6 x 2 accumulator vectors on AVX2)
 constexpr int64_t NR = 16;   // columns of a panel
 constexpr int64_t KC = 256;  // k chunk: a packed [KC, NR] weight panel is 16 KB (L1)
-constexpr int64_t NC = 256;  // columns of a task: a packed [KC, NC] weight block is 256 KB (L2)
+constexpr int64_t NC = 256;  // fewest columns of a task above FEW_ROWS rows (wide_task_width)
+constexpr int64_t NC_WIDE = 2048;  // most columns of such a task: [KC, NC_WIDE] packed is 2 MB
+constexpr int64_t TASKS_PER_THREAD = 4;  // ... unless threads then get fewer tasks than this
 constexpr int64_t NC_FEW_ROWS = 1024;  // up to FEW_ROWS rows: longer contiguous weight reads
 constexpr int64_t FEW_ROWS = 48;
 constexpr int64_t STREAM_ROWS = 2;  // up to here: few_rows_block
@@ -305,8 +307,22 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
   }
 }
 
-// The columns a task covers: longer for fewer rows (module doc of ordered_gemm.py).
-int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : m <= FEW_ROWS ? NC_FEW_ROWS : NC; }
+// The columns a task covers up to FEW_ROWS rows: longer for fewer rows (module doc of
+// ordered_gemm.py).
+int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : NC_FEW_ROWS; }
+
+// The columns a task covers above FEW_ROWS rows: the widest of NC_WIDE, NC_WIDE / 2, ..., NC
+// that still gives each of `threads` threads TASKS_PER_THREAD tasks. column_block packs its x
+// rows once per task and k chunk, so a task of NC columns packed x N / 256 times (22 times for
+// the 5632-column gate/up weight): 12 % of the kernel's time at 1000-4096 rows (perf, one
+// thread, 2026-12-04), against 3 % at 1024 columns. Side by side, one thread, gate/up fp32 per
+// 1000 rows: 256 columns 250-258 ms at M = 1000, 272-274 ms at M = 4096; 1024: 235-242 / 250;
+// 2048: 231 / 241. Which task covers an output never changes its chain (module header).
+int64_t wide_task_width(int64_t n, int64_t row_blocks, int64_t threads) {
+  int64_t w = NC_WIDE;
+  while (w > NC && row_blocks * ((n + w - 1) / w) < TASKS_PER_THREAD * threads) w /= 2;
+  return w;
+}
 
 // STREAM_ROWS + 1 .. SMALL_ROWS rows (a decode step of 3-16 rows). For each k chunk, x is
 // packed into row panels of at most MR rows, balanced (7 rows: 4 + 3, 8: 4 + 4, 13: 5 + 4 + 4),
@@ -381,11 +397,12 @@ void product_columns(const Problem& p, int64_t r0, int64_t r1, int64_t n0, int64
 // Every output of one product as tasks of (row block, column block), row blocks outer; `run`
 // gets the task count and the task body.
 template <typename Run>
-void product_tasks(const Problem& p, Run&& run) {
-  const int64_t width = task_width(p.m);
-  const int64_t blocks = (p.n + width - 1) / width;
+void product_tasks(const Problem& p, int64_t threads, Run&& run) {
   const int64_t rows = p.m <= SMALL_ROWS ? p.m : row_block(p.m);
   const int64_t row_blocks = (p.m + rows - 1) / rows;
+  const int64_t width = p.m <= FEW_ROWS ? task_width(p.m)
+                                        : wide_task_width(p.n, row_blocks, threads);
+  const int64_t blocks = (p.n + width - 1) / width;
   run(row_blocks * blocks, [&p, width, blocks, rows](int64_t t) {
     const int64_t r0 = t / blocks * rows;
     product_columns(p, r0, std::min(p.m, r0 + rows), t % blocks * width, width);
@@ -450,7 +467,8 @@ ffi::Error OrderedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     std::fill(p.out, p.out + p.m * p.n, -0.0f);
     return ffi::Error::Success();
   }
-  product_tasks(p, [&pool](int64_t tasks, std::function<void(int64_t)> one) {
+  product_tasks(p, pool.num_threads(), [&pool](int64_t tasks,
+                                              std::function<void(int64_t)> one) {
     run_tasks(pool, tasks, std::move(one));
   });
   return ffi::Error::Success();
@@ -487,7 +505,7 @@ ffi::Error OrderedBatchedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       wb = t;
     }
     const Problem p{xs + b * m * k, wb, false, os + b * m * n, m, k, n};
-    product_tasks(p, [](int64_t tasks, const std::function<void(int64_t)>& one) {
+    product_tasks(p, 1, [](int64_t tasks, const std::function<void(int64_t)>& one) {
       for (int64_t t = 0; t < tasks; ++t) one(t);
     });
   });

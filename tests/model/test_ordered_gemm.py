@@ -1,7 +1,8 @@
 """The ordered CPU matmul (looprl/model/ordered_gemm.cc): its bits are exactly the chain its
 docstring defines (`reference_matmul`, a correctly rounded numpy emulation), on every code path
 (1-2 rows; 3-16 with the weight read in place or, past 8192 columns or in bf16, packed 1024
-columns at a time; more; partial column panels; a last short k chunk), for fp32 and bf16
+columns at a time; more, in row blocks and tasks of 256-2048 columns; partial column panels
+and tasks; a last short k chunk), for fp32 and bf16
 weights; and its errors name the problem."""
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,12 @@ def _u32(x):
                                      (7, 513, 64), (3, 300, 8200), (11, 130, 8300),
                                      (9, 300, 8250), (2, 260, 17000),
                                      (13, 700, 37), (16, 300, 1040), (49, 512, 40),
-                                     (100, 256, 16), (1601, 260, 24)])
+                                     (100, 256, 16), (1601, 260, 24),
+                                     (1601, 130, 1100)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bits_are_the_documented_chain(m, k, n, dtype):
+    # (1601, 130, 1100): 3 row blocks x 3 tasks of 512 columns on a 2-thread pool (one task of
+    # 2048 on one thread), the last task 76 columns wide
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32), dtype)
