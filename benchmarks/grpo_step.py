@@ -17,15 +17,15 @@ step seconds / dense learner seconds, the speedup a free rollout would give. The
 below 1: faster), as they were first reported.
 
 Every configuration above measures the stock negative control each step, as the main job does
-(`learner.measure_stock`, default on: `stock_max_abs_diff`). That pass runs on the exact live
-prefix (P + the longest completion, unbucketed, as common code does), so a step whose longest
-completion is a new length compiles it again (0.7-0.9 s on a 2-core host), and the median of a few
-timed steps carries those compiles unevenly (2026-12-04: copy's learner 1.83 s against dense's 1.15
-s with the control, 1.05 s against 1.09 s without). `dense_no_stock` and `copy_no_stock` run
-without it: `copy_vs_dense_step_b256_no_stock_control` and
-`amdahl_bound_step_b256_no_stock_control` are the same two figures on those, and
-`stock_control_learner_s` the control's learner seconds per step (learner seconds with it minus
-without).
+(`learner.measure_stock`, default on: `stock_max_abs_diff`). Until 2026-12-04 that pass ran on
+the exact live prefix (P + the longest completion, unbucketed), so a step whose longest
+completion was a new length compiled it again (0.7-0.9 s on a 2-core host) and the median of a
+few timed steps carried those compiles unevenly (copy's learner 1.83 s against dense's 1.15 s
+with the control, 1.05 s against 1.09 s without); it now runs on the learner's bucketed live
+prefix like every other learner pass. `dense_no_stock` and `copy_no_stock` run without it:
+`copy_vs_dense_step_b256_no_stock_control` and `amdahl_bound_step_b256_no_stock_control` are
+the same two figures on those, and `stock_control_learner_s` the control's learner seconds per
+step (learner seconds with it minus without).
 
 The learner runs on each batch's live prefix (`learner.seq_bucket`, default 64: P + the longest
 completion rounded up to 64 positions, instead of P + 128; the same bits). A fourth

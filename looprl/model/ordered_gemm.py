@@ -12,22 +12,25 @@ machine with a correctly rounded fma; the file is compiled with `-ffp-contract=o
 `-ffast-math`. Subnormal inputs and results are flushed to zero (FTZ/DAZ set by every task, the
 state XLA CPU's threads run in), so the bits do not depend on the calling thread's state.
 
-How it runs (none of it changes a bit): tasks of output columns on XLA's intra-op thread pool (256
-columns; 1024 up to 48 rows; 16384 up to 6 rows, so a decode step's weight rows are read in long
-contiguous sweeps); 1-2 rows, each weight row is read once and fma'd into per-row accumulators,
+How it runs (none of it changes a bit): tasks of output columns on XLA's intra-op thread pool (16384
+columns up to 6 rows, so a decode step's weight rows are read in long contiguous sweeps; 1024 up to
+48 rows; above, the widest of 2048, 1024, 512, 256 that gives each pool thread 4 tasks, since x is
+packed once per task); 1-2 rows, each weight row is read once and fma'd into per-row accumulators,
 four weight rows at a time (a decode step's matrix-vector-like product, memory-bound like stock's);
-3-16 rows, the same register tiles as above but on balanced row panels (7 rows: 4 + 3), with an
-fp32 weight of up to 8192 columns read in place, one 16-column strip at a time, so a few-row call
-does not pay for packing it (2026-12-03, fp32 Ouro-1.4B weights, side by side in one process, one
-thread: 7-16 rows 1.10-1.46x stock, from 1.34-2.24x with packing; 3-6 rows about 1.5-3x faster than
-the streaming pass, which had 3-6 rows at 1.5-2.9x stock), and a wider weight (the 49152-column
-lm_head: its strips read in place are 256 rows 192 KB apart, 1.4-1.8x stock at 3-5 rows) or a bf16
-one packed 1024 columns at a time from contiguous row runs (0.6-0.7x stock, 2026-12-04); above,
-GotoBLAS-style blocking: tasks of (row block, 256 columns), the rows in blocks of up to 768
-(balanced, multiples of 96) run block by block so a row block of x is read from cache by every
-column block (at 4096 rows, whole-M blocks ran 1.26-1.36x stock, 768-row blocks 1.10-1.21x:
-Ouro-1.4B widths, one thread, 32 MB L3), a [256, 256] weight block packed per task and k chunk, x
-packed in 96-row blocks, 6 x 16 register tiles (AVX2: 12 accumulator vectors).
+3-16 rows, the same register tiles as above but on balanced row panels (7 rows: 4 + 3), with an fp32
+weight of up to 8192 columns read in place, one 16-column strip at a time, so a few-row call does
+not pay for packing it (2026-12-03, fp32 Ouro-1.4B weights, side by side in one process, one thread:
+7-16 rows 1.10-1.46x stock, from 1.34-2.24x with packing; 3-6 rows about 1.5-3x faster than the
+streaming pass, which had 3-6 rows at 1.5-2.9x stock), and a wider weight (the 49152-column lm_head:
+its strips read in place are 256 rows 192 KB apart, 1.4-1.8x stock at 3-5 rows) or a bf16 one packed
+1024 columns at a time from contiguous row runs (0.6-0.7x stock, 2026-12-04); above, GotoBLAS-style
+blocking: tasks of (row block, 256-2048 columns), the rows in blocks of up to 768 (balanced,
+multiples of 96) run block by block so a row block of x is read from cache by every column block (at
+4096 rows, whole-M blocks ran 1.26-1.36x stock, 768-row blocks 1.10-1.21x: Ouro-1.4B widths, one
+thread, 32 MB L3), the task's [256, width] weight block packed per k chunk, x packed in 96-row
+blocks (once per task and k chunk: with 256-column tasks that was 12 % of the time at 1000-4096
+rows; wider tasks, 2026-12-04: 1.06-1.10x stock at 4096 rows from 1.21-1.28x, 2 threads), 6 x 16
+register tiles (AVX2: 12 accumulator vectors).
 
 `ordered_attention_scores` / `ordered_attention_values` are attention's two products in the
 same numerics, per (row, head) and 128-slot key block, reading the rotated keys and values
