@@ -12,7 +12,8 @@ bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one int
 (`--xla_cpu_multi_thread_eigen=false`, recorded).
 
 Run: `python benchmarks/kernels.py` (no arguments; 12-13 minutes on the 2-core AVX2 host of
-2026-12-04, over its 600 s budget, and 253-296 s on a 2-core AVX-512 AMD EPYC the same day:
+2026-12-04 with 1 pair above 300 rows, over its 600 s budget, and 253-296 s on a 2-core AVX-512
+AMD EPYC the same day, 259-271 s with 5 pairs:
 `section_seconds` gives the wall seconds of the matmul, attention, sampler and learner parts). The
 last line is a JSON object with `matmul_vs_stock_large_1p4b` (worst ratio at M >= 256),
 `matmul_vs_stock_small_1p4b` (worst at M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst memory
@@ -102,7 +103,7 @@ def _repeats(name: str, m: int) -> int:
     than the lm_head: with 5, q/k/v/o fp32 at 2 rows read 0.83-0.92 in three runs and 1.87 in a
     fourth whose stock median was 1.4 ms against 2.3-4.0), 5 for the lm_head's, 3 up to 300
     rows and 5 above (1 for the lm_head at 1000 rows, a ~5 s pair). The large-M figure is the
-    worst of 16 ratios, so one noisy median decides it: with 3 pairs above 300 rows, down bf16
+    worst of 30 ratios, so one noisy median decides it: with 3 pairs above 300 rows, down bf16
     at 4096 rows read 1.27 in one run (2026-12-04, every other large ratio <= 1.16) and 1.10 /
     1.12 in two runs of its own beside it; with 1 pair (until 2026-12-04 morning) the figure
     was a single ratio."""

@@ -29,7 +29,7 @@ multiples of 96) run block by block so a row block of x is read from cache by ev
 4096 rows, whole-M blocks ran 1.26-1.36x stock, 768-row blocks 1.10-1.21x: Ouro-1.4B widths, one
 thread, 32 MB L3), the task's [256, width] weight block packed per k chunk, x packed in 96-row
 blocks (once per task and k chunk: with 256-column tasks that was 12 % of the time at 1000-4096
-rows; wider tasks, 2026-12-04: 1.06-1.10x stock at 4096 rows from 1.21-1.28x, 2 threads), 6 x 16
+rows; wider tasks, 2026-12-04: 0.99-1.13x stock at 4096 rows from 1.10-1.28x, 2 threads), 6 x 16
 register tiles (AVX2: 12 accumulator vectors).
 
 `ordered_attention_scores` / `ordered_attention_values` are attention's two products in the

@@ -44,26 +44,28 @@ def warm_start_line(d: dict[str, Any]) -> str:
             f"{d['ce_last_loop']:.3f}, held-out accuracy {d['accuracy']:.3f}")
 
 
-def warm_start_logger(bar, say, gate_steps: int):
-    """The warm start's `log` callback: each stage-I evaluation point as a line (above the bar,
-    or through `say` without one), and at the first stage-II point the bar's total cut to the
-    steps that will run, so a stage I that stopped at its plateau does not leave a bar that
-    looks aborted (`total` is stage I's maximum + `gate_steps` until then)."""
-    cut = False
-
+def warm_start_logger(bar, say):
+    """The warm start's `log` callback: each stage-I evaluation point as a line, above the bar
+    (and in its postfix), or through `say` without one."""
     def log(d: dict[str, Any]) -> None:
-        nonlocal cut
         if "accuracy" in d:
             if bar is not None:
                 bar.set_postfix(loss=f"{d['loss']:.3f}", acc=f"{d['accuracy']:.3f}")
                 bar.write(warm_start_line(d), file=sys.stderr)
             else:
                 say(warm_start_line(d))
-        if d.get("stage") == 2 and bar is not None and not cut:
-            cut = True
-            bar.total = bar.n - d["step"] + gate_steps  # stage I's steps + every gate step
-            bar.refresh()
     return log
+
+
+def warm_start_bar_cut(bar, gate_steps: int):
+    """The warm start's `stage1_done(n)` callback: the bar's total (stage I's maximum +
+    `gate_steps` until then) cut to the n stage-I steps that ran + `gate_steps`, so a stage I
+    that stopped at its plateau does not leave a bar that looks aborted (e.g. at 900 / 4100)."""
+    def cut(n: int) -> None:
+        if bar is not None:
+            bar.total = n + gate_steps
+            bar.refresh()
+    return cut
 
 
 def replay_exact_steps(metrics_path: Path, n_steps: int) -> int:

@@ -64,7 +64,7 @@ from looprl.train.resume import (REFERENCE_FILE, without_run_control, check_resu
                                  restore_training_checkpoint, resume_candidates,
                                  save_training_checkpoint)
 from looprl.train.console import (evaluate_and_say, progress_bar, replay_exact_steps, replay_record,
-                                  warm_start_logger, warn_inexact)
+                                  warm_start_bar_cut, warm_start_logger, warn_inexact)
 from looprl.train.interrupts import CtrlC, DeferredSignals
 from looprl.train.setup import build_tasks, checkpoint_task_meta, run_tokenizer
 from looprl.train.warm_start import warm_start
@@ -121,15 +121,14 @@ def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main
             return evaluate(model_cfg, p, warm_task, tokenizer, exp_cfg, plateau_set)["accuracy"]
 
         bar = progress_bar(bars, ws.max_steps + ws.gate_steps, "warm start", "step")
-        log = warm_start_logger(bar, say, ws.gate_steps)
         params, report = warm_start(
             model_cfg, params, warm_task, tokenizer, steps=ws.max_steps, batch_size=ws.batch_size,
             learning_rate=ws.learning_rate, seed=exp_cfg.run.seed, gate_steps=ws.gate_steps,
             gate_learning_rate=ws.gate_learning_rate, entropy_beta=ws.entropy_beta,
-            eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=log,
+            eval_fn=eval_fn, eval_every=ws.eval_every_steps, log=warm_start_logger(bar, say),
             plateau_last_fraction=ws.plateau_last_fraction,
             plateau_min_gain=ws.plateau_min_gain, plateau_min_evals=ws.plateau_min_evals,
-            progress=ctrl_c.tick(bar))
+            progress=ctrl_c.tick(bar), stage1_done=warm_start_bar_cut(bar, ws.gate_steps))
         if bar is not None:
             bar.close()
         say(f"warm start: {report.get('stage1_steps')} stage-I steps (loss "

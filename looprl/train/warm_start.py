@@ -132,7 +132,8 @@ def warm_start(model_cfg: OuroConfig, params: dict, task, tokenizer, *, steps: i
                eval_every: int = 0, log: Callable[[dict], Any] | None = None,
                plateau_last_fraction: float = 0.2, plateau_min_gain: float = 0.02,
                plateau_min_evals: int = 5, warmup_steps: int = 0, first_problem: int = 0,
-               progress: Callable[[int], Any] | None = None) -> tuple[dict, dict]:
+               progress: Callable[[int], Any] | None = None,
+               stage1_done: Callable[[int], Any] | None = None) -> tuple[dict, dict]:
     """Stage I (LM + gate, Ouro loss) for up to `steps` AdamW steps, then stage II (gate only)
     for `gate_steps`. Train problems are taken in order from `task.train_problem(first_problem)`
     on, `batch_size` per step (stage II continues the stream). `seed` seeds nothing random yet
@@ -143,6 +144,8 @@ def warm_start(model_cfg: OuroConfig, params: dict, task, tokenizer, *, steps: i
         stage-I steps and at the end of stage I; stage I stops early once `plateaued`.
       log: optional callable receiving one dict per logged event.
       progress: optional `progress(n)`, called after every stage-I and stage-II step with 1.
+      stage1_done: optional `stage1_done(n)`, called once when stage I ends, with the n steps it
+        ran (fewer than `steps` when it plateaued).
 
     Returns:
       (new fp32 params, report) with `stage1_steps`, `stage1_final_loss`, `stage2_steps`,
@@ -191,6 +194,8 @@ def warm_start(model_cfg: OuroConfig, params: dict, task, tokenizer, *, steps: i
                 did_plateau = True
                 break
     stage1_steps = step
+    if stage1_done is not None:
+        stage1_done(stage1_steps)
 
     frozen = {k: v for k, v in params.items() if k != "early_exit_gate"}
     gate = params["early_exit_gate"]

@@ -27,8 +27,8 @@ def _u32(x):
                                      (1601, 130, 1100)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bits_are_the_documented_chain(m, k, n, dtype):
-    # (1601, 130, 1100): 3 row blocks x 3 tasks of 512 columns on a 2-thread pool (one task of
-    # 2048 on one thread), the last task 76 columns wide
+    # (1601, 130, 1100): 3 row blocks x 3 tasks of 512 columns on a 2-thread pool (2 tasks of
+    # 1024 on one thread; 256 from 3 threads on), the last task 76 columns wide
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32), dtype)
@@ -110,10 +110,13 @@ def test_matmul_on_the_cpu_is_the_ordered_kernel():
     assert np.array_equal(_u32(g), _u32(jnp.dot(xf.T, jnp.ones((7, 24), jnp.float32))))
 
 
-@pytest.mark.parametrize("z, m, k, n", [(3, 1, 128, 128), (5, 24, 32, 128), (4, 100, 128, 33)])
+@pytest.mark.parametrize("z, m, k, n", [(3, 1, 128, 128), (5, 24, 32, 128), (4, 100, 128, 33),
+                                        (1, 97, 130, 6200)])
 def test_batched_products_are_single_products(z, m, k, n):
     """Each (b, h) product of the attention's batched form, plain and transposed, has the bits of
-    one `ordered_matmul` call of its shape, which are the reference's."""
+    one `ordered_matmul` call of its shape, which are the reference's. A batched product runs
+    its tasks on one thread, so (1, 97, 130, 6200) takes 2048-column tasks on any host (the
+    last 56 columns wide)."""
     rng = np.random.default_rng(z * m + k + n)
     x = rng.standard_normal((z, m, k), dtype=np.float32)
     w = rng.standard_normal((z, k, n), dtype=np.float32)

@@ -1,6 +1,7 @@
 """Warm start: stage I lowers the Ouro loss; stage II moves only the exit gate."""
 import jax
 import numpy as np
+import pytest
 
 from looprl.model.config import preset
 from looprl.model.looped import init_params
@@ -52,22 +53,26 @@ def test_plateau_rule():
     assert plateaued(flat) and not plateaued(rising) and not plateaued(flat[:3])
 
 
-def test_progress_bar_total_shrinks_to_the_steps_run_when_stage1_plateaus():
-    """A stage I that stops at its plateau cuts the bar's total to the steps that run, so the
-    bar ends full (`looprl.train.console.warm_start_logger`), not at 12 of 1025."""
+@pytest.mark.parametrize("gate_steps", [25, 0])
+def test_progress_bar_total_shrinks_to_the_steps_run_when_stage1_plateaus(gate_steps,
+                                                                             capsys):
+    """A stage I that stops at its plateau cuts the bar's total to the steps that run (the
+    `stage1_done` callback, `looprl.train.console.warm_start_bar_cut`), with or without a stage
+    II, so the bar ends full, not at 10 of 1025; the evaluation lines go above the bar."""
     import io
 
     from tqdm import tqdm
 
-    from looprl.train.console import warm_start_logger
+    from looprl.train.console import warm_start_bar_cut, warm_start_logger
     task = _task()
-    bar = tqdm(total=1000 + 25, file=io.StringIO())
+    out = io.StringIO()
+    bar = tqdm(total=1000 + gate_steps, file=out)
     said = []
-    log = warm_start_logger(bar, said.append, gate_steps=25)
     _, rep = warm_start(CFG, init_params(CFG, 0), task, task.tokenizer(), steps=1000,
-                        batch_size=4, learning_rate=3e-3, seed=0, gate_steps=25,
-                        eval_fn=lambda p: 0.5, eval_every=2, log=log,
-                        progress=bar.update, plateau_min_evals=5)
-    assert rep["plateaued"] and rep["stage1_steps"] == 10 and rep["stage2_steps"] == 25
-    assert bar.n == bar.total == 10 + 25
-    assert said == []  # with a bar, the evaluation lines go above it, not through `say`
+                        batch_size=4, learning_rate=3e-3, seed=0, gate_steps=gate_steps,
+                        eval_fn=lambda p: 0.5, eval_every=2, plateau_min_evals=5,
+                        log=warm_start_logger(bar, said.append), progress=bar.update,
+                        stage1_done=warm_start_bar_cut(bar, gate_steps))
+    assert rep["plateaued"] and rep["stage1_steps"] == 10 and rep["stage2_steps"] == gate_steps
+    assert bar.n == bar.total == 10 + gate_steps
+    assert said == [] and "warm start step 10: loss" in capsys.readouterr().err
