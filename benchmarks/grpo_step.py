@@ -62,8 +62,8 @@ WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 2
 POLICIES = ("dense", "deferred", "copy")
 CONFIGS = {p: [f"rollout.kv_policy={p}"] for p in POLICIES}
 CONFIGS["dense_whole_layout"] = ["rollout.kv_policy=dense", "learner.seq_bucket=0"]
-# without the stock negative control (`learner.measure_stock`, on by default): its pass runs on
-# the exact live prefix, so each new longest completion compiles it again (module doc)
+# without the stock negative control (`learner.measure_stock`, on by default): what the control
+# costs a step (module doc; until 2026-12-04 mostly its per-length recompiles)
 CONFIGS.update({f"{p}_no_stock": [f"rollout.kv_policy={p}", "learner.measure_stock=false"]
                 for p in ("dense", "copy")})
 MAX_NEW = 128  # rollout.max_new_tokens: the rollout a real share of the step (issue 18)

@@ -222,11 +222,11 @@ class LearnerConfig(_Section):
     # recorded log-prob itself (what replay means at the sampler's own parameters), which saves
     # the forced re-run of `replay_impl=forced` there; 0 = never check
     replay_check_every: int = 1
-    # the learner's passes (the stock control too) run on the rollout batch's live prefix: P +
-    # its longest completion rounded up to a multiple of this many positions (at most P +
-    # max_new_tokens), the same bits at every emitting position
-    # (`looprl.learner.logprobs.live_seq_len`); bounds the compiled lengths to
-    # max_new_tokens / seq_bucket + 1; 0 = always the whole layout
+    # the learner's passes run on the rollout batch's live prefix: P + its longest completion
+    # rounded up to a multiple of this many positions (at most P + max_new_tokens), the same
+    # bits at every emitting position (`looprl.learner.logprobs.live_seq_len`); the stock
+    # control runs there too (its bits may change with the length); bounds the compiled
+    # lengths to max_new_tokens / seq_bucket + 1; 0 = always the whole layout
     seq_bucket: int = 64
 
     def _validate(self):

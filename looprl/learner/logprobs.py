@@ -201,13 +201,12 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
     for `stock`, whose default is the exact live prefix (P + the longest completion, as common
     code pads a batch). The learner passes its bucketed live prefix to every method, `stock`
     included, so a GRPO step compiles at most max_new_tokens / seq_bucket + 1 lengths of each
-    pass (an unbucketed stock control compiled again for each new longest completion, 0.7-0.9
-    s a step at 256 rows; experiments/README "Whole GRPO step"). A stock pass's bits may depend
-    on the key-axis length; it is the baseline, not a replay. A rollout sampled with
-    `kernels="stock"`
-    has no invariant pass that reproduces it: its `replay` (and `hybrid`, whose value is
-    replay's) is `forced_replay_logprobs`. With a `mesh` of several devices the rows are split
-    over its row axes and each device runs this one-device program on its rows
+    pass (an unbucketed stock control compiled again for each new longest completion, 0.7-0.9 s
+    a step at 256 rows; experiments/README "Whole GRPO step"). A stock pass's bits may depend on
+    the key-axis length; it is the baseline, not a replay. A rollout sampled with
+    `kernels="stock"` has no invariant pass that reproduces it: its `replay` (and `hybrid`,
+    whose value is replay's) is `forced_replay_logprobs`. With a `mesh` of several devices the
+    rows are split over its row axes and each device runs this one-device program on its rows
     (`looprl.distributed.mesh.row_sharded_call`). Returns (logprob_BxS, processed_BxS)."""
     if method in ("replay", "hybrid") and batch.schedule.kernels != "invariant":
         return forced_replay_logprobs(cfg, params, batch, rows, mesh=mesh)

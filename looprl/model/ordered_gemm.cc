@@ -47,7 +47,7 @@ namespace {
 constexpr int64_t MR = 6;    // rows of a micro-panel (6 x 2 accumulator vectors on AVX2)
 constexpr int64_t NR = 16;   // columns of a panel
 constexpr int64_t KC = 256;  // k chunk: a packed [KC, NR] weight panel is 16 KB (L1)
-constexpr int64_t NC = 256;  // fewest columns of a task above FEW_ROWS rows (wide_task_width)
+constexpr int64_t NC = 256;  // fewest columns of a task above FEW_ROWS rows (task_width)
 constexpr int64_t NC_WIDE = 2048;  // most columns of such a task: [KC, NC_WIDE] packed is 2 MB
 constexpr int64_t TASKS_PER_THREAD = 4;  // ... unless threads then get fewer tasks than this
 constexpr int64_t NC_FEW_ROWS = 1024;  // up to FEW_ROWS rows: longer contiguous weight reads
@@ -307,18 +307,17 @@ void few_rows_block(const Problem& p, int64_t n0, int64_t width) {
   }
 }
 
-// The columns a task covers up to FEW_ROWS rows: longer for fewer rows (module doc of
-// ordered_gemm.py).
-int64_t task_width(int64_t m) { return m <= MR ? NC_ONE_STEP : NC_FEW_ROWS; }
-
-// The columns a task covers above FEW_ROWS rows: the widest of NC_WIDE, NC_WIDE / 2, ..., NC
-// that still gives each of `threads` threads TASKS_PER_THREAD tasks. column_block packs its x
+// The columns a task covers (module doc of ordered_gemm.py): up to FEW_ROWS rows, longer for
+// fewer rows; above, the widest of NC_WIDE, NC_WIDE / 2, ..., NC that still gives each of
+// `threads` threads TASKS_PER_THREAD tasks of the `row_blocks` row blocks. column_block packs its x
 // rows once per task and k chunk, so a task of NC columns packed x N / 256 times (22 times for
 // the 5632-column gate/up weight): 12 % of the kernel's time at 1000-4096 rows (perf, one
 // thread, 2026-12-04), against 3 % at 1024 columns. Side by side, one thread, gate/up fp32 per
 // 1000 rows: 256 columns 250-258 ms at M = 1000, 272-274 ms at M = 4096; 1024: 235-242 / 250;
 // 2048: 231 / 241. Which task covers an output never changes its chain (module header).
-int64_t wide_task_width(int64_t n, int64_t row_blocks, int64_t threads) {
+int64_t task_width(int64_t m, int64_t n, int64_t row_blocks, int64_t threads) {
+  if (m <= MR) return NC_ONE_STEP;
+  if (m <= FEW_ROWS) return NC_FEW_ROWS;
   int64_t w = NC_WIDE;
   while (w > NC && row_blocks * ((n + w - 1) / w) < TASKS_PER_THREAD * threads) w /= 2;
   return w;
@@ -400,8 +399,7 @@ template <typename Run>
 void product_tasks(const Problem& p, int64_t threads, Run&& run) {
   const int64_t rows = p.m <= SMALL_ROWS ? p.m : row_block(p.m);
   const int64_t row_blocks = (p.m + rows - 1) / rows;
-  const int64_t width = p.m <= FEW_ROWS ? task_width(p.m)
-                                        : wide_task_width(p.n, row_blocks, threads);
+  const int64_t width = task_width(p.m, p.n, row_blocks, threads);
   const int64_t blocks = (p.n + width - 1) / width;
   run(row_blocks * blocks, [&p, width, blocks, rows](int64_t t) {
     const int64_t r0 = t / blocks * rows;
