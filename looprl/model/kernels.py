@@ -772,7 +772,7 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cach
 
         if ordered:
             acc = ordered_attention_values(probs, cached.v_NxBxSxJxK, cached.v_win_MxCxJxK,
-                                           *place)
+                                           *place[:2], span_B, *place[2:])
         else:
             acc = over_live_blocks(values_block, jnp.full((B, H, R, K), -0.0, jnp.float32))
         return acc.astype(dtype)

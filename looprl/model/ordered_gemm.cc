@@ -145,7 +145,7 @@ struct Problem {
 // A 64-byte aligned scratch buffer of this thread (slot: which one), reused across calls, so a
 // batched call of many small products allocates nothing per product.
 float* scratch(int slot, int64_t count) {
-  thread_local std::vector<float> buffers[7];
+  thread_local std::vector<float> buffers[8];
   std::vector<float>& b = buffers[slot];
   if (static_cast<int64_t>(b.size()) < count + 16) b.resize(count + 16);
   auto p = reinterpret_cast<uintptr_t>(b.data());
@@ -528,7 +528,8 @@ ffi::Error OrderedBatchedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 //     the 16-slot panel holding slot span[m] - 1 reaches, +0.0 after it.
 //   values: out[m, h, r, d] = ((-0.0 + c_0) + c_1) + ... + c_{n-1}, c_j the fma chain in slot
 //     order from -0.0 of p[m, h, r, j * 128 + s] * value[d] over the block's 128 slots
-//     (ordered_matmul with M = R, K = 128, N = D: one chunk), the adds in block order.
+//     (ordered_matmul with M = R, K = 128, N = D: one chunk), the adds in block order. The
+//     slots at or past span[m] are read only where that can change a bit (attention_values).
 // These are the operations kernels.py's XLA-op form feeds to ordered_batched_matmul after
 // gathering the rotated blocks (one product per (m, h) and block), so the bits are the same;
 // only no K/V block, slot or sub-batch is copied out of the cache first. Every value of
@@ -651,7 +652,7 @@ struct AttentionProblem {
   bool win_bf16;
   const int32_t* rows;           // [M]: batch row of the cache
   const int32_t* offset;         // [M]
-  const int32_t* span;           // [M] (scores only): rotated slots any query of the row sees
+  const int32_t* span;           // [M]: rotated slots any query of the row sees
 };
 
 // Row m's keys (or values) of head h in rotated slot order (the comment above), as fp32.
@@ -769,39 +770,82 @@ void chain_row_pair32(const float* const a[2], const float* const* const brow[2]
 #endif
 }
 
+// Whether any probability of the g heads at pm[i] ([R, Sp] each), query rows r < R, slots
+// [from, to) is not a zero of either sign.
+bool any_probability(const float* const* pm, int64_t g, int64_t r, int64_t sp, int64_t from,
+                     int64_t to) {
+  uint32_t bits = 0;
+  for (int64_t i = 0; i < g; ++i)
+    for (int64_t q = 0; q < r; ++q) {
+      const uint32_t* u = reinterpret_cast<const uint32_t*>(pm[i] + q * sp);
+      for (int64_t t = from; t < to; ++t) bits |= u[t] & 0x7fffffffu;
+    }
+  return bits != 0;
+}
+
+// Whether any of x[0:n] is -0.0 (its bits, not its value).
+bool any_negative_zero(const float* x, int64_t n) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(x);
+  bool found = false;
+  for (int64_t i = 0; i < n; ++i) found |= u[i] == 0x80000000u;
+  return found;
+}
+
 // Heads [h0, h0 + heads) of row m: each head's out = ((-0.0 + c_0) + c_1) + ... (the comment
 // above). A single query row with a head dim of 32 runs two heads at a time.
+//
+// Slots no query of the row sees are not read (issue 18: a decode step's row sees its live
+// keys, a fraction of the block, and reading the rest of the values was most of the call).
+// Block j's chain c_j runs over its first n slots, n = span[m] - 128 j clamped to [0, 128],
+// and stops there when that gives the full chain's bits: the chain past slot n adds
+// fma(p, v, acc) = acc + (p * v) with p a zero of either sign (checked: a probability there
+// that is not a zero, e.g. a padding query row's uniform one, runs the whole block) and v
+// finite (the masked slots' values, which the caller guarantees as for whole blocks, kernels.py
+// module doc), so acc + (+-0) == acc for every acc but -0.0; an output that is -0.0 after n
+// slots (or n = 0: every output -0.0) runs the whole block. So every output is the full
+// chain's, bit for bit.
 void attention_values(const AttentionProblem& p, const float* probs, float* out, int64_t m,
                       int64_t h0, int64_t heads) {
   thread_local std::vector<const float*> rows;
   rows.resize(2 * KEY_BLOCK);
   float* wide = scratch(5, 2 * KEY_BLOCK * p.d);
+  float* part = scratch(7, 2 * p.r * p.d);  // c_j of the (one or two) heads, [g][R][D]
   const bool pairs = p.r == 1 && p.d == 32;
+  const int64_t span = std::clamp<int64_t>(p.span[m], 0, p.live * KEY_BLOCK);
+  const int64_t rd = p.r * p.d;
   for (int64_t h = h0; h < h0 + heads;) {
     const int64_t g = pairs && h + 1 < h0 + heads ? 2 : 1;
     const float* pm[2];
     float* om[2];
-    int64_t slot[2];
     const KeyReader values[2] = {KeyReader(p, m, h), KeyReader(p, m, h + g - 1)};
     for (int64_t i = 0; i < g; ++i) {
       pm[i] = probs + (m * p.h + h + i) * p.r * p.sp;
-      om[i] = out + (m * p.h + h + i) * p.r * p.d;
-      std::fill(om[i], om[i] + p.r * p.d, -0.0f);
+      om[i] = out + (m * p.h + h + i) * rd;
+      std::fill(om[i], om[i] + rd, -0.0f);
     }
     for (int64_t blk = 0; blk < p.live; ++blk) {
-      for (int64_t i = 0; i < g; ++i) {
-        slot[i] = values[i].first(blk);
-        for (int64_t t = 0; t < KEY_BLOCK; ++t, slot[i] = values[i].next(slot[i]))
-          rows[i * KEY_BLOCK + t] = values[i].at(slot[i], wide + (i * KEY_BLOCK + t) * p.d);
+      const float* pb[2] = {pm[0] + blk * KEY_BLOCK, pm[1] + blk * KEY_BLOCK};
+      int64_t n = std::clamp<int64_t>(span - blk * KEY_BLOCK, 0, KEY_BLOCK);
+      if (n == 0 || any_probability(pb, g, p.r, p.sp, n, KEY_BLOCK)) n = KEY_BLOCK;
+      int64_t slot[2] = {values[0].first(blk), values[1].first(blk)};
+      for (int64_t read = 0;;) {
+        for (int64_t i = 0; i < g; ++i)
+          for (int64_t t = read; t < n; ++t, slot[i] = values[i].next(slot[i]))
+            rows[i * KEY_BLOCK + t] = values[i].at(slot[i], wide + (i * KEY_BLOCK + t) * p.d);
+        read = n;
+        std::fill(part, part + g * rd, -0.0f);  // -0.0 + chain == chain, bit for bit
+        if (g == 2) {
+          float* c[2] = {part, part + rd};
+          const float* const* b[2] = {rows.data(), rows.data() + KEY_BLOCK};
+          chain_row_pair32(pb, b, n, c);
+        } else {
+          chain_product(pb[0], p.sp, p.r, rows.data(), p.d, n, part, p.d, /*first=*/false);
+        }
+        if (n == KEY_BLOCK || !any_negative_zero(part, g * rd)) break;
+        n = KEY_BLOCK;  // an output is -0.0: the rest of the chain may make it +0.0
       }
-      if (g == 2) {  // om + c_j: the first add is -0.0 + c_0, as in kernels.py
-        const float* a[2] = {pm[0] + blk * KEY_BLOCK, pm[1] + blk * KEY_BLOCK};
-        const float* const* b[2] = {rows.data(), rows.data() + KEY_BLOCK};
-        chain_row_pair32(a, b, KEY_BLOCK, om);
-      } else {
-        chain_product(pm[0] + blk * KEY_BLOCK, p.sp, p.r, rows.data(), p.d, KEY_BLOCK, om[0],
-                      p.d, /*first=*/false);
-      }
+      for (int64_t i = 0; i < g; ++i)  // om + c_j: the first add is -0.0 + c_0, as in kernels.py
+        for (int64_t e = 0; e < rd; ++e) om[i][e] = om[i][e] + part[i * rd + e];
     }
     h += g;
   }
@@ -888,12 +932,16 @@ ffi::Error OrderedAttentionScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 ffi::Error OrderedAttentionValues(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs,
                                   ffi::AnyBuffer v, ffi::AnyBuffer v_win,
                                   ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> offset,
-                                  ffi::Buffer<ffi::S32> ints, ffi::ResultBuffer<ffi::F32> out) {
+                                  ffi::Buffer<ffi::S32> span, ffi::Buffer<ffi::S32> ints,
+                                  ffi::ResultBuffer<ffi::F32> out) {
   AttentionProblem p;
   const auto pd = probs.dimensions();
   ffi::Error err = attention_problem("looprl_ordered_attention_values", probs, v, v_win, rows,
                                      offset, ints, pd.size() == 4 ? pd[3] : -1, &p);
   if (err.failure()) return err;
+  if (span.element_count() != p.m)
+    return ffi::Error::InvalidArgument("looprl_ordered_attention_values: span is not [M]");
+  p.span = span.typed_data();
   const float* ps = probs.typed_data();
   float* os = out->typed_data();
   const int64_t group = std::min<int64_t>(p.h, 4);  // heads per unit of work (an even count)
@@ -964,6 +1012,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedAttentionScores, OrderedAttentionScor
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedAttentionValues, OrderedAttentionValues,
                               LOOPRL_ATTENTION_HEAD
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlRowArgmax, RowArgmax,

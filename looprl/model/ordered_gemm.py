@@ -273,12 +273,18 @@ def ordered_attention_scores(q_MxHxRxD, k_NxBxSxJxD, k_win_MxCxJxD, rows_M, offs
                            span_M)
 
 
-def ordered_attention_values(p_MxHxRxS, v_NxBxSxJxD, v_win_MxCxJxD, rows_M, offset_M, slot, w0,
-                             live_blocks) -> jax.Array:
+def ordered_attention_values(p_MxHxRxS, v_NxBxSxJxD, v_win_MxCxJxD, rows_M, offset_M, span_M,
+                             slot, w0, live_blocks) -> jax.Array:
     """Attention's value product of one query tile over the same rotated KEY_BLOCK-slot blocks
     and in-place values as `ordered_attention_scores`: `out = ((-0.0 + c_0) + c_1) + ...` over
     the first `live_blocks` blocks, `c_j` what `ordered_matmul` gives `p[m, h, :, block j] @
     values(block j)` (one 128-long fma chain per output); -0.0 when `live_blocks` is 0.
+
+    `span_M[m]`: as in `ordered_attention_scores`, the rotated slots a query of row m sees.
+    The values at or past it are not read where that cannot change a bit: a block's chain
+    stops after the span when every probability past it is a zero and no output of the block
+    is -0.0 there (adding `0 * v` changes only -0.0, for a finite `v`; the caller keeps the
+    masked slots' values finite, kernels.py module doc). Every output is the full chain's.
 
     Args: p (probabilities) `[M, H, R, Sp]` float32, Sp a multiple of KEY_BLOCK >= S; v
       `[N, B, S, J, D]` and v_win `[M, C, J, D]` float32 or bfloat16; the rest as
@@ -287,7 +293,7 @@ def ordered_attention_values(p_MxHxRxS, v_NxBxSxJxD, v_win_MxCxJxD, rows_M, offs
     slots = p_MxHxRxS.shape[-1] if p_MxHxRxS.ndim else 0
     return _attention_call("looprl_ordered_attention_values", p_MxHxRxS, v_NxBxSxJxD,
                            v_win_MxCxJxD, rows_M, offset_M, slot, w0, live_blocks, slots,
-                           v_NxBxSxJxD.shape[-1])
+                           v_NxBxSxJxD.shape[-1], span_M)
 
 
 def _flush(a):

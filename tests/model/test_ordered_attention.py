@@ -69,8 +69,10 @@ def test_scores_and_values_are_the_documented_chains(M, H, J, R, D, N, S, C, w0,
         jnp.asarray(q), jc, jw, rows, offset, span, slot, w0, live, Sp)
     probs = rng.random((M, H, R, Sp)).astype(np.float32)
     probs[..., ::5] = 0.0
-    values = jax.jit(og.ordered_attention_values)(jnp.asarray(probs), jc, jw, rows, offset, slot,
-                                                  w0, live)
+    for m in range(M - 1):  # zero past the span (masked), as the softmax gives them; the last
+        probs[m, ..., span[m]:] = 0.0  # row keeps nonzero ones there (a padding query row's)
+    values = jax.jit(og.ordered_attention_values)(jnp.asarray(probs), jc, jw, rows, offset, span,
+                                                  slot, w0, live)
     keys = _slot_keys(cache, win, rows, slot, w0)
     for m in range(M):
         for h in range(H):
@@ -95,7 +97,8 @@ def test_no_live_block_gives_zeros():
     cache = jnp.ones((1, 2, 10, 2, 16), jnp.float32)
     args = (cache, cache[0, :, :1], np.arange(2, dtype=np.int32), np.zeros(2, np.int32))
     s = og.ordered_attention_scores(q, *args, np.full(2, 10, np.int32), 0, 0, 0, 128)
-    v = og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), *args, 0, 0, 0)
+    v = og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), *args, np.full(2, 10, np.int32),
+                                    0, 0, 0)
     assert np.array_equal(_u32(s), np.zeros((2, 2, 1, 128), np.uint32))
     assert np.array_equal(_u32(v), np.full((2, 2, 1, 16), 0x80000000, np.uint32))
 
@@ -111,16 +114,17 @@ def test_bad_operands_are_named():
                                     128)
     with pytest.raises(ValueError, match=r"are not \[M\]"):
         og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), cache, cache[0, :, :1], rows[:1],
-                                    off, 0, 0, 1)
+                                    off, off, 0, 0, 1)
     with pytest.raises(ValueError, match="window"):
         og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), cache, cache[0, :, :2, :1], rows,
-                                    off, 0, 0, 1)
+                                    off, off, 0, 0, 1)
     with pytest.raises(ValueError, match="one dtype"):
         og.ordered_attention_values(jnp.ones((2, 2, 1, 128)), cache,
-                                    cache[0, :, :1].astype(jnp.bfloat16), rows, off, 0, 0, 1)
+                                    cache[0, :, :1].astype(jnp.bfloat16), rows, off, off, 0, 0,
+                                    1)
     with pytest.raises(ValueError, match="be 0"):
         og.ordered_attention_values(jnp.ones((2, 0, 1, 128)), cache, cache[0, :, :1], rows, off,
-                                    0, 0, 1)
+                                    off, 0, 0, 1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -211,3 +215,37 @@ def test_attention_has_the_bits_of_the_gathered_form(B, C, S, H, J, K, dtype, mo
     got = jax.jit(kn.attention, static_argnums=4)(q, k, v, mask, K ** -0.5)
     want = jax.jit(_gathered_attention, static_argnums=4)(q, k, v, mask, K ** -0.5)
     assert np.array_equal(_u32(got.astype(jnp.float32)), _u32(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("D, R", [(32, 1), (40, 2)])  # the two-head path; chain_product's
+def test_values_past_the_span_keep_the_full_chains_bits(D, R):
+    """The values past a row's span are skipped only where skipping cannot change a bit: an
+    output that is -0.0 after the span's slots runs the whole block (there a masked slot's
+    `+0 * v`, v >= 0, makes it +0.0); so does a block with a nonzero probability past the
+    span. Each output equals the documented full chain (every slot of every live block)."""
+    M, H, J, N, S = 3, 4, 2, 1, 256
+    rng = np.random.default_rng(D + R)
+    cache = rng.standard_normal((N, M, S, J, D)).astype(np.float32)
+    cache[0, 0, :, :, :5] = -0.0  # row 0, head dims 0..4: -0.0 in every slot ...
+    cache[0, 0, 200:, :, 1:3] = 2.0  # ... except past its span, where dims 1, 2 are +2.0
+    win = cache[0, :, :1].copy()
+    rows = np.arange(M, dtype=np.int32)
+    offset = np.zeros(M, np.int32)
+    span = np.array([150, 40, 0], np.int32)  # block 1 partly seen; a short row; no seen slot
+    probs = rng.random((M, H, R, 2 * KB)).astype(np.float32)
+    for m in range(M):
+        probs[m, ..., span[m]:] = 0.0
+    probs[1, 2, 0, 100] = 0.25  # a nonzero probability past row 1's span (head 2)
+    values = og.ordered_attention_values(jnp.asarray(probs), jnp.asarray(cache), jnp.asarray(win),
+                                         rows, offset, span, 0, 0, 2)
+    for m in range(M):
+        for h in range(H):
+            acc = np.full((R, D), -0.0, np.float32)
+            for blk in range(2):
+                block = _rotated_block(cache[0, m], 0, blk, 2 * KB, h // 2)
+                acc = og._flush(acc + og.reference_matmul(probs[m, h, :, blk * KB:(blk + 1) * KB],
+                                                          block))
+            assert np.array_equal(_u32(values[m, h]), _u32(acc)), (m, h)
+    # the test can fail: row 0's dims 1, 2 are +0.0 only because block 1 ran past the span
+    assert np.array_equal(_u32(values[0, :, :, 1:3]), np.zeros((H, R, 2), np.uint32))
+    assert np.array_equal(_u32(values[0, :, :, 3:5]), np.full((H, R, 2), 0x80000000, np.uint32))
