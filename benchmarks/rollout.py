@@ -12,6 +12,10 @@ share of dense's matmul FLOPs; `compaction_speedup_b256`: each policy with row c
 over the same policy without it (`row_compaction=False`), and `uncompacted_vs_dense_b256`
 (speedups against the compacted dense). `*_1p4b_width_b64`: the same for one layer of
 ouro-1.4b width (random weights, gate biased toward early exits), 64 rows, 8 new tokens.
+`deferred` runs its automatic pending bound (`policies.auto_max_pending`), which is 0 from 16
+rows per device (`deferred_max_pending_b256`): dense's execution, since postponing loops cost
+more than it saved at these sizes on a CPU; `deferred_window7_*` is deferred with an explicit
+window of 7 (the automatic bound there before 2026-12-04), what postponing itself costs.
 `flax_vs_torch_decode_b{1,16,128}`: the PyTorch reference's seconds / Flax's (invariant
 kernels), greedy, all loops, each side on the CPU's cores at its better setting: torch the
 faster of its default intra-op threads and 1 thread, Flax the faster of one device and its rows
@@ -99,7 +103,9 @@ THRESHOLDS = (0.9,)  # the b1/b16 sweep (q = 0.5: the 256-row RL batch, `_rl_bat
 B1_Q = 0.9
 POLICIES = ("dense", "deferred", "copy")
 MAX_PENDING = None  # the sampler's default pending bound: policies.auto_max_pending(batch)
-RL_MAX_PENDING = 4  # the RL config's default (`rollout.deferred_max_pending`), reported at b1
+RL_MAX_PENDING = 4  # the RL config's default before 2026-12-04, reported at b1
+WINDOW = 7  # an explicit pending window at 256 / 64 rows, where the automatic one is 0
+WINDOW_KEY = f"deferred_window{WINDOW}"
 REPEATS = 3
 
 
@@ -185,6 +191,8 @@ def _rl_batch(max_new=MAX_NEW):
     configs = {p: dict(kv_policy=p, exit_threshold=RL_Q) for p in POLICIES}
     configs.update({f"{p}_uncompacted": dict(kv_policy=p, exit_threshold=RL_Q,
                                              row_compaction=False) for p in POLICIES})
+    configs[WINDOW_KEY] = dict(kv_policy="deferred", exit_threshold=RL_Q,
+                               deferred_max_pending=WINDOW)
     rbs = {}
     got = _measure_group(mcfg, params, prompts, configs, mcfg.total_ut_steps, max_new=max_new,
                          keep=rbs)
@@ -205,6 +213,8 @@ def _wide_layer():
     params = jax.device_put(jax.tree.map(np.asarray, p))
     prompts = [tok.encode(task.format_prompt(q)) for q in task.train_problems(WIDE_ROWS, 7)]
     configs = {p: dict(kv_policy=p, exit_threshold=RL_Q) for p in POLICIES}
+    configs[WINDOW_KEY] = dict(kv_policy="deferred", exit_threshold=RL_Q,
+                               deferred_max_pending=WINDOW)
     rbs = {}
     got = _measure_group(cfg, params, prompts, configs, cfg.total_ut_steps, max_new=WIDE_NEW,
                          keep=rbs, repeats=2)
@@ -269,9 +279,12 @@ def main() -> dict:
         "mean_exit_loop_copy_b256": r3(rl["copy"]["mean_exit_loop"]),
         "mean_exit_loop_deferred_b256": r3(rl["deferred"]["mean_exit_loop"]),
         "deferred_work_share_of_dense_b256": r3(rl["deferred"]["work_share_of_dense"]),
+        "deferred_max_pending_b256": rl["deferred"]["max_pending"],
+        f"{WINDOW_KEY}_vs_dense_b256": r3(rl[WINDOW_KEY]["vs_dense"]),
+        f"{WINDOW_KEY}_work_share_of_dense_b256": r3(rl[WINDOW_KEY]["work_share_of_dense"]),
         "copy_work_share_of_dense_b256": r3(rl["copy"]["work_share_of_dense"]),
         "decode_tokens_per_s_b256": {p: round(rl[p]["decode_tokens_per_s"], 1)
-                                     for p in POLICIES},
+                                     for p in (*POLICIES, WINDOW_KEY)},
         "uncompacted_vs_dense_b256": {p: r3(rl[f"{p}_uncompacted"]["vs_dense"])
                                       for p in POLICIES},
         "compaction_speedup_b256": {p: r3(rl[p]["decode_tokens_per_s"]
@@ -283,6 +296,7 @@ def main() -> dict:
         "mean_exit_loop_1p4b_width_b64": r3(wide["copy"]["mean_exit_loop"]),
         "deferred_work_share_of_dense_1p4b_width_b64": r3(
             wide["deferred"]["work_share_of_dense"]),
+        f"{WINDOW_KEY}_vs_dense_1p4b_width_b64": r3(wide[WINDOW_KEY]["vs_dense"]),
         "decode_tokens_per_s_1p4b_width_b64": {p: round(wide[p]["decode_tokens_per_s"], 2)
                                                for p in POLICIES},
         "flax_vs_torch_decode_b128": r3(torch_vs[128]["flax_vs_torch"]),

@@ -164,7 +164,9 @@ class RolloutConfig(_Section):
     kv_policy: KVPolicy = "dense"
     kernels: Kernels = "invariant"        # sampler kernels; "stock" needs learner.replay_impl
                                           # forced (or auto): its bits have no invariant replay
-    deferred_max_pending: int = 4         # deferred policy: pending positions before a flush
+    deferred_max_pending: Optional[int] = None  # deferred: pending positions before a flush;
+                                          # none: automatic (by rows per device, 0 from 16 rows:
+                                          # sampling/policies.auto_max_pending)
     prompt_len_multiple: int = 1          # left-pad prompts to a multiple of this many tokens, so
                                           # steps with different prompts share compiled shapes
     noise_keying: NoiseKeying = "completion"  # sampling noise keyed by the token's index in its
@@ -177,9 +179,10 @@ class RolloutConfig(_Section):
         return self.prompts_per_step * self.group_size
 
     def _validate(self):
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "deferred_max_pending",
-                     "prompt_len_multiple"):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "prompt_len_multiple"):
             self._require(getattr(self, name) >= 1, name, "a positive int")
+        self._require(self.deferred_max_pending is None or self.deferred_max_pending >= 0,
+                      "deferred_max_pending", "an int >= 0 or none (automatic)")
         self._require(self.temperature > 0, "temperature", "a float > 0")
         self._require(0 < self.top_p <= 1, "top_p", "a float in (0, 1]")
         self._require(self.top_k >= 0, "top_k", "an int >= 0 (0 = off)")

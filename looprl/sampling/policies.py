@@ -7,7 +7,8 @@
   row are a contiguous suffix and a window of C = max_pending + 1 positions ending at the current
   one covers them. Before each step, a row with max_pending or more positions pending is
   *flushed*: its current position runs every loop (catching all pending positions up to T). The
-  flush is recorded in the schedule (`flush_BxS`).
+  flush is recorded in the schedule (`flush_BxS`). With max_pending 0 (the automatic bound from
+  16 rows per device, `auto_max_pending`) every row is flushed at every step: dense's execution.
 `copy`: loops k+1..T never run; a query at loop d reads this position's K/V from loop min(d, k)
   (vime's LAST_EXITED layout): after the step the position's loop-k K/V is copied into its slots
   k+1..T. Not equal to dense math (an approximation); the learner reproduces it exactly.
@@ -28,9 +29,27 @@ def check_policy(name: str) -> str:
     return name
 
 
+AUTO_DENSE_ROWS = 16  # rows per device from which the automatic pending bound is 0
+
+
 def auto_max_pending(local_rows: int) -> int:
     """The default pending bound for `local_rows` rows per device: 64 // rows - 1, clamped to
-    [7, 63] (63 at batch 1, 15 at 4 rows, 7 from 8 rows on).
+    [7, 63] (63 at batch 1, 15 at 4 rows, 7 at 8 rows), and 0 from AUTO_DENSE_ROWS (16) rows on:
+    no position is left pending, every row is flushed at every step, which is dense's
+    execution, recorded as deferred's (a flush per position).
+
+    Why 0 there (issue 18: deferred must never cost more than dense): postponing a loop pays
+    when a step costs about what its overhead costs, whatever its rows (a small batch, or a
+    weight-bound accelerator); on a compute-bound device it runs dense's work in more, smaller
+    passes. Decode speed of `deferred` over `dense` on a 2-core AVX-512 CPU (2026-12-04,
+    benchmarks/rollout.py's models, 32 new tokens, 5 interleaved rounds; this rule's windows
+    below 16 rows): one layer of Ouro-1.4B width, q = 0.5, 16 new tokens: 0.83 at 4 rows, 0.51
+    at 16, 0.69 at 32 (window 1 or 4: no better above 4 rows); the main job's model (hidden 64,
+    one layer), q = 0.5: 1.18 at 4 rows, 1.08 at 8, 1.01 at 16, 0.88 / 0.77 / 0.77 / 0.92 at
+    32 / 64 / 128 / 256 (window 1 or 4: no better). The one model that gains at any batch is
+    the `tiny` preset (hidden 128, two layers, q = 0.9): 1.2-1.4x up to 128 rows, which it
+    loses under this rule (set `deferred_max_pending` to keep it); the rule is a CPU
+    measurement, so measure an accelerator's own (`benchmarks/rollout.py`) before relying on it.
 
     A flush runs the remaining loops for the whole window, `rows x (max_pending + 1)` chunk
     rows. While that is small, a chunk costs little more than one position (the per-step work
@@ -39,6 +58,8 @@ def auto_max_pending(local_rows: int) -> int:
     the tiny preset (benchmarks/rollout.py, 2026-11-30): at batch 1 and 128 new tokens a window
     of 64 decoded at 3.71x `dense` against 3.33x for 16; at batch 16 (64 new tokens), windows 8
     and 16 were equal and 4 or 32 slower."""
+    if local_rows >= AUTO_DENSE_ROWS:
+        return 0
     return int(min(63, max(7, 64 // max(local_rows, 1) - 1)))
 
 

@@ -123,8 +123,8 @@ class SamplingConfig:
             raise SamplingError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.fixed_depth is not None and not (1 <= self.fixed_depth <= T):
             raise SamplingError(f"fixed_depth must lie in 1..{T}, got {self.fixed_depth}")
-        if self.deferred_max_pending is not None and self.deferred_max_pending < 1:
-            raise SamplingError(f"deferred_max_pending must be >= 1 (or None: automatic), "
+        if self.deferred_max_pending is not None and self.deferred_max_pending < 0:
+            raise SamplingError(f"deferred_max_pending must be >= 0 (or None: automatic), "
                                 f"got {self.deferred_max_pending}")
         if self.kernels not in KERNELS:
             raise SamplingError(f"kernels must be one of {list(KERNELS)}, got {self.kernels!r}")

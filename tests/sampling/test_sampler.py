@@ -377,12 +377,43 @@ def test_default_pending_bound_follows_the_batch_and_forced_reruns_keep_the_reco
                           exit_threshold=0.7, stop_ids=())
     four = generate(CFG, params, PROMPTS, scfg, seed=1)  # 4 rows: 64 // 4 - 1
     one = generate(CFG, params, PROMPTS[:1], scfg, seed=1)
-    many = generate(CFG, params, PROMPTS, scfg, group_size=4, seed=1)  # 16 rows: floor 7
-    assert [r.schedule.deferred_max_pending for r in (one, four, many)] == [63, 15, 7]
-    assert [r.schedule.chunk_size for r in (one, four, many)] == [64, 16, 8]
+    many = generate(CFG, params, PROMPTS, scfg, group_size=4, seed=1)  # 16 rows: none pending
+    assert [r.schedule.deferred_max_pending for r in (one, four, many)] == [63, 15, 0]
+    assert [r.schedule.chunk_size for r in (one, four, many)] == [64, 16, 1]
     again = generate(CFG, params, [[0]], scfg, forced=four)  # re-run: 15, not 63 for 1 prompt
     assert again.schedule.deferred_max_pending == 15
     assert np.array_equal(_bits(again.logprob_BxS), _bits(four.logprob_BxS))
     with pytest.raises(SamplingError, match="sampled with 15"):
         generate(CFG, params, [[0]], dataclasses.replace(scfg, deferred_max_pending=4),
                  forced=four)
+
+
+def test_deferred_with_no_pending_window_is_dense_bit_for_bit_and_replays(params):
+    """`deferred_max_pending=0` (the automatic bound from 16 rows per device): every live row
+    is flushed at every decode step, so the rollout is dense's (tokens, exit loops, log-prob
+    bits, the rows of every loop's pass), recorded as deferred with a flush per decode step;
+    a forced re-run and the learner's replay reproduce its bits."""
+    from looprl.learner.logprobs import batch_logprobs
+    kw = dict(max_new_tokens=9, temperature=1.0, exit_threshold=0.7, stop_ids=(5,))
+    dense = generate(CFG, params, PROMPTS, SamplingConfig(kv_policy="dense", **kw), seed=4)
+    got = generate(CFG, params, PROMPTS, SamplingConfig(kv_policy="deferred",
+                                                        deferred_max_pending=0, **kw), seed=4)
+    assert got.schedule.kv_policy == "deferred" and got.schedule.deferred_max_pending == 0
+    assert got.schedule.chunk_size == 1
+    mask = got.exit_loop_BxS > 0
+    assert (got.exit_loop_BxS[mask] < CFG.total_ut_steps).mean() >= 0.2  # early exits happen
+    np.testing.assert_array_equal(got.tokens_BxS, dense.tokens_BxS)
+    np.testing.assert_array_equal(got.exit_loop_BxS, dense.exit_loop_BxS)
+    assert np.array_equal(_bits(got.logprob_BxS), _bits(dense.logprob_BxS))
+    P = got.schedule.prompt_len
+    decode = mask.copy()
+    decode[:, P] = False  # the prefill emits the first token; each later one is a decode step
+    assert np.array_equal(got.flush_BxS[:, P + 1:], decode[:, P + 1:])
+    assert got.schedule.window_widths == dense.schedule.window_widths == (1,)
+    np.testing.assert_array_equal(got.loop_rows, dense.loop_rows)  # the passes dense ran
+    again = generate(CFG, params, [[0]], SamplingConfig(kv_policy="deferred", **kw),
+                     forced=got)
+    assert again.schedule.deferred_max_pending == 0
+    assert np.array_equal(_bits(again.logprob_BxS), _bits(got.logprob_BxS))
+    lp, _ = batch_logprobs(CFG, params, got, "replay")
+    assert np.array_equal(_bits(np.where(mask, lp, 0)), _bits(np.where(mask, got.logprob_BxS, 0)))
