@@ -49,7 +49,8 @@ def auto_max_pending(local_rows: int) -> int:
     32 / 64 / 128 / 256 (window 1 or 4: no better). The one model that gains at any batch is
     the `tiny` preset (hidden 128, two layers, q = 0.9): 1.2-1.4x up to 128 rows, which it
     loses under this rule (set `deferred_max_pending` to keep it); the rule is a CPU
-    measurement, so measure an accelerator's own (`benchmarks/rollout.py`) before relying on it.
+    measurement, so measure an accelerator's own before relying on it
+    (`benchmarks/deferred_window.py` repeats it side by side).
 
     A flush runs the remaining loops for the whole window, `rows x (max_pending + 1)` chunk
     rows. While that is small, a chunk costs little more than one position (the per-step work

@@ -1,0 +1,102 @@
+"""Where postponing loops pays: `deferred` over `dense` by rows per device (issue 18).
+
+The measurement behind `looprl.sampling.policies.auto_max_pending`'s rule (a pending window of 0,
+dense's execution, from AUTO_DENSE_ROWS = 16 rows per device on). For each model and row count,
+in one process, side by side (`rollout._measure_group`: one warm-up call each, then REPEATS
+interleaved rounds, medians of the decode seconds): `dense`, `deferred` with a postponing
+window (the rule's window below 16 rows: 64 // rows - 1 clamped to [7, 63], i.e. what the
+automatic bound was at every size before 2026-12-04), and `deferred` with the automatic bound.
+Each key is a speedup, dense decode seconds / the configuration's (higher is better; > 1:
+faster than dense): `postpone_vs_dense_{model}_b{rows}` and `auto_vs_dense_{model}_b{rows}`.
+
+Models (`rollout.py`'s): `1p4b`: one layer of Ouro-1.4B width, random weights, gate bias -1,
+q = 0.5, 16 new tokens; `main`: the main job's model (experiments/tiny_arith.py, hidden 64, one
+layer), warm-started so the gate is trained, q = 0.5, 32 new tokens, prompts repeated 8 times as
+in GRPO; `tiny`: the `tiny` preset (hidden 128, two layers), warm-started, q = 0.9, 32 new
+tokens. Temperature 1, stop ids off, one XLA CPU device.
+
+Run: `python benchmarks/deferred_window.py` (no arguments; budget 400 s on 2 CPU cores). Last
+line: JSON.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import rollout as R  # benchmarks/ (sets the XLA device count before jax starts)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from looprl.config import load_experiment  # noqa: E402
+from looprl.model.config import from_model_section, preset  # noqa: E402
+from looprl.model.looped import init_params  # noqa: E402
+from looprl.sampling import policies  # noqa: E402
+from looprl.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from looprl.train.setup import build_tasks  # noqa: E402
+from looprl.train.warm_start import warm_start  # noqa: E402
+
+ROWS = {"1p4b": (4, 16), "main": (8, 16, 64, 256), "tiny": (16, 128)}
+REPEATS = 3
+
+
+def postponing_window(rows: int) -> int:
+    """The automatic bound's window below AUTO_DENSE_ROWS, at any row count."""
+    return int(min(63, max(7, 64 // max(rows, 1) - 1)))
+
+
+def _model(name):
+    """(config, device params, prompts, q, new tokens) of one of the module doc's models."""
+    if name == "main":
+        cfg = load_experiment(R.ROOT / "experiments" / "tiny_arith.py")
+        warm_task, rl_task = build_tasks(cfg)
+        tok = warm_task.tokenizer()
+        mcfg = from_model_section(cfg.model)
+        ws = cfg.warm_start
+        params, _ = warm_start(mcfg, init_params(mcfg, 0), warm_task, tok, steps=300,
+                               batch_size=ws.batch_size, learning_rate=ws.learning_rate, seed=0,
+                               gate_steps=50, entropy_beta=ws.entropy_beta)
+        prompts = [tok.encode(rl_task.format_prompt(p)) for p in rl_task.train_problems(32, 0)]
+        return mcfg, params, [p for p in prompts for _ in range(8)], 0.5, 32
+    task = ArithmeticTask(seed=0)
+    tok = task.tokenizer()
+    if name == "1p4b":
+        mcfg = preset("ouro-1.4b", num_layers=1, vocab_size=tok.vocab_size)
+        params = init_params(mcfg, 0)
+        params["early_exit_gate"]["bias"] = jnp.array([-1.0])
+        prompts = [tok.encode(task.format_prompt(p)) for p in task.train_problems(64, 7)]
+        return mcfg, params, prompts, 0.5, 16
+    mcfg = preset("tiny", vocab_size=tok.vocab_size)
+    params, _ = warm_start(mcfg, init_params(mcfg, 0), task, tok, steps=60, batch_size=32,
+                           learning_rate=3e-3, seed=0, gate_steps=30)
+    prompts = [tok.encode(task.format_prompt(p)) for p in task.train_problems(256, 50_000)]
+    return mcfg, params, prompts, 0.9, 32
+
+
+def main() -> dict:
+    t0 = time.time()
+    out = {"benchmark": "deferred_window", "auto_dense_rows": policies.AUTO_DENSE_ROWS}
+    for name, rows in ROWS.items():
+        mcfg, params, prompts, q, new = _model(name)
+        params = jax.device_put(jax.tree.map(np.asarray, params))
+        for B in rows:
+            configs = {"dense": dict(kv_policy="dense", exit_threshold=q),
+                       "postpone": dict(kv_policy="deferred", exit_threshold=q,
+                                        deferred_max_pending=postponing_window(B)),
+                       "auto": dict(kv_policy="deferred", exit_threshold=q)}
+            got = R._measure_group(mcfg, params, prompts[:B], configs, mcfg.total_ut_steps,
+                                   max_new=new, repeats=2 if name == "1p4b" else REPEATS)
+            dense = got["dense"]["decode_tokens_per_s"]
+            for k in ("postpone", "auto"):
+                out[f"{k}_vs_dense_{name}_b{B}"] = round(got[k]["decode_tokens_per_s"] / dense, 3)
+            out[f"windows_{name}_b{B}"] = {k: got[k]["max_pending"] for k in ("postpone", "auto")}
+            print(name, B, {k: out[f"{k}_vs_dense_{name}_b{B}"] for k in ("postpone", "auto")},
+                  file=sys.stderr)
+    out["wall_s"] = round(time.time() - t0, 1)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
