@@ -48,7 +48,10 @@ CONFIG = ExperimentConfig(
     warm_start=WarmStartConfig(enabled=False),   # GRPO starts from the released weights
     rollout=RolloutConfig(prompts_per_step=16, group_size=8, max_new_tokens=512,
                           temperature=1.0, top_p=1.0, top_k=0, exit_threshold=0.9,
-                          kv_policy="deferred", deferred_max_pending=4,
+                          kv_policy="deferred", deferred_max_pending=4,  # pinned: postpones
+                          # at any batch (the automatic bound, none, is 0 from 16 rows per
+                          # device, where postponing cost more than dense on a CPU:
+                          # benchmarks/deferred_window.py; measure the GPU's before choosing)
                           prompt_len_multiple=64),
     learner=LearnerConfig(logprob_method="hybrid", ppo_epochs=1, minibatches=2,
                           microbatch_size=8, train_gate=False, measure_stock=True),

@@ -818,11 +818,11 @@ void attention_values(const AttentionProblem& p, const float* probs, float* out,
     const float* pm[2];
     float* om[2];
     const KeyReader values[2] = {KeyReader(p, m, h), KeyReader(p, m, h + g - 1)};
-    for (int64_t i = 0; i < g; ++i) {
-      pm[i] = probs + (m * p.h + h + i) * p.r * p.sp;
-      om[i] = out + (m * p.h + h + i) * rd;
-      std::fill(om[i], om[i] + rd, -0.0f);
+    for (int64_t i = 0; i < 2; ++i) {  // a lone head's second entries repeat its first
+      pm[i] = probs + (m * p.h + h + std::min<int64_t>(i, g - 1)) * p.r * p.sp;
+      om[i] = out + (m * p.h + h + std::min<int64_t>(i, g - 1)) * rd;
     }
+    for (int64_t i = 0; i < g; ++i) std::fill(om[i], om[i] + rd, -0.0f);
     for (int64_t blk = 0; blk < p.live; ++blk) {
       const float* pb[2] = {pm[0] + blk * KEY_BLOCK, pm[1] + blk * KEY_BLOCK};
       int64_t n = std::clamp<int64_t>(span - blk * KEY_BLOCK, 0, KEY_BLOCK);

@@ -48,7 +48,10 @@ def auto_max_pending(local_rows: int) -> int:
     one layer), q = 0.5: 1.18 at 4 rows, 1.08 at 8, 1.01 at 16, 0.88 / 0.77 / 0.77 / 0.92 at
     32 / 64 / 128 / 256 (window 1 or 4: no better). The one model that gains at any batch is
     the `tiny` preset (hidden 128, two layers, q = 0.9): 1.2-1.4x up to 128 rows, which it
-    loses under this rule (set `deferred_max_pending` to keep it); the rule is a CPU
+    loses under this rule (set `deferred_max_pending` to keep it). Below 16 rows the windows
+    stay, and there the rule does not keep deferred within dense's cost at every width: at
+    1.4B width 4 rows run at 0.83 of dense (a window of 4: 1.005), while the main job's model
+    and `tiny` gain 1.08-2.1x at 4-8 rows. The rule is a CPU
     measurement, so measure an accelerator's own before relying on it
     (`benchmarks/deferred_window.py` repeats it side by side).
 

@@ -57,8 +57,10 @@ RESUMABLE_KEYS = ("run.out_dir", "run.resume", "run.stop_after", "run.checkpoint
 # keys a resumed run takes from its checkpoint whatever the command line says: they fix how its
 # samples were drawn (a run started before completion-index noise keeps the layout keying) and
 # how its gradients were summed (a run started before the learner's live prefix keeps the whole
-# layout, `learner.seq_bucket=0`: the same log-probs, but the loss in another order)
-INHERITED_KEYS = ("rollout.noise_keying", "learner.seq_bucket")
+# layout, `learner.seq_bucket=0`: the same log-probs, but the loss in another order), and how
+# its deferred rollouts were batched (a run started before the automatic pending bound became
+# the default keeps its `rollout.deferred_max_pending`, 4: the same tokens, another schedule)
+INHERITED_KEYS = ("rollout.noise_keying", "learner.seq_bucket", "rollout.deferred_max_pending")
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

@@ -217,20 +217,21 @@ def test_attention_has_the_bits_of_the_gathered_form(B, C, S, H, J, K, dtype, mo
     assert np.array_equal(_u32(got.astype(jnp.float32)), _u32(want.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("D, R", [(32, 1), (40, 2)])  # the two-head path; chain_product's
-def test_values_past_the_span_keep_the_full_chains_bits(D, R):
+@pytest.mark.parametrize("D, R, off", [(32, 1, 0), (40, 2, 0), (32, 1, 37)])  # the two-head
+def test_values_past_the_span_keep_the_full_chains_bits(D, R, off):  # path; chain_product's
     """The values past a row's span are skipped only where skipping cannot change a bit: an
     output that is -0.0 after the span's slots runs the whole block (there a masked slot's
     `+0 * v`, v >= 0, makes it +0.0); so does a block with a nonzero probability past the
     span. Each output equals the documented full chain (every slot of every live block)."""
     M, H, J, N, S = 3, 4, 2, 1, 256
-    rng = np.random.default_rng(D + R)
+    rng = np.random.default_rng(D + R + off)
     cache = rng.standard_normal((N, M, S, J, D)).astype(np.float32)
     cache[0, 0, :, :, :5] = -0.0  # row 0, head dims 0..4: -0.0 in every slot ...
-    cache[0, 0, 200:, :, 1:3] = 2.0  # ... except past its span, where dims 1, 2 are +2.0
+    late = (np.arange(S) - off) % S >= 240  # ... except in its last rotated slots, far past the
+    cache[0, 0, late, :, 1:3] = 2.0  # span (a re-read that restarts misaligned misses them)
     win = cache[0, :, :1].copy()
     rows = np.arange(M, dtype=np.int32)
-    offset = np.zeros(M, np.int32)
+    offset = np.full(M, off, np.int32)
     span = np.array([150, 40, 0], np.int32)  # block 1 partly seen; a short row; no seen slot
     probs = rng.random((M, H, R, 2 * KB)).astype(np.float32)
     for m in range(M):
@@ -242,7 +243,7 @@ def test_values_past_the_span_keep_the_full_chains_bits(D, R):
         for h in range(H):
             acc = np.full((R, D), -0.0, np.float32)
             for blk in range(2):
-                block = _rotated_block(cache[0, m], 0, blk, 2 * KB, h // 2)
+                block = _rotated_block(cache[0, m], off, blk, 2 * KB, h // 2)
                 acc = og._flush(acc + og.reference_matmul(probs[m, h, :, blk * KB:(blk + 1) * KB],
                                                           block))
             assert np.array_equal(_u32(values[m, h]), _u32(acc)), (m, h)

@@ -1,6 +1,8 @@
 """A run resumes with the settings it started with (issue 14): a checkpoint whose config
 predates `rollout.noise_keying` was sampled with the layout keying, and keeps it; one that
-predates `learner.seq_bucket` trained on the whole layout, and keeps doing so."""
+predates `learner.seq_bucket` trained on the whole layout, and keeps doing so; one that ran with
+the old default `rollout.deferred_max_pending=4` keeps it (resuming it failed on the new
+default before the key was inherited)."""
 import json
 
 from looprl.config import ExperimentConfig, to_json
@@ -27,3 +29,17 @@ def test_resume_of_a_new_run_changes_nothing(tmp_path):
     cfg = ExperimentConfig()
     (tmp_path / CONFIG_IN_CHECKPOINT).write_text(to_json(cfg))
     assert load_resume_point(tmp_path, cfg) == cfg
+
+
+def test_resume_keeps_the_deferred_window_it_was_sampled_with(tmp_path):
+    cfg = ExperimentConfig()
+    assert cfg.rollout.deferred_max_pending is None  # automatic since 2026-12-04
+    saved = cfg.replace(rollout=cfg.rollout.replace(kv_policy="deferred",
+                                                    deferred_max_pending=4))
+    (tmp_path / CONFIG_IN_CHECKPOINT).write_text(to_json(saved))
+    now = cfg.replace(rollout=cfg.rollout.replace(kv_policy="deferred"))
+    said = []
+    resumed = load_resume_point(tmp_path, now, said.append)
+    assert resumed.rollout.deferred_max_pending == 4
+    assert said == ["resuming with the run's own rollout.deferred_max_pending=4"]
+    assert resumed == saved
