@@ -707,34 +707,68 @@ void transpose_rows8(const float* const* src, int64_t d, float* dst, int64_t ld)
     for (int i = 0; i < 8; ++i) dst[e * ld + i] = src[i][e];
 }
 
-void attention_scores(const AttentionProblem& p, const float* q, float* out, int64_t mh) {
-  const int64_t m = mh / p.h, h = mh % p.h;
-  const KeyReader keys(p, m, h);
+// Where row m's key (or value) at (unclipped) slot `slot` lives: the window or the cache, and
+// the element offset of its kv head 0 (kv head c is c * D further on), as KeyReader::at.
+struct SlotSource {
+  const void* base;
+  bool bf16;
+  int64_t at;
+};
+
+inline SlotSource slot_source(const AttentionProblem& p, int64_t m, int64_t slot) {
+  slot = std::min(slot, p.s - 1);
+  if (slot >= p.w0 && slot < p.w0 + p.c)
+    return {p.win, p.win_bf16, (m * p.c + (slot - p.w0)) * p.j * p.d};
+  return {p.cache, p.cache_bf16, ((p.slot * p.b + p.rows[m]) * p.s + slot) * p.j * p.d};
+}
+
+// The scores of row m for kv heads [kv0, kv0 + kvn) and every query head reading them. Each
+// group of 8 slots is read once for all kvn kv heads (a slot's heads are contiguous, so a small
+// head dim reads whole cache lines, not a head's share of each), each kv head's keys transposed
+// into its own [D][128] block, then each query head's chains run on its kv head's block: the
+// same chain_product calls on the same values as one (row, head) at a time.
+void attention_scores(const AttentionProblem& p, const float* q, float* out, int64_t m,
+                      int64_t kv0, int64_t kvn) {
+  const KeyReader order(p, m, 0);  // first / next: the rotated slot order
+  const int64_t group = p.h / p.j;
   thread_local std::vector<const float*> rows;
   rows.resize(p.d);
-  float* kt = scratch(5, p.d * KEY_BLOCK);  // the block's keys, transposed: [D][128]
-  float* wide = scratch(6, 8 * p.d);
-  const float* qm = q + mh * p.r * p.d;
-  float* om = out + mh * p.r * p.sp;
+  float* kt = scratch(5, kvn * p.d * KEY_BLOCK);  // kv head c's keys, transposed: [D][128]
+  float* wide = scratch(6, kvn * 8 * p.d);
   const int64_t span = std::clamp<int64_t>(p.span[m], 0, p.live * KEY_BLOCK);
   for (int64_t blk = 0; blk * KEY_BLOCK < span; ++blk) {
     const int64_t cols = std::min(KEY_BLOCK, (span - blk * KEY_BLOCK + 15) / 16 * 16);
-    int64_t slot = keys.first(blk);
+    int64_t slot = order.first(blk);
     for (int64_t t = 0; t < cols; t += 8) {
-      const float* eight[8];
-      for (int i = 0; i < 8; ++i, slot = keys.next(slot)) eight[i] = keys.at(slot, wide + i * p.d);
-      transpose_rows8(eight, p.d, kt + t, KEY_BLOCK);
+      SlotSource src[8];
+      for (int i = 0; i < 8; ++i, slot = order.next(slot)) src[i] = slot_source(p, m, slot);
+      for (int64_t c = 0; c < kvn; ++c) {
+        const float* eight[8];
+        for (int i = 0; i < 8; ++i)
+          eight[i] = as_fp32(src[i].base, src[i].bf16, src[i].at + (kv0 + c) * p.d, p.d,
+                             wide + (c * 8 + i) * p.d);
+        transpose_rows8(eight, p.d, kt + c * p.d * KEY_BLOCK + t, KEY_BLOCK);
+      }
     }
-    for (int64_t e = 0; e < p.d; ++e) rows[e] = kt + e * KEY_BLOCK;
-    for (int64_t k0 = 0; k0 < p.d; k0 += KC)
-      chain_product(qm + k0, p.d, p.r, rows.data() + k0, cols, std::min(KC, p.d - k0),
-                    om + blk * KEY_BLOCK, p.sp, k0 == 0);
-    for (int64_t r = 0; r < p.r; ++r)
-      std::fill(om + r * p.sp + blk * KEY_BLOCK + cols, om + r * p.sp + (blk + 1) * KEY_BLOCK,
-                0.0f);
+    for (int64_t c = 0; c < kvn; ++c) {
+      for (int64_t e = 0; e < p.d; ++e) rows[e] = kt + (c * p.d + e) * KEY_BLOCK;
+      for (int64_t h = (kv0 + c) * group; h < (kv0 + c + 1) * group; ++h) {
+        const float* qm = q + (m * p.h + h) * p.r * p.d;
+        float* om = out + (m * p.h + h) * p.r * p.sp;
+        for (int64_t k0 = 0; k0 < p.d; k0 += KC)
+          chain_product(qm + k0, p.d, p.r, rows.data() + k0, cols, std::min(KC, p.d - k0),
+                        om + blk * KEY_BLOCK, p.sp, k0 == 0);
+        for (int64_t r = 0; r < p.r; ++r)
+          std::fill(om + r * p.sp + blk * KEY_BLOCK + cols,
+                    om + r * p.sp + (blk + 1) * KEY_BLOCK, 0.0f);
+      }
+    }
   }
   const int64_t done = (span + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-  for (int64_t r = 0; r < p.r; ++r) std::fill(om + r * p.sp + done, om + (r + 1) * p.sp, 0.0f);
+  for (int64_t h = kv0 * group; h < (kv0 + kvn) * group; ++h) {
+    float* om = out + (m * p.h + h) * p.r * p.sp;
+    for (int64_t r = 0; r < p.r; ++r) std::fill(om + r * p.sp + done, om + (r + 1) * p.sp, 0.0f);
+  }
 }
 
 // One query row of two heads at once, 32 columns each (a head dim of 32, the tiny presets'):
@@ -925,7 +959,15 @@ ffi::Error OrderedAttentionScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.span = span.typed_data();
   const float* qs = q.typed_data();
   float* os = out->typed_data();
-  run_heads(pool, p.m * p.h, [&](int64_t mh) { attention_scores(p, qs, os, mh); });
+  // units of (row, kv heads read together): up to 256 / D of them (a 1 KB slot share at most,
+  // scratch of at most 128 KB), one when the rows alone give each pool thread few units
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t kvc = p.m >= 4 * threads ? std::clamp<int64_t>(256 / p.d, 1, p.j) : 1;
+  const int64_t chunks = (p.j + kvc - 1) / kvc;
+  run_heads(pool, p.m * chunks, [&](int64_t u) {
+    const int64_t m = u / chunks, kv0 = (u % chunks) * kvc;
+    attention_scores(p, qs, os, m, kv0, std::min(kvc, p.j - kv0));
+  });
   return ffi::Error::Success();
 }
 

@@ -54,6 +54,8 @@ def _case(rng, M, H, J, R, D, N, B, S, C, dtype):
     (2, 2, 2, 5, 16, 2, 129, 7, 200, 2),    # w0 past the end (clamped), 5 rows (4 + 1)
     (1, 2, 1, 2, 128, 3, 260, 260, 0, 3),   # the window is the whole slot (the learner's)
     (2, 5, 5, 1, 32, 1, 200, 1, 150, 2),    # one query, head dim 32: heads in pairs, one left
+    (17, 4, 2, 1, 32, 2, 200, 1, 150, 2),   # 17 rows: a row's kv heads read together (GQA)
+    (16, 6, 3, 2, 128, 1, 300, 3, 100, 3),  # head dim 128: kv heads two at a time, one left
 ])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_scores_and_values_are_the_documented_chains(M, H, J, R, D, N, S, C, w0, live, dtype):
