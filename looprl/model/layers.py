@@ -45,7 +45,11 @@ def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, 
     is slot `slot` of that cache at those batch rows, read in place (`kernels.attention_cached`:
     the sampler's form, not differentiable).
     """
-    mm = kn.stock_matmul if stock else kn.matmul
+    def mm(x, w):  # a LayerWeight (the sampler's layer loop) is read in place
+        if isinstance(w, kn.LayerWeight):
+            return kn.layer_matmul(x, w)
+        return kn.stock_matmul(x, w) if stock else kn.matmul(x, w)
+
     attend = kn.stock_attention if stock else kn.attention
     B, C, _ = x_BxCxD.shape
     H, J, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -101,6 +105,9 @@ def _from_bits(a, dtype):
     return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
 
 
+MATMUL_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_LxBxSxJxK,
                v_LxBxSxJxK, write_BxC, w0, stock: bool = False, bits: bool = False,
                loop=None, rows_B=None):
@@ -133,7 +140,11 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
     mask = key_mask(layout_C, pad_B, S)
 
     stack, dt = w["layers"], w["norm"].dtype
-    xs_layers = {k: layer_bits(v) for k, v in stack.items()} if bits else stack
+    # the sampler's form reads each matmul weight of the compute dtype in place at its layer
+    # (kernels.layer_matmul; a scan slice of it would be a copy per layer pass)
+    in_place = (set() if loop is None or stock or not bits or not kn.reads_layers_in_place()
+                else {k for k in MATMUL_WEIGHTS if k in stack and stack[k].dtype == dt})
+    xs_layers = {k: layer_bits(v) if bits else v for k, v in stack.items() if k not in in_place}
 
     def body(x, xs):
         lw, kv = xs
@@ -145,6 +156,7 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
         if bits:
             lw = {k: _from_bits(v, stack[k].dtype) for k, v in lw.items()}
         lw = {k: v.astype(dt) for k, v in lw.items()}  # this layer only (`cast_weights`)
+        lw.update({k: kn.LayerWeight(stack[k], kv) for k in in_place})
         y, k_win, v_win = decoder_layer(cfg, lw, x, cos, sin, k_slot, v_slot, write_BxC, w0,
                                         mask, stock, cached)
         return y, (k_win, v_win)

@@ -472,6 +472,39 @@ ffi::Error OrderedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   return ffi::Error::Success();
 }
 
+// x @ w[layer] for a stack w [L, K, N]: layer `layer` read in place (the layer loop's slice of
+// the stack would otherwise be a copy of the weight made for the call), the same values, so
+// OrderedMatmul's bits. A layer outside [0, L) fails the call.
+ffi::Error OrderedMatmulLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "looprl_ordered_matmul_layer: expected x [M, K], w [L, K, N] and a layer index");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("looprl_ordered_matmul_layer: w must be float32 or "
+                                       "bfloat16");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0])
+    return ffi::Error::InvalidArgument("looprl_ordered_matmul_layer: layer index outside the "
+                                       "stack");
+  const char* base = static_cast<const char*>(w.untyped_data());
+  const void* wl = base + l * wd[1] * wd[2] * (bf16 ? 2 : 4);
+  const Problem p{x.typed_data(), wl, bf16, out->typed_data(), xd[0], xd[1], wd[2]};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.k == 0) {
+    std::fill(p.out, p.out + p.m * p.n, -0.0f);
+    return ffi::Error::Success();
+  }
+  product_tasks(p, pool.num_threads(), [&pool](int64_t tasks,
+                                              std::function<void(int64_t)> one) {
+    run_tasks(pool, tasks, std::move(one));
+  });
+  return ffi::Error::Success();
+}
+
 // Z independent products x[z] @ w[z] (TRANSPOSED: x[z] @ w[z]^T, w[z] given as [N, K], copied
 // to [K, N] first: a copy moves no bits), one task per z, each product exactly as a single
 // call of that shape computes it: the same numerics per output, whatever Z.
@@ -1026,6 +1059,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedMatmul, OrderedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LooprlOrderedMatmulLayer, OrderedMatmulLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 #define LOOPRL_BATCHED_BINDING                \

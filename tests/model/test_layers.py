@@ -113,3 +113,38 @@ def test_embedding_gradient_is_the_plain_gather_gradient():
             return jnp.sum(jnp.take(t.astype(dt), tok, axis=0).astype(jnp.float32) ** 2)
         assert np.array_equal(np.asarray(jax.grad(ours)(table)).view(np.uint32),
                               np.asarray(jax.grad(plain)(table)).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sampler_form_reads_each_layers_matmul_weights_in_place(dtype, monkeypatch):
+    """The sampler's form (`loop=`, `bits=True`) gives the kernel the stacked weight and the
+    layer index (`kernels.layer_matmul`), so the compiled pass slices no matmul weight out of
+    its stack (a copy per layer pass: 46 MB a weight at Ouro-1.4B's MLP widths in fp32); the
+    same bits as the sliced weights (`reads_layers_in_place` off)."""
+    from looprl.model import kernels as kn
+    B, C, S, T = 3, 1, 8, 2
+    L, Hkv, K = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim
+    D, F = CFG.hidden_size, CFG.intermediate_size
+    w = cast_weights(init_params(CFG, 0), dtype)
+    w["layers"] = jax.tree.map(lambda a: a.astype(dtype), w["layers"])
+    x = jax.random.normal(jax.random.key(1), (B, C, D)).astype(dtype)
+    cache = jax.random.normal(jax.random.key(2), (T, L, B, S, Hkv, K)).astype(dtype)
+
+    def program():  # a new function each time: jit's cache would keep the first trace
+        def f(w, x, cache):
+            pos = jnp.full((B, C), 5)
+            return stack_pass(CFG, w, x, pos, jnp.arange(5, 5 + C), jnp.zeros((B,), jnp.int32),
+                              cache, cache, jnp.ones((B, C), bool), 5, bits=True,
+                              loop=jnp.int32(1))
+        f = jax.jit(f)
+        return f.lower(w, x, cache).compile().as_text(), f(w, x, cache)
+    text, got = program()
+    assert "looprl_ordered_matmul_layer" in text
+    weight = re.compile(rf"(f32|bf16|u16)\[({D},{F}|{F},{D})\]\S* (dynamic-slice|fusion)")
+    assert not weight.search(text)
+    monkeypatch.setattr(kn, "reads_layers_in_place", lambda: False)
+    sliced_text, want = program()
+    assert weight.search(sliced_text)  # the probe sees the slices where they are made
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.array_equal(np.asarray(a, np.float32).view(np.uint32),
+                              np.asarray(b, np.float32).view(np.uint32))

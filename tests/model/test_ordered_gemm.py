@@ -142,3 +142,32 @@ def test_subnormals_flush_to_zero_and_infinities_pass_through():
         y = og.ordered_matmul(jnp.asarray(a), jnp.asarray(b))
         assert np.array_equal(_u32(y), _u32(og.reference_matmul(a, b)))
     assert np.all(np.asarray(og.ordered_matmul(jnp.asarray(x), jnp.asarray(w))) == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_stacked_weight_read_in_place_gives_the_slices_bits(dtype):
+    """`kernels.layer_matmul` (the sampler's layer loop: `ordered_matmul_layer` reads layer l of
+    the `[L, K, N]` stack in place) equals `matmul` on the sliced layer bit for bit, at every
+    layer of a scan over the stack (a traced index) and past 300 rows (packed path, several
+    column tasks); a layer outside the stack fails the call."""
+    rng = np.random.default_rng(3)
+    stack = jnp.asarray(rng.standard_normal((3, 130, 600)).astype(np.float32), dtype)
+    x = jnp.asarray(rng.standard_normal((2, 170, 130)).astype(np.float32), dtype)
+
+    def scan(use_layer):
+        def body(c, l):
+            w = kn.LayerWeight(stack, l)
+            y = (kn.layer_matmul(x, w) if use_layer
+                 else kn.matmul(x, jax.lax.dynamic_index_in_dim(stack, l, 0, False)))
+            return c, y
+        return jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))[1])()
+
+    got, want = scan(True), scan(False)
+    assert got.shape == (3, 2, 170, 600) and got.dtype == dtype
+    assert np.array_equal(np.asarray(got, np.float32).view(np.uint32),
+                          np.asarray(want, np.float32).view(np.uint32))
+    assert kn.reads_layers_in_place()  # the test ran the in-place kernel (XLA CPU, ordered)
+    with pytest.raises(Exception, match="layer index outside the stack"):
+        og.ordered_matmul_layer(x[0].astype(jnp.float32), stack, 3).block_until_ready()
+    with pytest.raises(ValueError, match=r"\[L, K, N\]"):
+        og.ordered_matmul_layer(x[0].astype(jnp.float32), stack[0], 0)
