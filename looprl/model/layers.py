@@ -143,6 +143,7 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
     # the sampler's form reads each matmul weight of the compute dtype in place at its layer
     # (kernels.layer_matmul; a scan slice of it would be a copy per layer pass)
     in_place = (set() if loop is None or stock or not bits or not kn.reads_layers_in_place()
+                or dt not in (jnp.float32, jnp.bfloat16)  # the kernel's weight dtypes
                 else {k for k in MATMUL_WEIGHTS if k in stack and stack[k].dtype == dt})
     xs_layers = {k: layer_bits(v) if bits else v for k, v in stack.items() if k not in in_place}
 
