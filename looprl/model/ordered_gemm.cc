@@ -450,16 +450,9 @@ void run_tasks(ffi::ThreadPool& pool, int64_t tasks, std::function<void(int64_t)
   s->cv.wait(lock, [&] { return s->done == s->tasks; });
 }
 
-ffi::Error OrderedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                         ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("looprl_ordered_matmul: expected x [M, K] and w [K, N]");
-  const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  if (!bf16 && w.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("looprl_ordered_matmul: w must be float32 or bfloat16");
-  const Problem p{x.typed_data(), w.untyped_data(), bf16, out->typed_data(), xd[0], xd[1], wd[1]};
+// One product on XLA's pool (OrderedMatmul, OrderedMatmulLayer): an empty output is done, a
+// zero-length contraction is -0.0 (every chain's start).
+ffi::Error run_product(ffi::ThreadPool& pool, const Problem& p) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {
     std::fill(p.out, p.out + p.m * p.n, -0.0f);
@@ -470,6 +463,19 @@ ffi::Error OrderedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     run_tasks(pool, tasks, std::move(one));
   });
   return ffi::Error::Success();
+}
+
+ffi::Error OrderedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("looprl_ordered_matmul: expected x [M, K] and w [K, N]");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("looprl_ordered_matmul: w must be float32 or bfloat16");
+  return run_product(pool, {x.typed_data(), w.untyped_data(), bf16, out->typed_data(), xd[0],
+                            xd[1], wd[1]});
 }
 
 // x @ w[layer] for a stack w [L, K, N]: layer `layer` read in place (the layer loop's slice of
@@ -492,17 +498,7 @@ ffi::Error OrderedMatmulLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
                                        "stack");
   const char* base = static_cast<const char*>(w.untyped_data());
   const void* wl = base + l * wd[1] * wd[2] * (bf16 ? 2 : 4);
-  const Problem p{x.typed_data(), wl, bf16, out->typed_data(), xd[0], xd[1], wd[2]};
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.k == 0) {
-    std::fill(p.out, p.out + p.m * p.n, -0.0f);
-    return ffi::Error::Success();
-  }
-  product_tasks(p, pool.num_threads(), [&pool](int64_t tasks,
-                                              std::function<void(int64_t)> one) {
-    run_tasks(pool, tasks, std::move(one));
-  });
-  return ffi::Error::Success();
+  return run_product(pool, {x.typed_data(), wl, bf16, out->typed_data(), xd[0], xd[1], wd[2]});
 }
 
 // Z independent products x[z] @ w[z] (TRANSPOSED: x[z] @ w[z]^T, w[z] given as [N, K], copied
@@ -688,16 +684,28 @@ struct AttentionProblem {
   const int32_t* span;           // [M]: rotated slots any query of the row sees
 };
 
+// Where row m's key (or value) at (unclipped) slot `slot` lives: the window or the cache, and
+// the element offset of its kv head 0 (kv head c is c * D further on).
+struct SlotSource {
+  const void* base;
+  bool bf16;
+  int64_t at;
+};
+
+inline SlotSource slot_source(const AttentionProblem& p, int64_t m, int64_t slot) {
+  slot = std::min(slot, p.s - 1);
+  if (slot >= p.w0 && slot < p.w0 + p.c)
+    return {p.win, p.win_bf16, (m * p.c + (slot - p.w0)) * p.j * p.d};
+  return {p.cache, p.cache_bf16, ((p.slot * p.b + p.rows[m]) * p.s + slot) * p.j * p.d};
+}
+
 // Row m's keys (or values) of head h in rotated slot order (the comment above), as fp32.
 struct KeyReader {
   const AttentionProblem& p;
-  int64_t m, cache_at, win_at;  // element offsets of slot 0 of row m's cache row, and window
+  int64_t m, kv_at;  // kv_at: element offset of head h's kv head within a slot
 
-  KeyReader(const AttentionProblem& p_, int64_t m_, int64_t h) : p(p_), m(m_) {
-    const int64_t kv = h / (p.h / p.j);
-    cache_at = ((p.slot * p.b + p.rows[m]) * p.s * p.j + kv) * p.d;
-    win_at = (m * p.c * p.j + kv) * p.d;
-  }
+  KeyReader(const AttentionProblem& p_, int64_t m_, int64_t h)
+      : p(p_), m(m_), kv_at(h / (p_.h / p_.j) * p_.d) {}
   // The slot of rotated slot blk * KEY_BLOCK (then step with `next`).
   int64_t first(int64_t blk) const {
     int64_t slot = (blk * KEY_BLOCK + p.offset[m]) % p.sp;
@@ -706,10 +714,8 @@ struct KeyReader {
   int64_t next(int64_t slot) const { return slot + 1 == p.sp ? 0 : slot + 1; }
   // Key at (unclipped) slot: in place, or widened into `wide` (bf16).
   const float* at(int64_t slot, float* wide) const {
-    slot = std::min(slot, p.s - 1);
-    if (slot >= p.w0 && slot < p.w0 + p.c)
-      return as_fp32(p.win, p.win_bf16, win_at + (slot - p.w0) * p.j * p.d, p.d, wide);
-    return as_fp32(p.cache, p.cache_bf16, cache_at + slot * p.j * p.d, p.d, wide);
+    const SlotSource src = slot_source(p, m, slot);
+    return as_fp32(src.base, src.bf16, src.at + kv_at, p.d, wide);
   }
 };
 
@@ -738,21 +744,6 @@ void transpose_rows8(const float* const* src, int64_t d, float* dst, int64_t ld)
 #endif
   for (; e < d; ++e)
     for (int i = 0; i < 8; ++i) dst[e * ld + i] = src[i][e];
-}
-
-// Where row m's key (or value) at (unclipped) slot `slot` lives: the window or the cache, and
-// the element offset of its kv head 0 (kv head c is c * D further on), as KeyReader::at.
-struct SlotSource {
-  const void* base;
-  bool bf16;
-  int64_t at;
-};
-
-inline SlotSource slot_source(const AttentionProblem& p, int64_t m, int64_t slot) {
-  slot = std::min(slot, p.s - 1);
-  if (slot >= p.w0 && slot < p.w0 + p.c)
-    return {p.win, p.win_bf16, (m * p.c + (slot - p.w0)) * p.j * p.d};
-  return {p.cache, p.cache_bf16, ((p.slot * p.b + p.rows[m]) * p.s + slot) * p.j * p.d};
 }
 
 // The scores of row m for kv heads [kv0, kv0 + kvn) and every query head reading them. Each

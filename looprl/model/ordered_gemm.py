@@ -160,17 +160,23 @@ def _registered() -> str:
     return TARGET
 
 
+def _check_product(name: str, x_MxK, w, w_dims: str) -> None:
+    """Raises ValueError naming `name` unless x is a float32 `[M, K]` and w a float32 or
+    bfloat16 weight of dims `w_dims` (`[K, N]`, or a stack `[L, K, N]`) contracting over K."""
+    rank = w_dims.count(",") + 1
+    if x_MxK.ndim != 2 or w.ndim != rank or x_MxK.shape[1] != w.shape[-2]:
+        raise ValueError(f"{name}: x {x_MxK.shape} and w {w.shape} are not [M, K] and {w_dims}")
+    if x_MxK.dtype != jnp.float32 or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name}: x must be float32 (got {x_MxK.dtype}) and w float32 or "
+                         f"bfloat16 (got {w.dtype})")
+
+
 def ordered_matmul(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
     """`x @ w` in fp32 in the fixed order of the module doc. x: `[M, K]` float32; w: `[K, N]`
     float32 or bfloat16 (widened exactly). Returns `[M, N]` float32. XLA CPU only (an FFI
     target registered for the CPU platform). Raises ValueError for other ranks, dtypes or a
     contraction mismatch (at trace time), ConfigError if the kernel cannot be built."""
-    if x_MxK.ndim != 2 or w_KxN.ndim != 2 or x_MxK.shape[1] != w_KxN.shape[0]:
-        raise ValueError(f"ordered_matmul: x {x_MxK.shape} and w {w_KxN.shape} are not "
-                         "[M, K] and [K, N]")
-    if x_MxK.dtype != jnp.float32 or w_KxN.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"ordered_matmul: x must be float32 (got {x_MxK.dtype}) and w float32 "
-                         f"or bfloat16 (got {w_KxN.dtype})")
+    _check_product("ordered_matmul", x_MxK, w_KxN, "[K, N]")
     out = jax.ShapeDtypeStruct((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(_registered(), out, vmap_method="sequential")(x_MxK, w_KxN)
 
@@ -182,12 +188,7 @@ def ordered_matmul_layer(x_MxK: jax.Array, w_LxKxN: jax.Array, layer) -> jax.Arr
     same bits. x: `[M, K]` float32; w: `[L, K, N]` float32 or bfloat16; layer: an int scalar
     (may be traced; one outside [0, L) fails the call). Returns `[M, N]` float32. Raises
     ValueError for other ranks, dtypes or a contraction mismatch (at trace time)."""
-    if x_MxK.ndim != 2 or w_LxKxN.ndim != 3 or x_MxK.shape[1] != w_LxKxN.shape[1]:
-        raise ValueError(f"ordered_matmul_layer: x {x_MxK.shape} and w {w_LxKxN.shape} are not "
-                         "[M, K] and [L, K, N]")
-    if x_MxK.dtype != jnp.float32 or w_LxKxN.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"ordered_matmul_layer: x must be float32 (got {x_MxK.dtype}) and w "
-                         f"float32 or bfloat16 (got {w_LxKxN.dtype})")
+    _check_product("ordered_matmul_layer", x_MxK, w_LxKxN, "[L, K, N]")
     _registered()
     out = jax.ShapeDtypeStruct((x_MxK.shape[0], w_LxKxN.shape[2]), jnp.float32)
     return jax.ffi.ffi_call("looprl_ordered_matmul_layer", out, vmap_method="sequential")(
