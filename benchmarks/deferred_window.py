@@ -26,17 +26,7 @@ import time
 
 import rollout as R  # benchmarks/ (sets the XLA device count before jax starts)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from looprl.config import load_experiment  # noqa: E402
-from looprl.model.config import from_model_section, preset  # noqa: E402
-from looprl.model.looped import init_params  # noqa: E402
 from looprl.sampling import policies  # noqa: E402
-from looprl.tasks.arithmetic import ArithmeticTask  # noqa: E402
-from looprl.train.setup import build_tasks  # noqa: E402
-from looprl.train.warm_start import warm_start  # noqa: E402
 
 ROWS = {"1p4b": (4, 16), "main": (8, 16, 64, 256), "tiny": (16, 128)}
 REPEATS = 3
@@ -48,31 +38,15 @@ def postponing_window(rows: int) -> int:
 
 
 def _model(name):
-    """(config, device params, prompts, q, new tokens) of one of the module doc's models."""
+    """(config, device params, prompts, q, new tokens) of one of the module doc's models
+    (`rollout.py`'s builders)."""
     if name == "main":
-        cfg = load_experiment(R.ROOT / "experiments" / "tiny_arith.py")
-        warm_task, rl_task = build_tasks(cfg)
-        tok = warm_task.tokenizer()
-        mcfg = from_model_section(cfg.model)
-        ws = cfg.warm_start
-        params, _ = warm_start(mcfg, init_params(mcfg, 0), warm_task, tok, steps=300,
-                               batch_size=ws.batch_size, learning_rate=ws.learning_rate, seed=0,
-                               gate_steps=50, entropy_beta=ws.entropy_beta)
-        prompts = [tok.encode(rl_task.format_prompt(p)) for p in rl_task.train_problems(32, 0)]
-        return mcfg, params, [p for p in prompts for _ in range(8)], 0.5, 32
-    task = ArithmeticTask(seed=0)
-    tok = task.tokenizer()
+        return (*R.main_job_model(), 0.5, 32)
     if name == "1p4b":
-        mcfg = preset("ouro-1.4b", num_layers=1, vocab_size=tok.vocab_size)
-        params = init_params(mcfg, 0)
-        params["early_exit_gate"]["bias"] = jnp.array([-1.0])
-        prompts = [tok.encode(task.format_prompt(p)) for p in task.train_problems(64, 7)]
-        return mcfg, params, prompts, 0.5, 16
-    mcfg = preset("tiny", vocab_size=tok.vocab_size)
-    params, _ = warm_start(mcfg, init_params(mcfg, 0), task, tok, steps=60, batch_size=32,
-                           learning_rate=3e-3, seed=0, gate_steps=30)
+        return (*R.wide_model(), 0.5, 16)
+    cfg, params, _, task, tok = R.tiny_model()
     prompts = [tok.encode(task.format_prompt(p)) for p in task.train_problems(256, 50_000)]
-    return mcfg, params, prompts, 0.9, 32
+    return cfg, params, prompts, 0.9, 32
 
 
 def main() -> dict:
@@ -80,7 +54,6 @@ def main() -> dict:
     out = {"benchmark": "deferred_window", "auto_dense_rows": policies.AUTO_DENSE_ROWS}
     for name, rows in ROWS.items():
         mcfg, params, prompts, q, new = _model(name)
-        params = jax.device_put(jax.tree.map(np.asarray, params))
         for B in rows:
             configs = {"dense": dict(kv_policy="dense", exit_threshold=q),
                        "postpone": dict(kv_policy="deferred", exit_threshold=q,

@@ -172,10 +172,10 @@ def _speedups(got, rbs, T):
     return out
 
 
-def _rl_batch(max_new=MAX_NEW):
+def main_job_model():
     """The main job's model (experiments/tiny_arith.py: hidden 64, 1 layer, T = 4), briefly
     warm-started as in benchmarks/grpo_step.py (300 stage-I + 50 gate steps, so the gate is
-    trained), 32 RL prompts x G = 8 = 256 rows, q = 0.5, stop ids off."""
+    trained): (config, device params, the RL batch's 32 prompts x G = 8 = 256 token lists)."""
     cfg = load_experiment(ROOT / "experiments" / "tiny_arith.py")
     warm_task, rl_task = build_tasks(cfg)
     tok = warm_task.tokenizer()
@@ -187,7 +187,39 @@ def _rl_batch(max_new=MAX_NEW):
     params = jax.device_put(jax.tree.map(np.asarray, params))
     prompts = [tok.encode(rl_task.format_prompt(p))
                for p in rl_task.train_problems(RL_ROWS // RL_GROUP, 0)]
-    prompts = [p for p in prompts for _ in range(RL_GROUP)]
+    return mcfg, params, [p for p in prompts for _ in range(RL_GROUP)]
+
+
+def wide_model():
+    """One layer of ouro-1.4b width (hidden 2048, 16 heads, MLP 5632, T = 4; the arithmetic
+    tokenizer's vocabulary), random weights with the gate bias at WIDE_GATE_BIAS (early exits):
+    (config, device params, WIDE_ROWS prompts)."""
+    task = ArithmeticTask(seed=0)
+    tok = task.tokenizer()
+    cfg = preset("ouro-1.4b", num_layers=1, vocab_size=tok.vocab_size)
+    p = init_params(cfg, 0)
+    p["early_exit_gate"]["bias"] = jnp.array([WIDE_GATE_BIAS])
+    params = jax.device_put(jax.tree.map(np.asarray, p))
+    return cfg, params, [tok.encode(task.format_prompt(q))
+                         for q in task.train_problems(WIDE_ROWS, 7)]
+
+
+def tiny_model():
+    """The `tiny` preset (arithmetic task's tokenizer), warm-started with
+    `looprl.train.warm_start` (stage I + stage II, so the exit gate is trained): (config,
+    device params, the warm start's record, the task, its tokenizer)."""
+    task = ArithmeticTask(seed=0)
+    tok = task.tokenizer()
+    cfg = preset("tiny", vocab_size=tok.vocab_size)
+    params, ws = warm_start(cfg, init_params(cfg, 0), task, tok, steps=60, batch_size=32,
+                            learning_rate=3e-3, seed=0, gate_steps=30)
+    params = jax.device_put(jax.tree.map(np.asarray, params))  # on the device, as in training
+    return cfg, params, ws, task, tok
+
+
+def _rl_batch(max_new=MAX_NEW):
+    """`main_job_model` at 256 rows, q = 0.5, stop ids off."""
+    mcfg, params, prompts = main_job_model()
     configs = {p: dict(kv_policy=p, exit_threshold=RL_Q) for p in POLICIES}
     configs.update({f"{p}_uncompacted": dict(kv_policy=p, exit_threshold=RL_Q,
                                              row_compaction=False) for p in POLICIES})
@@ -202,16 +234,8 @@ def _rl_batch(max_new=MAX_NEW):
 
 
 def _wide_layer():
-    """One layer of ouro-1.4b width (hidden 2048, 16 heads, MLP 5632, T = 4; the arithmetic
-    tokenizer's vocabulary), random weights with the gate bias at WIDE_GATE_BIAS (early exits),
-    64 rows, q = 0.5, WIDE_NEW new tokens."""
-    task = ArithmeticTask(seed=0)
-    tok = task.tokenizer()
-    cfg = preset("ouro-1.4b", num_layers=1, vocab_size=tok.vocab_size)
-    p = init_params(cfg, 0)
-    p["early_exit_gate"]["bias"] = jnp.array([WIDE_GATE_BIAS])
-    params = jax.device_put(jax.tree.map(np.asarray, p))
-    prompts = [tok.encode(task.format_prompt(q)) for q in task.train_problems(WIDE_ROWS, 7)]
+    """`wide_model` at 64 rows, q = 0.5, WIDE_NEW new tokens."""
+    cfg, params, prompts = wide_model()
     configs = {p: dict(kv_policy=p, exit_threshold=RL_Q) for p in POLICIES}
     configs[WINDOW_KEY] = dict(kv_policy="deferred", exit_threshold=RL_Q,
                                deferred_max_pending=WINDOW)
@@ -223,16 +247,11 @@ def _wide_layer():
 
 def main() -> dict:
     t_start = time.time()
-    task = ArithmeticTask(seed=0)
-    tok = task.tokenizer()
     # Not the main job's 1-layer, hidden-64 model: at that size one loop costs less than the
     # per-token work outside the loops (sampling, cache bookkeeping), so no KV policy can show
     # its saving; `tiny` is the smallest preset whose loops dominate a decode step on a CPU.
-    cfg = preset("tiny", vocab_size=tok.vocab_size)
+    cfg, params, ws, task, tok = tiny_model()
     T = cfg.total_ut_steps
-    params, ws = warm_start(cfg, init_params(cfg, 0), task, tok, steps=60, batch_size=32,
-                            learning_rate=3e-3, seed=0, gate_steps=30)
-    params = jax.device_put(jax.tree.map(np.asarray, params))  # on the device, as in training
     print(f"warm start: {ws['stage1_steps']} + {ws['stage2_steps']} steps, stage-I loss "
           f"{ws['stage1_final_loss']:.3f}, {ws['wall_s']:.0f}s", file=sys.stderr)
     problems = task.train_problems(128, 50_000)
