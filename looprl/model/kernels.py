@@ -147,9 +147,17 @@ The XLA-op construction (CPU, `LOOPRL_CPU_MATMUL=xla`):
   whole tile, and the step pays for one softmax row instead of 8 or 24 (issue 18: 4.9 of 15.3
   ms per layer at 128 rows went there).
 * `rowsum` (RMSNorm's mean of squares, softmax sums): `matmul` of x with a literal `[D, 16]`
-  ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce).
-* `softmax` / `log_softmax`: the max is order-free; the sum is a `rowsum`; the elementwise code
-  runs on fixed `[64k, 64j]` tiles (`_tiled_rows`) so it compiles the same way in every program.
+  ones-in-column-0 matrix (a literal so XLA cannot rewrite it into a reduce); on the ordered
+  kernel its column 0 comes from `ordered_gemm.row_sum`, the same chains without the 15 zero
+  columns (same bits by construction; tested against the product at Ouro's widths).
+* `softmax` / `log_softmax`: the max is order-free (on the ordered kernel `ordered_gemm.row_max`,
+  an FFI reduction: XLA's reduce-window max cost 43 us on a `[320, 128]` tile); the sum is a
+  `rowsum`; the elementwise code runs on fixed `[64k, 64j]` tiles (`_tiled_rows`) so it compiles
+  the same way in every program. The padded tile is passed to the sum's call as well, so it
+  stays alive until then: otherwise XLA writes `exp(x - max)` over it in place, and LLVM's
+  vectorized loop refuses overlapping buffers and runs the scalar one (same operations per
+  element, so same bits; 117 us against 14 us on that tile, the largest op of a decode layer
+  pass at 64 rows: 2026-12-04, xprof).
 
 Cost (`benchmarks/kernels.py`, one core; figures in its JSON line): the weight is streamed
 (and packed by the library) once per row tile, which is why tiles are as large as 512 rows,
@@ -239,7 +247,7 @@ from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
 from looprl.model.ordered_gemm import (ordered_attention_scores, ordered_attention_values,
                                        ordered_matmul, ordered_matmul_layer,
-                                       row_argmax as ordered_row_argmax)
+                                       row_argmax as ordered_row_argmax, row_max, row_sum)
 from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
@@ -938,15 +946,67 @@ def attention_cached(q_BxCxHxK, kv: CachedKV, mask_BxCxS, scale: float, stock: b
     return jnp.swapaxes(out, 1, 2)
 
 
-def rowsum(x, keepdims: bool = True):
-    """Row-invariant sum over the last axis, fp32: a matmul with a ones vector, so that every
-    row reduces in the same order whatever the number of rows (XLA's reduce emitter does not
-    guarantee that: RMSNorm rows differed between [B, S, D] and [B, 1, D] inputs)."""
+def _ones_column(n: int) -> np.ndarray:
+    """The literal `[n, 16]` weight of `rowsum`'s product: ones in column 0, zeros elsewhere."""
+    ones = np.zeros((n, N_MIN), np.float32)
+    ones[:, 0] = 1.0
+    return ones
+
+
+@jax.custom_vjp
+def _ordered_rowsum(rows_MxN, keep):
+    """`ordered_matmul(rows, ones)[:, :1]`'s bits from `ordered_gemm.row_sum` (float32 `[M, 1]`);
+    `keep`: a tuple of arrays kept alive until the sum (`row_sum`), not differentiated."""
+    return row_sum(rows_MxN, keep)[:, None]
+
+
+def _ordered_rowsum_fwd(rows_MxN, keep):
+    return _ordered_rowsum(rows_MxN, keep), (rows_MxN, keep)
+
+
+def _ordered_rowsum_bwd(res, g_Mx1):
+    """The product form's backward, unchanged (`_tiled_matmul_bwd` of the sliced cotangent)."""
+    rows_MxN, keep = res
+    g_MxO = jnp.pad(g_Mx1, [(0, 0), (0, N_MIN - 1)])
+    ones = jnp.asarray(_ones_column(rows_MxN.shape[1]))
+    dx = _tiled_matmul_bwd(jnp.float32, (rows_MxN, ones), g_MxO)[0]
+    return dx, jax.tree.map(jnp.zeros_like, keep)
+
+
+_ordered_rowsum.defvjp(_ordered_rowsum_fwd, _ordered_rowsum_bwd)
+
+
+def rowsum(x, keepdims: bool = True, keep: tuple = ()):
+    """Row-invariant sum over the last axis, fp32 `[..., 1]` (`[...]` without keepdims): the
+    product of x with a `[N, 16]` ones-in-column-0 literal (XLA's reduce emitter does not give
+    every row one order: RMSNorm rows differed between [B, S, D] and [B, 1, D] inputs; a literal
+    so that XLA cannot rewrite the dot into a reduce). On XLA CPU's ordered kernel the product's
+    column 0 comes from `ordered_gemm.row_sum`, the same chain without the 15 zero columns (bit
+    for bit by construction: `fma(x, 1, acc)` is `x + acc`), and `keep` (arrays) are kept alive
+    until the sum is taken (`softmax`). Differentiable (the product's backward)."""
     x = x.astype(jnp.float32)
-    ones = np.zeros((x.shape[-1], N_MIN), np.float32)  # a literal: XLA rewrote a dot with a
-    ones[:, 0] = 1.0  # broadcast ones operand into a reduce, whose order depends on the rows
-    y = matmul(x, jnp.asarray(ones))[..., :1]
+    if on_cpu() and cpu_matmul_impl() == "ordered":
+        y = _ordered_rowsum(x.reshape(-1, x.shape[-1]), tuple(keep))
+        y = y.reshape(*x.shape[:-1], 1)
+    else:
+        y = matmul(x, jnp.asarray(_ones_column(x.shape[-1])))[..., :1]
     return y if keepdims else y[..., 0]
+
+
+def _row_max(x_MxN):
+    """Each row's max as `[M, 1]`, not differentiated (the softmaxes' shift): `ordered_gemm.
+    row_max` on XLA CPU's ordered kernel, XLA's reduce elsewhere. Why the bits cannot depend on
+    which: a max is one of the row's values, and equal values have one bit pattern except the
+    zeros (+0.0, -0.0 and, read as zero under DAZ, subnormals). Where the max is a zero, `x -
+    max` is x for every nonzero x and a zero for every zero-like x, whose sign is the only
+    thing the choice moves; softmax takes `exp` of it (1 for either sign), and log_softmax
+    returns `shifted - log(sum)`, where the sum counts 1 for each zero-like entry: two or more
+    of them (the only case with a choice) make log(sum) >= log 2 > 0, which absorbs the zero's
+    sign. NaN rows give NaN (payload bits may differ)."""
+    x_MxN = jax.lax.stop_gradient(x_MxN)
+    if on_cpu() and cpu_matmul_impl() == "ordered":
+        return row_max(x_MxN)[:, None]
+    return jnp.max(x_MxN, axis=-1, keepdims=True)
 
 
 LAST_AXIS_TILE = 64
@@ -979,8 +1039,8 @@ def softmax(x):
 
     Computed on fixed tiles (`_tiled_rows`)."""
     def fn(x):
-        e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
-        return e / rowsum(e)
+        e = jnp.exp(x - _row_max(x))
+        return e / rowsum(e, keep=(x,))  # x alive: XLA does not write e over it (`row_sum`)
 
     return _tiled_rows(fn, x.astype(jnp.float32))
 
@@ -989,8 +1049,8 @@ def log_softmax(x):
     """Row-invariant fp32 log-softmax over the last axis (entries of -inf stay -inf), on fixed
     tiles (`_tiled_rows`)."""
     def fn(x):
-        shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-        return shifted - jnp.log(rowsum(jnp.exp(shifted)))
+        shifted = x - _row_max(x)
+        return shifted - jnp.log(rowsum(jnp.exp(shifted), keep=(x,)))
 
     return _tiled_rows(fn, x.astype(jnp.float32))
 

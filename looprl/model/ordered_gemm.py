@@ -39,6 +39,9 @@ tasks of (row, head) pairs, 4-row x 16-column register blocks (one query row: up
 its value products two heads at a time for a head dim of 32, so the chains overlap).
 `ordered_batched_matmul` runs Z independent products, one task each, every product exactly as
 a single call of its shape (attention's products before the cache was read in place).
+`row_sum` is `ordered_matmul(x, ones)`'s column bit for bit (the same chains, eight rows a
+vector, without the product's 15 zero columns) and `row_max` each row's max: the softmaxes'
+reductions (`kernels.rowsum`, `kernels._row_max`).
 
 The kernel is compiled with the machine's C++ compiler the first time it is used, into
 `LOOPRL_KERNEL_CACHE` (default `~/.cache/looprl/kernels`), keyed by the source, the compiler,
@@ -147,7 +150,9 @@ TARGETS = {TARGET: "LooprlOrderedMatmul",
            "looprl_ordered_batched_matmul_t": "LooprlOrderedBatchedMatmulT",
            "looprl_ordered_attention_scores": "LooprlOrderedAttentionScores",
            "looprl_ordered_attention_values": "LooprlOrderedAttentionValues",
-           "looprl_row_argmax": "LooprlRowArgmax"}
+           "looprl_row_argmax": "LooprlRowArgmax",
+           "looprl_row_sum": "LooprlRowSum",
+           "looprl_row_max": "LooprlRowMax"}
 
 
 @functools.cache
@@ -206,6 +211,35 @@ def row_argmax(x_RxN: jax.Array) -> jax.Array:
     _registered()
     out = jax.ShapeDtypeStruct((x_RxN.shape[0],), jnp.int32)
     return jax.ffi.ffi_call("looprl_row_argmax", out, vmap_method="sequential")(x_RxN)
+
+
+def _row_call(name: str, x_xN: jax.Array, *keep: jax.Array) -> jax.Array:
+    """The FFI reduction `name` of x's last axis: float32 `[...]` from a float32 `[..., N]`;
+    `keep` are operands the kernel does not read (`row_sum`)."""
+    if x_xN.ndim == 0 or x_xN.dtype != jnp.float32:
+        raise ValueError(f"{name}: x {x_xN.shape} {x_xN.dtype} is not a float32 [..., N]")
+    _registered()
+    out = jax.ShapeDtypeStruct(x_xN.shape[:-1], jnp.float32)
+    return jax.ffi.ffi_call(f"looprl_{name}", out, vmap_method="broadcast_all")(x_xN, *keep)
+
+
+def row_sum(x_xN: jax.Array, keep: tuple = ()) -> jax.Array:
+    """Each row's sum in `ordered_matmul`'s order, bit for bit `ordered_matmul(x, ones)[..., 0]`
+    (the chain with a weight of ones: `fma(x, 1.0, acc)` is `x + acc` rounded once), for a
+    sixteenth of that product's work (`kernels.rowsum`). x: float32 `[..., N]` (N may be 0:
+    -0.0). `keep`: arrays passed to the call and not read, so that XLA keeps their buffers
+    until x is summed (`kernels.softmax`: XLA CPU writing `exp(p - max)` over p in place runs
+    its loop scalar, 8x slower). Returns float32 `[...]`. XLA CPU only. Raises ValueError for
+    another dtype or a scalar (at trace time)."""
+    return _row_call("row_sum", x_xN, *keep)
+
+
+def row_max(x_xN: jax.Array) -> jax.Array:
+    """Each row's largest value, NaN where the row has one (-inf for N = 0), float32 `[...]`
+    from float32 `[..., N]` (`kernels.softmax`). Between +0.0, -0.0 and (subnormals read as
+    zero) subnormals which one is returned is not specified: `exp(x - max)` is the same for
+    each. Not differentiable. XLA CPU only. Raises ValueError as `row_sum`."""
+    return _row_call("row_max", x_xN)
 
 
 def ordered_batched_matmul(x_ZxMxK: jax.Array, w: jax.Array, transposed: bool = False):

@@ -83,6 +83,82 @@ def test_log_softmax_keeps_minus_inf_and_sums_to_one():
     assert np.isfinite(np.asarray(g)[:, [0, 2]]).all()
 
 
+def _product_rowsum(x):
+    """`rowsum` as it was before `ordered_gemm.row_sum`: the ordered product with a ones column."""
+    ones = np.zeros((x.shape[-1], kn.N_MIN), np.float32)
+    ones[:, 0] = 1.0
+    return kn.matmul(x.astype(jnp.float32), jnp.asarray(ones))[..., :1]
+
+
+def _product_softmax(x):
+    def fn(x):
+        e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+        return e / _product_rowsum(e)
+    return kn._tiled_rows(fn, x.astype(jnp.float32))
+
+
+def _product_log_softmax(x):
+    def fn(x):
+        shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+        return shifted - jnp.log(_product_rowsum(jnp.exp(shifted)))
+    return kn._tiled_rows(fn, x.astype(jnp.float32))
+
+
+def _product_rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    var = _product_rowsum(xf * xf) * jnp.float32(1.0 / x.shape[-1])
+    return (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype) * w.astype(x.dtype)
+
+
+# (64, 4, 1, 128): a decode step's scores at 64 rows (4 heads, 128 slots); (256, 49152): the
+# sampler's log-probs over Ouro's vocabulary at the RL batch; (130, 58): the arithmetic vocab
+@pytest.mark.parametrize("shape", [(64, 4, 1, 128), (130, 58), (7, 300),
+                                   pytest.param((256, 49152), marks=pytest.mark.slow),
+                                   (16, 49152)])
+def test_softmax_and_log_softmax_have_the_product_forms_bits(shape):
+    """The row max and sum as FFI reductions (`ordered_gemm.row_max` / `row_sum`) leave every
+    bit of softmax and log_softmax as the max-reduce-and-product form gave them (argument in
+    `kernels._row_max` and `row_sum`), for ordinary rows, rows with masked (-1e30) and -inf
+    entries, a row whose max is a zero with -0.0, +0.0 and subnormal ties, a row with one zero
+    and the rest far below (log-sum 0: the zero's sign is the output's), and a padding row of
+    MASK_VALUE only; and the gradient of log_softmax is the product form's, bit for bit."""
+    rng = np.random.default_rng(sum(shape))
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    rows = x.reshape(-1, shape[-1])
+    rows[rng.integers(0, rows.shape[0], 20), rng.integers(0, shape[-1], 20)] = kn.MASK_VALUE
+    rows[1, :] = -1000.0
+    rows[1, :4] = [-0.0, 0.0, 3e-39, -0.0]  # max a zero, tied between bit patterns
+    rows[2, :] = -1000.0
+    rows[2, 3] = -0.0                        # one zero: log(sum) = +0
+    rows[3, :] = kn.MASK_VALUE               # a padding query row
+    rows[4, : shape[-1] // 2] = -np.inf
+    xj = jnp.asarray(x)
+    for new, old in [(kn.softmax, _product_softmax), (kn.log_softmax, _product_log_softmax)]:
+        got, want = jax.jit(new)(xj), jax.jit(old)(xj)
+        assert np.array_equal(_bits(got), _bits(want)), new.__name__
+    x5 = xj.reshape(-1, shape[-1])[5:9]  # finite rows for the gradient
+    ct = jnp.asarray(rng.standard_normal(x5.shape).astype(np.float32))
+    grads = [jax.jit(jax.grad(lambda a, f=f: jnp.sum(f(a) * ct)))(x5)
+             for f in (kn.log_softmax, _product_log_softmax)]
+    assert np.array_equal(_bits(grads[0]), _bits(grads[1]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_has_the_product_forms_bits_at_ouro_width(dtype):
+    """RMSNorm's mean of squares through `row_sum`: the product form's bits, forward and
+    gradient, at Ouro's hidden size 2048 (eight k chunks) for 1 and 300 rows."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(2048), dtype)
+    for m in (1, 300):
+        x = jnp.asarray(rng.standard_normal((m, 2048)) * 2, dtype)
+        got = jax.jit(lambda a: kn.rms_norm(a, w, 1e-6))(x)
+        want = jax.jit(lambda a: _product_rms_norm(a, w, 1e-6))(x)
+        assert np.array_equal(_bits(got), _bits(want))
+        grads = [jax.jit(jax.grad(lambda a, f=f: jnp.sum(f(a, w, 1e-6).astype(jnp.float32))))(x)
+                 for f in (kn.rms_norm, _product_rms_norm)]
+        assert np.array_equal(_bits(grads[0]), _bits(grads[1]))
+
+
 def test_off_the_cpu_branch_pads_rows_and_asks_for_full_fp32_precision(monkeypatch):
     """The GPU/TPU form (fixed 64-row tiles, 128-long K blocks, Precision.HIGHEST for fp32 so
     GPUs do not use TF32; tests/model/test_accel_kernels.py checks its structure and bits),

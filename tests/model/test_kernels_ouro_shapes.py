@@ -179,7 +179,7 @@ def test_every_attention_dot_has_one_shape_whatever_the_cache_length(cpu_form):
     call at Ouro widths, the attention dots (batched over b, h) are `[R, K] x [K, 128]` and `[R,
     128] x [128, K]` per (b, h), R = `_row_tile_for(C)`, and the program's dots are the same for
     a cache of 256, 1000 and 2048 slots (the softmax's `rowsum` dots are `matmul`'s, whose rows
-    are the row side)."""
+    are the row side, in this form)."""
     cpu_form("xla")
     for C in (1, 17):
         progs = []
@@ -206,8 +206,8 @@ def test_attention_is_two_ordered_calls_on_the_cache_itself(cpu_form):
     one ordered value call per query tile (`ordered_gemm.ordered_attention_scores` / `_values`,
     whose numerics per (b, h) the kernel fixes), the queries unpadded (C rows), each reading
     the K/V arrays themselves (`[1, B, S, H, K]`: the slot as a one-slot cache, not a copied
-    block), for a cache of 256, 1000 and 2048 slots; the softmax's `rowsum` is the ordered
-    matmul."""
+    block), for a cache of 256, 1000 and 2048 slots; the softmax's max and sum are the
+    `row_max` / `row_sum` reductions."""
     cpu_form("ordered")
     B = 2
     for C in (1, 17):
@@ -245,8 +245,9 @@ def _dots(text, target=None):
         name, shape, op, operands, attrs = m.groups()
         dims[name] = [int(d) for d in shape.split(",") if d]
         assert op != "convolution", line
-        if op == "custom-call":
-            assert 'custom_call_target="looprl_ordered_' in attrs, line
+        if op == "custom-call":  # the ordered products, or the softmax's row max and sum
+            target_re = r'custom_call_target="looprl_(ordered_|row_max"|row_sum")'
+            assert re.search(target_re, attrs), line
         if (op == "dot" and not target
                 or op == "custom-call" and f'custom_call_target="{target}"' in attrs):
             lhs, rhs = [o.strip().split(" ")[-1] for o in operands.split(",")[:2]]

@@ -171,3 +171,71 @@ def test_a_stacked_weight_read_in_place_gives_the_slices_bits(dtype):
         og.ordered_matmul_layer(x[0].astype(jnp.float32), stack, 3).block_until_ready()
     with pytest.raises(ValueError, match=r"\[L, K, N\]"):
         og.ordered_matmul_layer(x[0].astype(jnp.float32), stack[0], 0)
+
+
+def _ones_product(x):
+    """`ordered_matmul(x, ones-in-column-0)[..., 0]`: the product `kernels.rowsum` was before
+    `row_sum`, whose bits `row_sum` must have."""
+    ones = np.zeros((x.shape[-1], 16), np.float32)
+    ones[:, 0] = 1.0
+    rows = jnp.asarray(x).reshape(int(np.prod(x.shape[:-1])), x.shape[-1])
+    return np.asarray(og.ordered_matmul(rows, jnp.asarray(ones))[:, 0]).reshape(x.shape[:-1])
+
+
+# (320, 128): a decode step's softmax tile (64 rows x 4 heads, padded); (5, 2048) RMSNorm at
+# Ouro width; (17, 49152) the Ouro vocabulary (on the pool: 8-row blocks, one a task); (300,
+# 2048) above the inline size, several blocks a task; 257 and 300 columns: a second k chunk
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (9, 257), (320, 128), (5, 2048),
+                                   (17, 49152), (300, 2048), (2, 3, 300), (4, 0)])
+def test_row_sum_is_the_product_with_a_ones_column_bit_for_bit(shape):
+    """`row_sum` gives `ordered_matmul(x, ones)`'s column bit for bit (its docstring's
+    argument: the same chain per row, k chunks of K_CHUNK added in order, FTZ/DAZ), on the
+    inline and the pool paths, a partial last 8-row block and a second k chunk, with values
+    spread over 60 binades, -0.0 entries, subnormals and a row of -0.0 only."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= rng.choice(np.float32([1e-30, 1e-3, 1.0, 1e20]), size=shape)
+    if x.size:
+        flat = x.reshape(-1)
+        flat[rng.integers(0, flat.size, 7)] = -0.0
+        flat[rng.integers(0, flat.size, 7)] = 3e-39  # subnormal: read as zero (DAZ)
+        x.reshape(-1, shape[-1])[0] = -0.0
+    got = np.asarray(jax.jit(og.row_sum)(jnp.asarray(x)))
+    want = _ones_product(x)
+    assert got.shape == shape[:-1]
+    assert np.array_equal(_u32(got), _u32(want))
+    if shape[-1] and shape[0] == 320:  # and the documented chain itself (numpy)
+        ref = og.reference_matmul(x, np.ones((shape[-1], 1), np.float32))[:, 0]
+        assert np.array_equal(_u32(got), _u32(ref))
+
+
+def test_row_sum_passes_infinities_and_nans_through_as_the_product_does():
+    x = np.array([[1.0, np.inf, 2.0], [np.inf, -np.inf, 0.0], [np.nan, 1.0, 1.0]], np.float32)
+    got = np.asarray(og.row_sum(jnp.asarray(x)))
+    assert got[0] == np.inf and np.isnan(got[1]) and np.isnan(got[2])
+    assert np.array_equal(np.isnan(got), np.isnan(_ones_product(x)))
+
+
+def test_row_max_is_each_rows_max_and_nan_where_the_row_has_one():
+    """Every row's max (the values of numpy's), across the vector body and the scalar tail;
+    NaN anywhere in a row (body or tail) gives NaN; -inf rows stay -inf; on the pool path too
+    (Ouro's vocabulary)."""
+    rng = np.random.default_rng(5)
+    for shape in [(1, 1), (7, 13), (320, 128), (17, 49152)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        got = np.asarray(jax.jit(og.row_max)(jnp.asarray(x)))
+        assert np.array_equal(got, x.max(-1))
+    x = np.zeros((4, 19), np.float32)
+    x[0, 3] = np.nan      # in the vector body
+    x[1, 18] = np.nan     # in the tail
+    x[2] = -np.inf
+    x[3, 17] = 5.0
+    got = np.asarray(og.row_max(jnp.asarray(x)))
+    assert np.isnan(got[0]) and np.isnan(got[1]) and got[2] == -np.inf and got[3] == 5.0
+
+
+def test_row_reductions_name_bad_operands():
+    with pytest.raises(ValueError, match=r"row_sum: x \(3,\) int32 is not a float32"):
+        og.row_sum(jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="row_max: x"):
+        og.row_max(jnp.float32(1.0))
