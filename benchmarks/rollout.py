@@ -107,6 +107,9 @@ RL_MAX_PENDING = 4  # the RL config's default before 2026-12-04, reported at b1
 WINDOW = 7  # an explicit pending window at 256 / 64 rows, where the automatic one is 0
 WINDOW_KEY = f"deferred_window{WINDOW}"
 REPEATS = 3
+# the RL batch's rounds: its calls are 0.1-0.6 s, and with 3 rounds copy_vs_dense_b256 read
+# 1.576 and 1.381 in two runs of one commit on a host whose speed moved 1.5x between them
+RL_REPEATS = 5
 
 
 def _interleaved(fns, repeats=None):
@@ -227,7 +230,7 @@ def _rl_batch(max_new=MAX_NEW):
                                deferred_max_pending=WINDOW)
     rbs = {}
     got = _measure_group(mcfg, params, prompts, configs, mcfg.total_ut_steps, max_new=max_new,
-                         keep=rbs)
+                         keep=rbs, repeats=RL_REPEATS)
     for p in POLICIES:  # what row compaction buys: the same policy without it, same run
         rbs[f"{p}_uncompacted"] = rbs[p]  # (its loop_rows are None; the work share is p's)
     return _speedups(got, rbs, mcfg.total_ut_steps)
