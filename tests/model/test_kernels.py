@@ -143,6 +143,22 @@ def test_softmax_and_log_softmax_have_the_product_forms_bits(shape):
     assert np.array_equal(_bits(grads[0]), _bits(grads[1]))
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_softmax_gradients_keep_negative_zeros_as_the_product_form(jit):
+    """Regression (a review of bf5faf8): the sum's kept-alive operand must add nothing to the
+    gradient, not an array of zeros (which turns a -0.0 gradient entry +0.0 outside jit): -0.0
+    cotangents at masked positions, eager and jitted, softmax and log_softmax."""
+    x = jnp.asarray([[1.0, 2.0, kn.MASK_VALUE, 0.5], [kn.MASK_VALUE, 3.0, -1.0, 2.0]], jnp.float32)
+    ct = jnp.asarray([[1.0, 1.0, -0.0, 2.0], [-0.0, -1.0, 0.5, 1.0]], jnp.float32)
+    for new, old in [(kn.softmax, _product_softmax), (kn.log_softmax, _product_log_softmax)]:
+        grads = []
+        for f in (new, old):
+            g = jax.grad(lambda a, f=f: jnp.sum(f(a) * ct))
+            grads.append(jax.jit(g)(x) if jit else g(x))
+        assert np.array_equal(_bits(grads[0]), _bits(grads[1])), new.__name__
+        assert np.signbit(np.asarray(grads[0])[0, 2]) == np.signbit(np.asarray(grads[1])[0, 2])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rms_norm_has_the_product_forms_bits_at_ouro_width(dtype):
     """RMSNorm's mean of squares through `row_sum`: the product form's bits, forward and
