@@ -732,7 +732,8 @@ def _live_key_blocks(mask_BxRxS):
     return (last + K_BLOCK - 1) // K_BLOCK
 
 
-def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cached=None):
+def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cached=None,
+                        key_range=None):
     """CPU form (module doc): key axis taken in K_BLOCK-key blocks (the mask padded to a multiple
     of K_BLOCK, the new slots masked), each row's keys rotated to start at its first live key,
     queries in row tiles (`_row_tile_for(C)`, one `lax.map` when there is more than one), and
@@ -746,9 +747,12 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cach
     costs what its live keys cost, not the cache length."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    mask, offset_B = _mask_in_blocks(mask_BxCxS)
+    if key_range is not None:  # the same rotated mask from its indices (`KeyRange`)
+        mask, offset_B = key_range.rotated_blocks()
+    else:
+        mask, offset_B = _mask_in_blocks(mask_BxCxS)
+        mask = _keys_from_first_live(mask, offset_B, 2)
     S = mask.shape[2]
-    mask = _keys_from_first_live(mask, offset_B, 2)
     ordered = cpu_matmul_impl() == "ordered"
     if cached is None and ordered:  # the slot as a one-slot cache (its window: its own slot 0)
         cached = CachedKV(k_BxSxHxK[None], v_BxSxHxK[None], 0, jnp.arange(B, dtype=jnp.int32), 0,
@@ -894,6 +898,38 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     return jnp.swapaxes(out, 1, 2)
 
 
+class KeyRange(NamedTuple):
+    """The causal, left-padded key mask as its two index vectors: query c of row b may see key
+    s iff `pad_B[b] <= s <= layout_C[c]` (s < S). `mask()` is that `[B, C, S]` mask
+    (`layers.key_mask`); the ordered attention builds its rotated form from the indices instead
+    of gathering it (`rotated_blocks`)."""
+    pad_B: jax.Array  # int [B]
+    layout_C: jax.Array  # int [C]
+    S: int
+
+    def mask(self):
+        s = jnp.arange(self.S)
+        return ((s[None, None, :] >= self.pad_B[:, None, None])
+                & (s[None, None, :] <= self.layout_C[None, :, None]))
+
+    def rotated_blocks(self):
+        """`(mask, offset_B)` as `_mask_in_blocks` then `_keys_from_first_live(mask, offset_B,
+        2)` give them from `mask()`, the same values by construction: the first key any query
+        of row b sees is pad_b when `pad_b <= last` (last = min(max_c layout_c, S - 1)), else
+        none (offset 0, the row all masked); rotated slot t is key `(t + pad_b) mod Sp`, which a
+        query at layout_c sees iff `t <= min(layout_c, S - 1) - pad_b` (for t >= Sp - pad_b the
+        key wraps below pad_b: masked; for an all-masked row the bound is negative: all False).
+        An iota compare instead of a pad, an argmax and a gather per layer pass. Returns bool
+        `[B, C, Sp]` (Sp = S rounded up to K_BLOCK) and int32 `[B]`."""
+        Sp = -(-self.S // K_BLOCK) * K_BLOCK
+        pad_B = self.pad_B.astype(jnp.int32)
+        last_C = jnp.minimum(self.layout_C.astype(jnp.int32), self.S - 1)
+        offset_B = jnp.where(pad_B <= jnp.max(last_C), pad_B, 0)
+        t = jnp.arange(Sp, dtype=jnp.int32)
+        mask = t[None, None, :] <= (last_C[None, :, None] - pad_B[:, None, None])
+        return mask, offset_B
+
+
 class CachedKV(NamedTuple):
     """A layer's keys and values as the sampler's KV cache holds them, to be read in place.
 
@@ -935,14 +971,18 @@ def attention_cached(q_BxCxHxK, kv: CachedKV, mask_BxCxS, scale: float, stock: b
     them; elsewhere the slot is made first (`kv.slots()`). The sampler's form: not
     differentiable (the ordered path has no gradient rule).
 
-    Args: q `[B, C, H, K]` (B = M rows); kv: `CachedKV`; mask `[B, C, S]` bool.
+    Args: q `[B, C, H, K]` (B = M rows); kv: `CachedKV`; mask `[B, C, S]` bool, or the
+      `KeyRange` it comes from (the ordered path then builds the rotated mask from its indices).
     Returns `[B, C, H, K]` in q's dtype."""
+    key_range = mask_BxCxS if isinstance(mask_BxCxS, KeyRange) else None
+    if key_range is not None:
+        mask_BxCxS = key_range.mask()  # unused (dead code to XLA) on the ordered path
     if stock:
         return stock_attention(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
     if not (on_cpu() and cpu_matmul_impl() == "ordered"):
         return attention(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
     out = _attention_cpu_impl(jnp.swapaxes(q_BxCxHxK, 1, 2), None, None, mask_BxCxS,
-                              float(scale), cached=kv)
+                              float(scale), cached=kv, key_range=key_range)
     return jnp.swapaxes(out, 1, 2)
 
 

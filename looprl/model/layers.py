@@ -27,9 +27,7 @@ def key_mask(positions_in_layout_C, pad_B, seq_len: int):
 
     The layout is left-padded: row b's tokens occupy [pad_b, S). Masks come from indices and
     lengths, never from token values."""
-    s = jnp.arange(seq_len)
-    q = positions_in_layout_C
-    return (s[None, None, :] >= pad_B[:, None, None]) & (s[None, None, :] <= q[None, :, None])
+    return kn.KeyRange(pad_B, positions_in_layout_C, seq_len).mask()
 
 
 def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, write_BxC,
@@ -137,7 +135,9 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
         if rows_B is None:
             rows_B = jnp.arange(x_BxCxD.shape[0], dtype=jnp.int32)
     cos, sin = kn.rope_cos_sin(positions_BxC, cfg.head_dim, cfg.rope_theta, x_BxCxD.dtype)
-    mask = key_mask(layout_C, pad_B, S)
+    # the sampler's form hands attention the mask's indices (`kernels.KeyRange`): the ordered
+    # kernels build its rotated form from them instead of gathering it every layer pass
+    mask = key_mask(layout_C, pad_B, S) if loop is None else kn.KeyRange(pad_B, layout_C, S)
 
     stack, dt = w["layers"], w["norm"].dtype
     # the sampler's form reads each matmul weight of the compute dtype in place at its layer

@@ -252,3 +252,31 @@ def test_values_past_the_span_keep_the_full_chains_bits(D, R, off):  # path; cha
     # the test can fail: row 0's dims 1, 2 are +0.0 only because block 1 ran past the span
     assert np.array_equal(_u32(values[0, :, :, 1:3]), np.zeros((H, R, 2), np.uint32))
     assert np.array_equal(_u32(values[0, :, :, 3:5]), np.full((H, R, 2), 0x80000000, np.uint32))
+
+
+@pytest.mark.parametrize("S, C", [(40, 1), (128, 1), (300, 1), (50, 7), (256, 17)])
+def test_a_key_range_gives_the_gathered_rotated_mask(S, C):
+    """`KeyRange.rotated_blocks` (the sampler's attention builds the rotated mask from the
+    indices) equals the pad-argmax-gather form on `KeyRange.mask()` value for value: rows with
+    no padding, with padding, all masked (pad past every query), padding up to the last slot,
+    and queries at the first, a middle and the last slot."""
+    rng = np.random.default_rng(S + C)
+    B = 9
+    pad = np.array([0, 1, S // 2, S - 1, S - 1, 3, 0, S // 3, 2], np.int32)
+    for w0 in (0, S // 3, S - C):
+        layout = (w0 + np.arange(C)).astype(np.int32)
+        kr = kn.KeyRange(jnp.asarray(pad), jnp.asarray(layout), S)
+        want_mask, want_off = kn._mask_in_blocks(kr.mask())
+        want_mask = kn._keys_from_first_live(want_mask, want_off, 2)
+        got_mask, got_off = jax.jit(kr.rotated_blocks)()
+        assert got_mask.shape == want_mask.shape and got_mask.dtype == want_mask.dtype
+        assert np.array_equal(np.asarray(got_mask), np.asarray(want_mask)), w0
+        assert np.array_equal(np.asarray(got_off), np.asarray(want_off)), w0
+    pad_all = rng.integers(0, S, B).astype(np.int32)  # random pads, queries before some of them
+    kr = kn.KeyRange(jnp.asarray(pad_all), jnp.asarray((np.arange(C) + S // 4).astype(np.int32)),
+                     S)
+    want_mask, want_off = kn._mask_in_blocks(kr.mask())
+    want_mask = kn._keys_from_first_live(want_mask, want_off, 2)
+    got_mask, got_off = kr.rotated_blocks()
+    assert np.array_equal(np.asarray(got_mask), np.asarray(want_mask))
+    assert np.array_equal(np.asarray(got_off), np.asarray(want_off))
