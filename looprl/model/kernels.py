@@ -902,7 +902,10 @@ class KeyRange(NamedTuple):
     """The causal, left-padded key mask as its two index vectors: query c of row b may see key
     s iff `pad_B[b] <= s <= layout_C[c]` (s < S). `mask()` is that `[B, C, S]` mask
     (`layers.key_mask`); the ordered attention builds its rotated form from the indices instead
-    of gathering it (`rotated_blocks`)."""
+    of gathering it (`rotated_blocks`). pad_B: left-padding counts, 0 <= pad_b <= S (the
+    sampler's); layout_C: C >= 1 layout indices (`w0 + arange(C)` in the sampler; any order
+    works); both int32-range (a review fuzzed both forms equal over these, and found negative
+    pads and C = 0 outside them)."""
     pad_B: jax.Array  # int [B]
     layout_C: jax.Array  # int [C]
     S: int
