@@ -280,6 +280,12 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def on_ordered_cpu() -> bool:
+    """True when the ordered FFI kernels run: XLA CPU with `LOOPRL_CPU_MATMUL=ordered` (the
+    default; `cpu_matmul_impl`)."""
+    return on_cpu() and cpu_matmul_impl() == "ordered"
+
+
 def _fp32_precision(*xs):
     """Off the CPU, fp32 dots run at `Precision.HIGHEST`: GPUs otherwise use TF32 for fp32
     matmuls (the H200 run in reproducibility/gpu differed from the CPU by ~5e-4 in fp32, beyond
@@ -590,7 +596,7 @@ class LayerWeight(NamedTuple):
 def reads_layers_in_place() -> bool:
     """Whether `layer_matmul` reads a stacked weight's layer in place (XLA CPU's ordered
     kernel), rather than slicing it out first (every other form)."""
-    return on_cpu() and cpu_matmul_impl() == "ordered"
+    return on_ordered_cpu()
 
 
 def layer_matmul(x_MxI: jax.Array, w: LayerWeight, out_dtype=None) -> jax.Array:
@@ -732,8 +738,7 @@ def _live_key_blocks(mask_BxRxS):
     return (last + K_BLOCK - 1) // K_BLOCK
 
 
-def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cached=None,
-                        key_range=None):
+def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cached=None):
     """CPU form (module doc): key axis taken in K_BLOCK-key blocks (the mask padded to a multiple
     of K_BLOCK, the new slots masked), each row's keys rotated to start at its first live key,
     queries in row tiles (`_row_tile_for(C)`, one `lax.map` when there is more than one), and
@@ -744,11 +749,12 @@ def _attention_cpu_impl(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, cach
     `[R, 128] x [128, K]` dot per (b, h), is added in block order to an accumulator that starts
     at -0.0. Each block of K/V is gathered (rotated) from the cache's `[B, S, H, K]` layout and
     cast to fp32 where it is used, so no whole-cache copy is made and a decode step's attention
-    costs what its live keys cost, not the cache length."""
+    costs what its live keys cost, not the cache length. The mask: bool `[B, C, S]`, or the
+    `KeyRange` it comes from (the sampler's; its rotated form then comes from the indices)."""
     B, H, C, K = q_BxHxCxK.shape
     dtype = q_BxHxCxK.dtype
-    if key_range is not None:  # the same rotated mask from its indices (`KeyRange`)
-        mask, offset_B = key_range.rotated_blocks()
+    if isinstance(mask_BxCxS, KeyRange):  # the same rotated mask from its indices
+        mask, offset_B = mask_BxCxS.rotated_blocks()
     else:
         mask, offset_B = _mask_in_blocks(mask_BxCxS)
         mask = _keys_from_first_live(mask, offset_B, 2)
@@ -977,15 +983,13 @@ def attention_cached(q_BxCxHxK, kv: CachedKV, mask_BxCxS, scale: float, stock: b
     Args: q `[B, C, H, K]` (B = M rows); kv: `CachedKV`; mask `[B, C, S]` bool, or the
       `KeyRange` it comes from (the ordered path then builds the rotated mask from its indices).
     Returns `[B, C, H, K]` in q's dtype."""
-    key_range = mask_BxCxS if isinstance(mask_BxCxS, KeyRange) else None
-    if key_range is not None:
-        mask_BxCxS = key_range.mask()  # unused (dead code to XLA) on the ordered path
-    if stock:
-        return stock_attention(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
-    if not (on_cpu() and cpu_matmul_impl() == "ordered"):
-        return attention(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
+    if stock or not on_ordered_cpu():
+        if isinstance(mask_BxCxS, KeyRange):
+            mask_BxCxS = mask_BxCxS.mask()
+        form = stock_attention if stock else attention
+        return form(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
     out = _attention_cpu_impl(jnp.swapaxes(q_BxCxHxK, 1, 2), None, None, mask_BxCxS,
-                              float(scale), cached=kv, key_range=key_range)
+                              float(scale), cached=kv)
     return jnp.swapaxes(out, 1, 2)
 
 
@@ -1030,7 +1034,7 @@ def rowsum(x, keepdims: bool = True, keep: tuple = ()):
     for bit by construction: `fma(x, 1, acc)` is `x + acc`), and `keep` (arrays) are kept alive
     until the sum is taken (`softmax`). Differentiable (the product's backward)."""
     x = x.astype(jnp.float32)
-    if on_cpu() and cpu_matmul_impl() == "ordered":
+    if on_ordered_cpu():
         y = _ordered_rowsum(x.reshape(-1, x.shape[-1]), tuple(keep))
         y = y.reshape(*x.shape[:-1], 1)
     else:
@@ -1049,7 +1053,7 @@ def _row_max(x_MxN):
     of them (the only case with a choice) make log(sum) >= log 2 > 0, which absorbs the zero's
     sign. NaN rows give NaN (payload bits may differ)."""
     x_MxN = jax.lax.stop_gradient(x_MxN)
-    if on_cpu() and cpu_matmul_impl() == "ordered":
+    if on_ordered_cpu():
         return row_max(x_MxN)[:, None]
     return jnp.max(x_MxN, axis=-1, keepdims=True)
 
@@ -1105,7 +1109,7 @@ def row_argmax(x_RxN):
     with x materialised first on XLA CPU's ordered form (`ordered_gemm.row_argmax`, an FFI
     call): fused into XLA's argmax reduce, x's producer runs in the reduce's scalar loop (the
     sampler's Gumbel noise: two logs per element). The same index either way."""
-    if on_cpu() and cpu_matmul_impl() == "ordered":
+    if on_ordered_cpu():
         return ordered_row_argmax(x_RxN)
     return jnp.argmax(x_RxN, axis=-1).astype(jnp.int32)
 
