@@ -53,7 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from looprl.model import kernels  # noqa: E402  (importing looprl sets its XLA CPU flags)
+from looprl import kernels  # noqa: E402  (importing looprl sets its XLA CPU flags)
 from looprl.timing import interleaved  # noqa: E402
 
 BATCHES = (16, 128)

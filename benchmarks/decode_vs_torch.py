@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from looprl.config import MeshConfig  # noqa: E402
 from looprl.distributed.mesh import make_mesh  # noqa: E402
 from looprl.io import hf  # noqa: E402
-from looprl.model import kernels  # noqa: E402
+from looprl import kernels  # noqa: E402
 from looprl.model.config import preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402
 from looprl.reference.torch_ouro import TorchOuro  # noqa: E402

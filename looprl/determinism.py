@@ -3,7 +3,7 @@
 XLA CPU (jax 0.10.2): the newer fusion emitters compile the same elementwise ops into
 numerically different loops depending on the surrounding program, so a learner program and a
 sampler program disagreed in low bits even with batch-invariant kernels; the legacy emitters do
-not (`--xla_cpu_use_fusion_emitters=false`, measured in tests/learner). The YNNPACK dot fusions
+not (`--xla_cpu_use_fusion_emitters=false`, measured in tests/logprobs). The YNNPACK dot fusions
 pick kernels by row count, so they are off too (`--xla_cpu_experimental_ynn_fusion_type=`).
 The CPU kernels pad rows to the sgemm register block of the machine's ISA (`cpu_isa`,
 `cpu_row_quantum`: 8 with AVX-512, 24 elsewhere). Bits also depend on the
@@ -33,7 +33,7 @@ import subprocess
 import sys
 
 REQUIRED_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",
-                      # YNNPACK dot fusions pick M-dependent kernels (looprl.model.kernels
+                      # YNNPACK dot fusions pick M-dependent kernels (looprl.kernels
                       # then pads rows to whole register blocks, `cpu_row_quantum`)
                       "--xla_cpu_experimental_ynn_fusion_type=")
 PINNED_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
@@ -160,7 +160,7 @@ def cpu_isa() -> str:
 
 
 def cpu_row_quantum(isa: str | None = None) -> int:
-    """The CPU kernels' row quantum (`looprl.model.kernels`, argument (3)): every row tile of a
+    """The CPU kernels' row quantum (`looprl.kernels`, argument (3)): every row tile of a
     dot is a multiple of it, so that every row of every sgemm call sits in a whole register block
     of the micro-kernel. 8 with `avx512_core` (its block is 8 rows). 24 elsewhere, the least
     common multiple of the 4-, 6- and 8-row blocks of oneDNN's x86 kernels: on AVX2 (AMD EPYC,

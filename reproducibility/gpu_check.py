@@ -42,7 +42,7 @@ import numpy as np
 
 from looprl.determinism import environment
 from looprl.model import init_params, preset
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 from looprl.verify.matrix import VerifyOptions, run_matrix
 from looprl.verify.report import summarize
 

@@ -15,7 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # same tiny-model programs in many modules and processes (jax.clear_caches() below drops the
 # in-memory ones after each module). The cache key holds the program, the XLA flags and the
 # jax version, so a hit is the executable XLA would have built again. About a quarter off
-# tests/sampling + tests/learner (407 s -> 295 s). LOOPRL_TEST_JAX_CACHE=0 turns it off.
+# tests/sampling + tests/logprobs (407 s -> 295 s). LOOPRL_TEST_JAX_CACHE=0 turns it off.
 if os.environ.get("LOOPRL_TEST_JAX_CACHE", "1") != "0":
     import tempfile
     _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"

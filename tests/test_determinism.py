@@ -5,7 +5,7 @@ import os
 import pytest
 
 from looprl import determinism
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 
 AVX512 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
 AVX2 = frozenset({"avx", "avx2", "fma"})

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 
 SCRIPT = Path(__file__).resolve().parents[1] / "reproducibility" / "gpu_check.py"
 

@@ -11,7 +11,7 @@ the default is pure data parallelism over every visible device, of every process
   all-gathered (pure data movement) before use.
 - **Compute** runs under `shard_map`: each device executes exactly the one-device program on
   its rows, and no contraction axis is split. With looprl's row-invariant kernels
-  (`looprl.model.kernels`: a row's bits do not depend on how many rows ran with it) the
+  (`looprl.kernels`: a row's bits do not depend on how many rows ran with it) the
   sampler's and learner's per-row numbers are therefore the same bits on 1 or N devices, which
   is what keeps replay exact on a mesh. Gradients are summed over the row axes (`psum`, and the
   `psum_scatter` that is the transpose of the fsdp all-gather): a different summation order

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 from looprl.model.config import OuroConfig
 
 LAYER_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

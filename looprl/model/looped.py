@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from looprl.errors import CheckpointError
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 from looprl.model.config import OuroConfig
 from looprl.model.layers import LAYER_KEYS, stack_pass
 
@@ -276,7 +276,7 @@ def teacher_forced_loops(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None,
         memory O(1 loop) instead of O(T)); `fold` stays outside the rematerialised region.
       unroll: False: a `lax.scan` over the loops (an XLA while loop), each loop's input h read
         from memory as in the sampler's loop-by-loop while loop; the learner's form (see
-        `looprl.learner.logprobs.exit_hidden` for why: the unrolled form rounds differently at
+        `looprl.logprobs.logprobs.exit_hidden` for why: the unrolled form rounds differently at
         L = 1). True: a Python loop (T copies of the loop in the program).
     Returns: fold's final carry if `fold` is given, else the readouts stacked on a leading T axis
       (a pytree like readout's; None without a readout). The two forms (scan, unrolled) compute

@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as PS
 from looprl.config import ExperimentConfig
 from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
-from looprl.learner.logprobs import batch_logprobs, forced_replay_logprobs, live_seq_len
-from looprl.learner.mismatch import bits_equal_fraction, mismatch_stats
+from looprl.logprobs.logprobs import batch_logprobs, forced_replay_logprobs, live_seq_len
+from looprl.logprobs.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass

@@ -1,6 +1,6 @@
 """The rollout side of a GRPO step: the run's `SamplingConfig`, rewards of a rollout batch, and
 the per-step rollout figures (mean exit loop, `rollout_sha256`; bit-equal fractions are
-`looprl.learner.mismatch`'s).
+`looprl.logprobs.mismatch`'s).
 
 Everything here reads a `RolloutBatch` (`looprl.sampling.schedule`) that the sampler returned;
 nothing samples or differentiates.

@@ -77,7 +77,7 @@ def row_menu(local_rows: int) -> tuple[int, ...]:
     shapes (9 at 256 rows; every size is one more copy of the loop in the decode program).
     Below 16 rows a smaller sub-batch saves less than its gather and its compile time cost, so
     small batches keep one size: the whole batch, in place. All sizes from 16 on are multiples
-    of the kernels' row quantum on AVX-512 (`looprl.model.kernels.ROW_QUANTUM` = 8); where it is
+    of the kernels' row quantum on AVX-512 (`looprl.kernels.ROW_QUANTUM` = 8); where it is
     24 the kernels pad a sub-batch up to a multiple of 24 rows (the same bits, some waste)."""
     n = max(int(local_rows), 1)
     sizes = {n}

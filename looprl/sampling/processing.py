@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 
 
 NOISE_KEYINGS = ("completion", "layout")
@@ -56,7 +56,7 @@ def process_logits(logits_BxV, temperature: float, top_k: int, top_p: float,
     top-p (nucleus over the top-k-renormalised distribution, always keeping the most likely
     token), -inf elsewhere; equal to `full` when both are off. Temperature 0 means greedy and
     records the temperature-1 log-probs. `stock` uses `jax.nn.log_softmax` (XLA's reduce, not
-    row-invariant) instead of the row-invariant `looprl.model.kernels.log_softmax`.
+    row-invariant) instead of the row-invariant `looprl.kernels.log_softmax`.
     """
     lsm = functools.partial(jax.nn.log_softmax, axis=-1) if stock else kn.log_softmax
     logits = logits_BxV.astype(jnp.float32)

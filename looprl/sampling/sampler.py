@@ -14,7 +14,7 @@ compaction, issue 18: a sub-batch whose size comes from `policies.row_menu`; und
 each row runs only the narrowest window of `policies.window_widths` holding its positions that
 need the loop, in blocks of rows; recorded in `RolloutBatch.loop_rows`), so early exit saves
 work at RL batch sizes too. All matmuls and attention use the batch-invariant kernels of
-`looprl.model.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
+`looprl.kernels`, so a row's numbers do not depend on the chunk or batch it ran in.
 
 `forced` mode re-runs a recorded rollout (its tokens, exit loops and flushes) at other parameters:
 the sampler "in forced mode" of the reproducibility matrix.
@@ -35,7 +35,7 @@ from looprl.distributed import mesh as ml
 from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError
 from looprl.model.config import OuroConfig
-from looprl.model.kernels import kernel_version, row_tile
+from looprl.kernels import kernel_version, row_tile
 from looprl.model.layers import stack_pass
 from looprl.model.looped import (Layout, cast_weights, embed, exit_lambda, exit_state_init,
                                  exit_state_update, lm_logits, q_exit_decision)
@@ -227,7 +227,7 @@ def _compact_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, 
     nothing); the M - n filler rows compute nothing (no active position) and are dropped on the
     way back. M = B runs the rows in place, without the gather. Only the chunk's window of the
     loop-d KV slots, hidden states and depths is scattered back. The kernels are row-invariant
-    (`looprl.model.kernels`), so a row's bits are those it gets in the full batch.
+    (`looprl.kernels`), so a row's bits are those it gets in the full batch.
     Returns (state, M), M an int32 scalar."""
     B = run_B.shape[0]
     if st.row_menu[-1] != B:  # every count n <= B must have a size: the menu ends at B
@@ -292,7 +292,7 @@ def _block_pass(st: _Static, w, s: DecodeState, rows: RowInfo, positions_BxS, d,
     place from inside this loop, which also updates it, ran the deferred decode at 3.9k, and
     carrying only the windows while reading the unchanged cache at 10.6k (both as if XLA CPU
     copied the cache into the loop; not traced); the gather: 20.1k.
-    Row-invariant kernels (`looprl.model.kernels`): a row's bits are those it gets in the full
+    Row-invariant kernels (`looprl.kernels`): a row's bits are those it gets in the full
     batch. Returns (state, rows run: blocks x R, int32)."""
     B = run_B.shape[0]
     R, R_tail = (min(r, B) for r in policies.window_block_rows(C))

@@ -83,7 +83,7 @@ class Schedule:
     # what keyed the sampling noise (`looprl.sampling.processing.noise_position`); files written
     # before 2026-12-01 lack it and were keyed by layout position
     noise_keying: str = "layout"
-    # the invariant kernels' version (`looprl.model.kernels.kernel_version()`: the CPU's, with
+    # the invariant kernels' version (`looprl.kernels.kernel_version()`: the CPU's, with
     # the sgemm ISA when it is not AVX-512, or the accelerator form) the rollout was sampled
     # with; "" in files written before 2026-12-01 (the scanned-rule kernels)
     kernel_version: str = ""

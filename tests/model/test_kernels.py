@@ -1,11 +1,11 @@
-"""Row invariance of the batch-invariant kernels (looprl.model.kernels): a row's bits must not
+"""Row invariance of the batch-invariant kernels (looprl.kernels): a row's bits must not
 depend on how many other rows ran with it, on XLA CPU with the pinned thread count."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 
 ROWS = (1, 2, 5, 8, 32, 63, 64, 100)
 

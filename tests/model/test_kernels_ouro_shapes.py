@@ -1,4 +1,4 @@
-"""Row invariance of looprl.model.kernels at the real Ouro widths (issue 14): every weight shape
+"""Row invariance of looprl.kernels at the real Ouro widths (issue 14): every weight shape
 of ouro-1.4b / ouro-2.6b (hidden 2048, 16 heads x 128, MLP 5632, vocabulary 49152; both presets
 share these widths), fp32 and bf16, raw bits. Each row of an M-row call must equal the same row
 of a large call, also when it sits at another position. The thread count is pinned by the test
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 
 D, H, K, F, V = 2048, 16, 128, 5632, 49152
 WEIGHTS = {"q/k/v/o": (D, D), "gate/up": (D, F), "down": (F, D), "lm_head": (D, V),
@@ -353,7 +353,7 @@ def test_the_ordered_form_is_one_kernel_call_whatever_m(name, cpu_form):
     """Structural (the default CPU form): in the optimized program of an M-row matmul (M in 1, 3,
     7, 64, 300) the weight meets no dot, only one call of the ordered kernel on `[M, I]` rows
     and the unpadded `[I, O]` weight, so nothing XLA chooses per shape touches the numerics
-    (looprl/model/ordered_gemm.cc's argument)."""
+    (looprl/kernels/ordered_gemm.cc's argument)."""
     cpu_form("ordered")
     i, o = WEIGHTS[name]
     for dtype in ("float32", "bfloat16"):

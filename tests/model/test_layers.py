@@ -121,7 +121,7 @@ def test_sampler_form_reads_each_layers_matmul_weights_in_place(dtype, monkeypat
     layer index (`kernels.layer_matmul`), so the compiled pass slices no matmul weight out of
     its stack (a copy per layer pass: 46 MB a weight at Ouro-1.4B's MLP widths in fp32); the
     same bits as the sliced weights (`reads_layers_in_place` off)."""
-    from looprl.model import kernels as kn
+    from looprl import kernels as kn
     B, C, S, T = 3, 1, 8, 2
     L, Hkv, K = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim
     D, F = CFG.hidden_size, CFG.intermediate_size

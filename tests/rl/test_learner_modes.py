@@ -43,7 +43,7 @@ def test_mismatch_stats_on_a_hand_checked_case():
     assert mismatch_stats(learner, learner, mask, 0.2, 0.28)["mismatch_abs_max"] == 0.0
 
 
-# hybrid trains in tests/rl/test_learner.py, expected in tests/learner/test_schedule_unaware.py;
+# hybrid trains in tests/rl/test_learner.py, expected in tests/logprobs/test_schedule_unaware.py;
 # stock (the unreplayed baseline) has its log-probs measured in every GRPO step of those
 @pytest.mark.parametrize("method", [pytest.param("hybrid", marks=pytest.mark.slow),
                                     pytest.param("stock", marks=pytest.mark.slow), "full_depth",

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looprl.model import kernels as kn
+from looprl import kernels as kn
 from looprl.sampling.processing import sample_tokens
 
 

@@ -6,7 +6,7 @@ log-prob bits under temperature-1 sampling, for every KV policy, in fp32 and bf1
 suite runs `deferred` in fp32 (the policy with the most ways to group work: pending windows and
 flushes); the other five cases are under `-m slow` (dense and copy in fp32 took 54 and 29 s,
 the bf16 cases 112 s together, on 2-core hosts; bf16 replay is covered by the default suite's
-tests/learner/test_logprobs.py).
+tests/logprobs/test_logprobs.py).
 
 This needs all three of: noise keyed by the completion index (not the padded position), row-
 invariant matmuls (the batch size changes every dot's row count) and attention whose key blocks

@@ -9,7 +9,7 @@ from looprl.cli import main
 from looprl.errors import ScheduleError
 from looprl.io.checkpoint import save_model_checkpoint
 from looprl.model import init_params, preset
-from looprl.model.kernels import KERNEL_VERSION, cpu_kernel_version
+from looprl.kernels import KERNEL_VERSION, cpu_kernel_version
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
 from looprl.tokenizer import build_char_tokenizer
@@ -64,7 +64,7 @@ def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
 
 
 def test_verify_compares_the_learner_methods_but_hybrid_and_the_schedule_unaware_ones():
-    from looprl.learner.logprobs import METHODS as LEARNER
+    from looprl.logprobs.logprobs import METHODS as LEARNER
     from looprl.sampling.policies import KV_POLICIES
     from looprl.verify import matrix
     assert matrix.METHODS == ("replay", "dense", "stock")

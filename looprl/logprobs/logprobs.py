@@ -9,7 +9,7 @@ elsewhere. Logits are built only at each position's exit loop (`[B, S, V]`, neve
   kernels; KV as the policy implies (dense/deferred: every loop's own K/V; copy: at loop d a
   position's K/V from loop min(d, k)). Because every matmul is row-tiled and attention runs
   over key blocks aligned to each row's first live key, it reproduces the sampler's bits
-  (tests/learner), over the recorded cache length S or over the batch's live prefix
+  (tests/logprobs), over the recorded cache length S or over the batch's live prefix
   (`live_seq_len`, below).
 - `replay`: the recorded schedule re-executed under stop_gradient. `replay_impl="invariant"`
   (default) is the dense pass under stop_gradient, exact where the kernels are invariant (XLA CPU,
@@ -39,7 +39,7 @@ positions only (at most S), the rest padded back with zeros. Why the bits at eve
 position are those of the whole length: (1) every pass is causal: position i reads tokens,
 exits and KV depths at positions <= i < S' only; (2) the matmuls are row-invariant, so fewer
 rows change no row; (3) attention: a query's live keys sit in the same slots of the same 128-key
-blocks, cut at its row's first live key (`looprl.model.kernels`), at any key-axis length, and
+blocks, cut at its row's first live key (`looprl.kernels`), at any key-axis length, and
 every other slot is masked for it (a query at i < S' sees keys <= i). What the cut changes is
 masked slots only: whole blocks of them go (the key axis is shorter), and since the rotation is
 modulo the padded length, the row's left-padding keys move into the last kept block, into slots
@@ -49,10 +49,10 @@ value partial and 0 to its softmax sum, and a block of masked slots alone gives 
 the caveat the kernels' exact-zero argument for masked keys has anyway. The max is order-free.
 No dot's shape depends on the key-axis length: scores and values are one `[R, K] x [K, 128]`
 and `[R, 128] x [128, K]` dot per (b, h, key block), over the blocks holding a live key only
-(`looprl.model.kernels`; tests/model/test_kernels_ouro_shapes.py checks the program's dots and
+(`looprl.kernels`; tests/model/test_kernels_ouro_shapes.py checks the program's dots and
 the bits at Ouro widths for caches of 384 to 2048 slots). The logits are per position.
 Bucketing bounds the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked bit for
-bit against the recorded log-probs by tests/learner/test_live_prefix.py (a reviewer also cut
+bit against the recorded log-probs by tests/logprobs/test_live_prefix.py (a reviewer also cut
 `attention` alone at head_dim 64 and 128, fp32 and bf16, pads 0-23, S of 155-700 cut to
 37-640: 0 bits differed).
 The loss and gradient sum their terms over S' positions, so they equal the whole length's to
@@ -92,7 +92,7 @@ def exit_hidden(model_cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_d
     then read from memory, as in the sampler's loop-by-loop while loop. Unrolled, XLA fuses
     loop d's final norm (`h = (x * rsqrt) * w`) into loop d+1's residual add, where LLVM's
     FMA contraction rounds `x + h` differently than when h comes from memory (seen with
-    L = 1, whose layer scan XLA inlines: tests/learner/test_small_dims_exact.py).
+    L = 1, whose layer scan XLA inlines: tests/logprobs/test_small_dims_exact.py).
     """
     def keep_exit(h_exit, h, _, d):
         return jnp.where((exit_loop_BxS == d)[..., None], h, h_exit)

@@ -1,6 +1,6 @@
 """The learner on a rollout's live prefix (`live_seq_len`, `batch_logprobs(seq_len=)`): the same
 bits at every emitting position as the whole recorded length, and as the sampler (raw fp32 bits,
-as uint32), with the key axis cut from two 128-key blocks to one (looprl.learner.logprobs,
+as uint32), with the key axis cut from two 128-key blocks to one (looprl.logprobs.logprobs,
 module doc)."""
 import types
 
@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl.learner.logprobs import batch_logprobs, live_seq_len
+from looprl.logprobs.logprobs import batch_logprobs, live_seq_len
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.verify.matrix import compare_logprobs
 
 CFG = preset("tiny", vocab_size=32, hidden_size=64, intermediate_size=128, num_heads=2,
-             num_kv_heads=2, head_dim=32)  # tests/learner/test_logprobs.py's model
+             num_kv_heads=2, head_dim=32)  # tests/logprobs/test_logprobs.py's model
 PROMPTS = [[5, 9, 3, 7, 11], [4, 6, 8]]
 MAX_NEW = 150  # S = 155: a 256-slot key axis; the live prefix fits one 128-key block
 STOP = (2, 17)  # 2 of 32 ids stop a row: completions end long before MAX_NEW

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from looprl.io import hf
-from looprl.learner.logprobs import sequence_logprobs
+from looprl.logprobs.logprobs import sequence_logprobs
 from looprl.model import looped
 from looprl.model.config import preset
 from looprl.reference.torch_ouro import TorchOuro

@@ -1,6 +1,6 @@
 """A Pallas matmul with fixed blocks: the accelerator fallback of the invariant kernels (issue 16).
 
-`looprl.model.kernels` runs off the CPU with XLA ops by default (fixed row tiles, 128-long
+`looprl.kernels` runs off the CPU with XLA ops by default (fixed row tiles, 128-long
 contraction blocks summed in order). Whether XLA's GPU/TPU compiler keeps that order is checked on
 the device (`reproducibility/gpu_check.py`), not assumed. This kernel states the order itself,
 so nothing the compiler picks per program can change it (`LOOPRL_ACCEL_MATMUL=pallas`).

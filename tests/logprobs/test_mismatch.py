@@ -1,10 +1,10 @@
-"""`looprl.learner.mismatch`: the bit-equal fraction and k3 figures shared by the trainer and
+"""`looprl.logprobs.mismatch`: the bit-equal fraction and k3 figures shared by the trainer and
 `looprl verify`, on hand-computed cases."""
 import math
 
 import numpy as np
 
-from looprl.learner.mismatch import (bits_equal, bits_equal_fraction, compare_logprobs,
+from looprl.logprobs.mismatch import (bits_equal, bits_equal_fraction, compare_logprobs,
                                      k3_terms, mismatch_stats)
 from looprl.verify import matrix
 

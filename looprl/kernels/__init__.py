@@ -28,7 +28,7 @@ every position (on that AVX-512 machine; on AVX2 the block is 6 rows, see (3)). 
 4096 rows) were right in length but could not help rows that were never padded.
 
 The CPU matmul (default, `LOOPRL_CPU_MATMUL=ordered`, kernel version KERNEL_VERSION_ORDERED):
-`looprl.model.ordered_gemm`, an XLA FFI kernel of our own (`ordered_gemm.cc`). Each output is
+`looprl.kernels.ordered_gemm`, an XLA FFI kernel of our own (`ordered_gemm.cc`). Each output is
 the sum, in chunk order, of 256-long fma chains over k in order, each from -0.0; that order is
 written in the kernel, so the argument is the program: no value that enters a row's output is
 computed from anything but that row and the weight, and no blocking, thread or path choice
@@ -203,7 +203,7 @@ backend instead of the CPU's oneDNN-specific argument (3):
   read; in fp32 at full precision (32 FLOP per byte against a ridge of ~14) it costs about 2x
   a weight read (a roofline estimate, not measured). fp32 dots ask for `Precision.HIGHEST` (no
   TF32), bf16 dots run on the tensor cores with fp32 accumulation.
-* `matmul` (Pallas form, `LOOPRL_ACCEL_MATMUL=pallas`): `looprl.model.pallas_matmul`, one
+* `matmul` (Pallas form, `LOOPRL_ACCEL_MATMUL=pallas`): `looprl.kernels.pallas_matmul`, one
   kernel whose programs each own a `[64, 128]` output block and sum its 128-long K blocks in
   order: the order is in the kernel, so no compiler choice can change it. The fallback where
   the XLA form is not exact on a device.
@@ -245,10 +245,10 @@ import numpy as np
 
 from looprl.determinism import cpu_isa, cpu_row_quantum
 from looprl.errors import ConfigError
-from looprl.model.ordered_gemm import (ordered_attention_scores, ordered_attention_values,
+from looprl.kernels.ordered_gemm import (ordered_attention_scores, ordered_attention_values,
                                        ordered_matmul, ordered_matmul_layer,
                                        row_argmax as ordered_row_argmax, row_max, row_sum)
-from looprl.model.pallas_matmul import pad_to_multiple, pallas_matmul
+from looprl.kernels.pallas_matmul import pad_to_multiple, pallas_matmul
 
 ROW_TILE = 64  # the fixed row tile off the CPU (accelerators), and the softmax tiles
 # CPU: a row tile is a multiple of this, the sgemm register block of the machine's ISA (8 with
@@ -309,7 +309,7 @@ def accel_matmul_impl() -> str:
 
 def cpu_matmul_impl() -> str:
     """The CPU matmul's form (module doc): `LOOPRL_CPU_MATMUL`, `ordered` (default: the FFI
-    kernel of `looprl.model.ordered_gemm`) or `xla` (the XLA-op construction, the numerics of
+    kernel of `looprl.kernels.ordered_gemm`) or `xla` (the XLA-op construction, the numerics of
     kernel version KERNEL_VERSION, kept so that rollouts sampled under it still verify). Read
     when a program is traced. Raises ConfigError naming the variable and the choices for any
     other value."""
@@ -561,7 +561,7 @@ _tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w` (module doc): leading dims of x are flattened into rows.
 
-    On the CPU: the ordered FFI kernel (`looprl.model.ordered_gemm`; rows and a bf16 weight
+    On the CPU: the ordered FFI kernel (`looprl.kernels.ordered_gemm`; rows and a bf16 weight
     widened to fp32, exact; fp32 result cast to `out_dtype`); with `LOOPRL_CPU_MATMUL=xla` rows
     zero-padded to a multiple of the row tile `_row_tile_for(M)`, every dot `[R, 128] x [128,
     O16]` in fp32 (I in 128-long blocks summed in order, O padded to a multiple of N_MIN),

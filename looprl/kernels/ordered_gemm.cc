@@ -1,4 +1,4 @@
-// looprl's row-invariant CPU matmul, an XLA FFI custom call (looprl/model/ordered_gemm.py).
+// looprl's row-invariant CPU matmul, an XLA FFI custom call (looprl/kernels/ordered_gemm.py).
 //
 // The numerics, fixed by this program and by nothing else:
 //   out[m, n] = ((c_0 + c_1) + c_2) + ... + c_{J-1},   J = ceil(K / KC),

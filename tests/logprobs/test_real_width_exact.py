@@ -4,12 +4,12 @@ about half the tokens early. Rollouts of 1, 2, 3, 5, 8 and 64 rows replay bit fo
 learner's dense pass under stop_gradient against the sampler's recorded log-probs) for every KV
 policy in fp32 and bf16, and the stock control still mismatches, within 1e-4 in fp32.
 
-    python -m pytest tests/learner/test_real_width_exact.py -m slow
+    python -m pytest tests/logprobs/test_real_width_exact.py -m slow
 """
 import numpy as np
 import pytest
 
-from looprl.learner.logprobs import batch_logprobs
+from looprl.logprobs.logprobs import batch_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from looprl.learner.logprobs import batch_logprobs
-from looprl.model import kernels as kn
+from looprl.logprobs.logprobs import batch_logprobs
+from looprl import kernels as kn
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate

@@ -1,6 +1,6 @@
 """The CPU's row-invariant matmul as an XLA FFI custom call: `ordered_matmul(x, w)`.
 
-`out[m, n]` is built in the order `looprl/model/ordered_gemm.cc` fixes, whatever M, the row's
+`out[m, n]` is built in the order `looprl/kernels/ordered_gemm.cc` fixes, whatever M, the row's
 place, the thread count or the ISA: the contraction is cut into K_CHUNK-long chunks from k = 0;
 a chunk's value is an fma chain `acc = fma(x[m, k], w[k, n], acc)` over its k in order from
 -0.0; the chunks are added in order, `((c0 + c1) + c2) + ...` (`reference_matmul` writes the
