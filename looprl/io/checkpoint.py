@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from looprl import compat
 from looprl.distributed.mesh import param_shardings, to_host
 from looprl.distributed.multihost import sync
 from looprl.errors import CheckpointError, ConfigError
@@ -191,12 +192,13 @@ def _synced_manifest(root: Path) -> tuple[dict[str, int], dict[str, str]]:
 
 def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool = False
                        ) -> None:
-    """Compare each file's SHA-256 with the one `meta["file_sha256"]` recorded at save (absent
-    in checkpoints written before 2026-12-01: nothing to compare): the files under
-    `train_state/` with `train_state`, else every other file. Raises CheckpointError naming
-    the first damaged file and both digests."""
+    """Compare each file's SHA-256 with the one `meta["file_sha256"]` recorded at save (none in
+    an older checkpoint: `looprl.compat.checkpoint_records`): the files under `train_state/`
+    with `train_state`, else every other file. Raises CheckpointError naming the first damaged
+    file and both digests."""
     path = _abs(path)
-    for rel, recorded in (meta.get("file_sha256") or {}).items():
+    _, file_digests, _ = compat.checkpoint_records(meta)
+    for rel, recorded in file_digests.items():
         if rel.startswith(TRAIN_STATE_DIR + "/") != train_state:
             continue
         found = file_sha256(path / rel)
@@ -209,9 +211,9 @@ def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool
 def _check_params_digest(path: Path, params, meta: dict[str, Any], found=None) -> None:
     """`params_sha256` of the restored tree (or `found`, streamed as it was read) against the
     recorded one; a checkpoint that records no digest at all loads with a warning on stderr."""
-    recorded = meta.get("params_sha256")
+    _, file_digests, recorded = compat.checkpoint_records(meta)
     if recorded is None:
-        if not meta.get("file_sha256"):
+        if not file_digests:
             print(f"looprl: warning: {path}: written before checkpoints recorded digests; its "
                   f"bytes cannot be checked for damage", file=sys.stderr, flush=True)
         return
@@ -253,7 +255,7 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     for part in needed:
         if not (path / part).exists():
             raise CheckpointError(f"{path}: incomplete looprl checkpoint: {part} missing")
-    for rel, size in (meta.get("files") or {}).items():  # absent in older checkpoints
+    for rel, size in compat.checkpoint_records(meta)[0].items():
         f = path / rel
         found = f.stat().st_size if f.is_file() else None
         if found != size:
@@ -293,7 +295,7 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     except (OSError, json.JSONDecodeError, ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from e
     sha = ParamsSha256()
-    files_digested = bool(meta.get("file_sha256"))  # check_file_digests covered every byte
+    files_digested = bool(compat.checkpoint_records(meta)[1])  # then every byte is checked
 
     def streamed(keys, slabs):
         _require_fp32(path, keys, slabs)
