@@ -185,7 +185,7 @@ def _history(path: Path):
     for line, chunk in prose:
         for what, pattern in HISTORY.items():
             for m in pattern.finditer(chunk):
-                yield f"{line}: {what} ({m.group()!r})"
+                yield f"{line + chunk.count(chr(10), 0, m.start())}: {what} ({m.group()!r})"
 
 
 def _prose_files():
