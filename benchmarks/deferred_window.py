@@ -1,11 +1,11 @@
-"""Where postponing loops pays: `deferred` over `dense` by rows per device (issue 18).
+"""Where postponing loops pays: `deferred` over `dense` by rows per device.
 
 The measurement behind `looprl.sampling.policies.auto_max_pending`'s rule (a pending window of 0,
 dense's execution, from AUTO_DENSE_ROWS = 16 rows per device on). For each model and row count,
 in one process, side by side (`rollout._measure_group`: one warm-up call each, then REPEATS
 interleaved rounds, medians of the decode seconds): `dense`, `deferred` with a postponing
-window (the rule's window below 16 rows: 64 // rows - 1 clamped to [7, 63], i.e. what the
-automatic bound was at every size before 2026-12-04), and `deferred` with the automatic bound.
+window (the rule's window below 16 rows: 64 // rows - 1 clamped to [7, 63], at every size), and
+`deferred` with the automatic bound.
 Each key is a speedup, dense decode seconds / the configuration's (higher is better; > 1:
 faster than dense): `postpone_vs_dense_{model}_b{rows}` and `auto_vs_dense_{model}_b{rows}`.
 

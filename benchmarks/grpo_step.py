@@ -1,41 +1,19 @@
 """Seconds per GRPO step, split into rollout and learner, for `dense`, `deferred` and `copy`.
+Run: `python benchmarks/grpo_step.py` (no arguments; under 400 s on 2 CPU cores). Last line:
+JSON.
 
-Main job shapes (`experiments/tiny_arith.py`: hidden 64, 1 layer, T = 4, 32 prompts x G = 8,
-answer-only chain sums, its q and learner settings). The model is first warm-started briefly
-(stage I then stage II, a few hundred steps) so completions and exit depths look like a trained
-model's rather than a random one's. Then, for each KV policy, a fresh `GRPOLearner` from those
-parameters runs one untimed step (compilation) and `STEPS` timed steps (`rollout_s`,
-`learner_s` as the trainer reports them; the learner part includes the replay/stock
-measurements). The policies run in ABBA blocks (dense, deferred, deferred, dense) so drift of a
-shared machine hits both alike; medians over both blocks are reported.
+The main job's shapes (`experiments/tiny_arith.py`: 32 prompts x G = 8, its q and learner
+settings), the model briefly warm-started so completions and exit depths look trained. Each
+configuration gets a fresh `GRPOLearner`, one untimed step (compilation) and `STEPS` timed
+ones (`rollout_s`, `learner_s` as the trainer reports them); configurations run in order and
+then in reverse, so drift of a shared machine hits them alike, and report medians over both.
 
-Issue 18's keys are speedups (dense step seconds / the policy's step seconds; higher is
-better), at 256 rows (the main job's 32 prompts x 8) with `rollout.max_new_tokens=128`:
-`deferred_vs_dense_step_b256`, `copy_vs_dense_step_b256`, and `amdahl_bound_step_b256` = dense
-step seconds / dense learner seconds, the speedup a free rollout would give. The older
-`deferred_vs_dense_step` / `deferred_vs_dense_rollout` keys stay time ratios (policy / dense,
-below 1: faster), as they were first reported.
-
-Every configuration above measures the stock negative control each step, as the main job does
-(`learner.measure_stock`, default on: `stock_max_abs_diff`). Until 2026-12-04 that pass ran on
-the exact live prefix (P + the longest completion, unbucketed), so a step whose longest
-completion was a new length compiled it again (0.7-0.9 s on a 2-core host) and the median of a
-few timed steps carried those compiles unevenly (copy's learner 1.83 s against dense's 1.15 s
-with the control, 1.05 s against 1.09 s without); it now runs on the learner's bucketed live
-prefix like every other learner pass. `dense_no_stock` and `copy_no_stock` run without it:
-`copy_vs_dense_step_b256_no_stock_control` and `amdahl_bound_step_b256_no_stock_control` are
-the same two figures on those, and `stock_control_learner_s` the control's learner seconds per
-step (learner seconds with it minus without).
-
-The learner runs on each batch's live prefix (`learner.seq_bucket`, default 64: P + the longest
-completion rounded up to 64 positions, instead of P + 128; the same bits). A fourth
-configuration, `dense_whole_layout` (dense with `learner.seq_bucket=0`, the learner on all
-P + 128 positions), runs in the same blocks: `live_prefix_learner_speedup_b256` = its learner
-seconds / dense's, `live_prefix_step_speedup_b256` the same for the whole step (higher is
-better), and `*_learner_seq_len` the positions each learner ran on.
-
-Run: `python benchmarks/grpo_step.py` (no arguments; well under 400 s on 2 CPU cores). The last
-line is one JSON object.
+Speedups (dense step seconds / the policy's; higher is better) at 256 rows:
+`deferred_vs_dense_step_b256`, `copy_vs_dense_step_b256`, and `amdahl_bound_step_b256` (dense
+step / dense learner seconds: what a free rollout would give). `deferred_vs_dense_step` and
+`deferred_vs_dense_rollout` are time ratios (policy / dense; below 1 is faster). `*_no_stock*`:
+the same without the stock negative control (`stock_control_learner_s`: what it costs);
+`live_prefix_*_speedup_b256`: dense on the live prefix against `dense_whole_layout`.
 """
 from __future__ import annotations
 
@@ -61,12 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 WARM_STEPS, GATE_STEPS, STEPS = 300, 50, 2
 POLICIES = ("dense", "deferred", "copy")
 CONFIGS = {p: [f"rollout.kv_policy={p}"] for p in POLICIES}
+# the learner on all P + MAX_NEW positions instead of its live prefix (P + the longest completion
+# rounded up to `learner.seq_bucket`); `*_learner_seq_len` reports the positions each ran on
 CONFIGS["dense_whole_layout"] = ["rollout.kv_policy=dense", "learner.seq_bucket=0"]
-# without the stock negative control (`learner.measure_stock`, on by default): what the control
-# costs a step (module doc; until 2026-12-04 mostly its per-length recompiles)
+# without the stock negative control (`learner.measure_stock`, on by default, as in the main
+# job): what the control costs a step
 CONFIGS.update({f"{p}_no_stock": [f"rollout.kv_policy={p}", "learner.measure_stock=false"]
                 for p in ("dense", "copy")})
-MAX_NEW = 128  # rollout.max_new_tokens: the rollout a real share of the step (issue 18)
+MAX_NEW = 128  # rollout.max_new_tokens: the rollout a real share of the step
 
 
 def main() -> dict:

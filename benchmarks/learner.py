@@ -1,4 +1,4 @@
-"""One learner step (forward + backward) with `hybrid` log-probs vs a `stock` step (issue 4).
+"""One learner step (forward + backward) with `hybrid` log-probs vs a `stock` step.
 
 Shape: the main job's GRPO batch, 16 prompts x 8 samples = 128 rows, max_new_tokens 32, on the
 tiny model (preset `tiny`, random init with the gate bias set so that most tokens exit early,

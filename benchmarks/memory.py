@@ -1,28 +1,20 @@
-"""Peak host memory of convert, generate, eval and one GRPO step at Ouro-1.4B width (issue 19).
+"""Peak host memory of convert, generate, eval and one GRPO step at Ouro-1.4B width.
 
-No arguments: writes a random HF checkpoint (bf16 safetensors, `looprl.io.hf.save_hf`) of 4
-layers at Ouro-1.4B width (hidden 2048, MLP 5632, 16 heads, vocab 49152: 407 M parameters, 1.6
-GB in fp32) with a byte-level BPE tokenizer (as tests/tiny_ouro.py builds one) into a temporary
-directory, then runs each step in its own process and reads that process's peak RSS
-(`os.wait4` rusage, `ru_maxrss`):
+Writes a random HF checkpoint (bf16 safetensors, `looprl.io.hf.save_hf`) of 4 layers at
+Ouro-1.4B width (407 M parameters, 1.6 GB in fp32) with a byte-level BPE tokenizer into a
+temporary directory, then runs each step in its own process and reads its peak RSS (`os.wait4`):
   convert        `looprl convert --hf DIR --out CKPT`
   convert_to_hf  `looprl convert --checkpoint CKPT --to-hf DIR2` (bf16, the source's dtype)
   generate       `looprl generate --checkpoint CKPT --prompt ... --max-new-tokens 8` (fp32)
   generate_bf16  the same with `--dtype bfloat16`
   eval           `looprl eval --task gsm8k --limit 2 --max-new-tokens 8` (../shared/data/gsm8k)
   train_step     `looprl train experiments/ouro_1p4b_gsm8k_grpo.py`, one minimal GRPO step
-                 (1 prompt x 4 samples, 6 new tokens, 2 eval problems, bf16 compute, no stock
-                 or KL pass; learner.require_exact=false, so an inexact step still measures)
-`--layers N` measures another depth, and `--skip-train` leaves the train step out:
-`--layers 24 --skip-train` is the whole Ouro-1.4B (1.43 B parameters; 2.9 GB of safetensors and
-a 5.7 GB checkpoint on disk; its train step would need ~40 GB, see README "Memory").
-Each figure is peak bytes / fp32 parameter bytes. The sampling steps (generate, generate_bf16,
-eval) also carry issue 19's budget: 1.3 x the parameter bytes in their compute dtype plus the KV
-cache they reported (`generate --json` timings, eval's results.json), as `<step>_kv_cache_bytes`,
-`<step>_budget_per_param_byte` and `<step>_within_budget`. The last line is one JSON object:
-{"benchmark": "memory", "layers", "num_params", "fp32_param_bytes", "<step>_rss_per_param_byte",
-"<step>_peak_rss" (bytes), "<step>_wall_s", "<step>_rc" for each step, the budget keys, "wall_s"}. About 280 s
-on 2 CPU cores (4 layers); 24 layers without the train step about 350 s.
+                 (1 prompt x 4 samples, 6 new tokens, bf16, learner.require_exact=false)
+`--layers N` measures another depth (24: the whole Ouro-1.4B), `--skip-train` leaves the train
+step out. Each figure is peak bytes / fp32 parameter bytes; the sampling steps also check their
+budget, 1.3 x the parameter bytes in their compute dtype plus the KV cache they report
+(`<step>_within_budget`). Last line: JSON ({"benchmark": "memory", "<step>_peak_rss",
+"<step>_rss_per_param_byte", "<step>_wall_s", "<step>_rc", the budget keys, ...}).
 """
 from __future__ import annotations
 

@@ -1,72 +1,28 @@
-"""Decode throughput of the rollout engine: KV policies `dense`, `deferred`, `copy` (issues 3, 18).
+"""Decode throughput of the KV policies `dense`, `deferred` and `copy`, and Flax against the
+PyTorch reference. Run: `python benchmarks/rollout.py` (no arguments; a 400 s budget on 2 CPU
+cores). Last line: JSON.
 
-**The RL batch first (issue 18).** Every `*_vs_dense_*` key is a speedup: dense decode seconds
-/ the policy's decode seconds, side by side in this run (higher is better; > 1: faster than
-dense). `copy_vs_dense_b256` / `deferred_vs_dense_b256`: the main job's model
-(experiments/tiny_arith.py, hidden 64, 1 layer, T = 4), warm-started as in grpo_step.py so the
-gate is trained, 256 rows (32 prompts x 8), q = 0.5, 32 new tokens; next to them
-`ideal_speedup_copy_b256` = T / mean exit loop, `fraction_of_ideal_copy_b256`, the mean exit
-loops, and `*_work_share_of_dense_b256`: the rows x positions the policy's loops ran (from the
-recorded `loop_rows`, each deferred pass counting all its positions) over dense's, i.e. its
-share of dense's matmul FLOPs; `compaction_speedup_b256`: each policy with row compaction
-over the same policy without it (`row_compaction=False`), and `uncompacted_vs_dense_b256`
-(speedups against the compacted dense). `*_1p4b_width_b64`: the same for one layer of
-ouro-1.4b width (random weights, gate biased toward early exits), 64 rows, 8 new tokens.
-`deferred` runs its automatic pending bound (`policies.auto_max_pending`), which is 0 from 16
-rows per device (`deferred_max_pending_b256`): dense's execution, since postponing loops cost
-more than it saved at these sizes on a CPU; `deferred_window7_*` is deferred with an explicit
-window of 7 (the automatic bound there before 2026-12-04), what postponing itself costs.
-`flax_vs_torch_decode_b{1,16,128}`: the PyTorch reference's seconds / Flax's (invariant
-kernels), greedy, all loops, each side on the CPU's cores at its better setting: torch the
-faster of its default intra-op threads and 1 thread, Flax the faster of one device and its rows
-split over a data mesh of one XLA CPU device per core (`--xla_force_host_platform_device_count`,
-set below before jax starts; `generate(mesh=)`), which gives every row the bits of one device
-(row-invariant kernels, checked here: the tokens and log-prob bits of both Flax runs must be
-equal, or the run fails). At one row the mesh has nothing to split and only adds its overhead
-(2026-12-03, two runs: 0.73 / 1.03 on the mesh, 1.22 / 1.51 on one device), as 1 thread beats
-torch's default there; `torch_decode` records which setting each side took.
-`flax_{mesh,1device}_vs_torch_decode_*`: each Flax setting alone. The comparison is
-`decode_vs_torch.flax_vs_torch`, which `benchmarks/decode_vs_torch.py` also runs at one layer
-of Ouro-1.4B width.
+- The RL batch (`_rl_batch`): the main job's model, warm-started so the gate is trained, 256
+  rows, q = 0.5. `*_vs_dense_*` keys are speedups (dense decode seconds / the policy's; > 1 is
+  faster), beside the ideal T / mean exit loop, the share of it reached, each policy's share of
+  dense's matmul work (`*_work_share_of_dense_b256`, from `loop_rows`) and what row compaction
+  buys (`compaction_speedup_b256`). `*_1p4b_width_b64` (`_wide_layer`): one layer of Ouro-1.4B
+  width, 64 rows.
+- The sweep: the `tiny` preset at batch 1 and 16, decode and whole-call tokens/s per policy.
+- `flax_vs_torch_decode_b{1,16,128}`: the reference's seconds / Flax's, greedy, all loops, each
+  side at its better setting (`decode_vs_torch.flax_vs_torch`).
 
-Model: preset `tiny` (hidden 128, 2 layers, 4 heads, T = 4; vocab of the arithmetic task's char
-tokenizer), warm-started with `looprl.train.warm_start` (stage I + stage II, so the exit gate is
-trained), the same weights, prompts (arithmetic task prompts) and seed for every configuration,
-in one run. Each configuration samples at temperature 1 with stop ids off, so every row decodes
-a fixed number of new tokens: `MAX_NEW` = 32 in the sweep over batch sizes (q = `B1_Q`),
-`B1_MAX_NEW` = 128 for the `_b1` keys. At 32 tokens the sequence (prompt ~20 + 32) is so short
-that a loop costs little more than the per-step work outside the loops and a deferred window is
-hardly used, so edge effects dominate; 128 tokens is closer to an RL rollout (the GSM8K configs
-sample up to 512) and shows the policies' steady state. Both are reported (`*_b1_new32` keys for
-the short one). The KV policies change the decode steps, so the policy ratios use decode
-tokens/s = rows x (new tokens - 1) / wall seconds of the decode steps (`generate(timings=)`; the
-prefill, which runs every loop for every prompt position under any policy and emits the first
-token, is timed apart); whole-call tokens/s (rows x new tokens / the whole `generate` call) are
-reported next to them. Parameters are device arrays, as in training. After a compile/warm-up
-call each, the configurations being compared run interleaved for REPEATS rounds and each one's
-median counts (load changes on a shared machine then hit all of them alike).
-
-Reported per policy, threshold q and batch size: decode and whole-call tokens/s, mean exit loop,
-ratio to `dense` at the same q and batch (decode; `vs_dense_whole_call` too), and the ideal
-speed-up T / mean_exit_loop. The `_b1` keys are at batch 1, 128 new tokens
-and the q of `B1_Q` (mean exit loop <= 2.0 for the trained gate, checked). Flax vs the PyTorch
-reference (`TorchOuro.generate_greedy`, its own KV cache of one slot per (loop, layer), every
-loop for every token): greedy decoding, all T loops, same weights, batch 1, 16 and 128, 32 new
-tokens, whole calls on both sides (prefill included), each side at its better setting (above).
-
-Run: `python benchmarks/rollout.py` (no arguments; budget 400 s on 2 CPU cores: 284 s on the
-AVX-512 host of 2026-12-02, 457 s on an AVX2 host on 2026-12-03, 811 s and 925 s on a slower
-one later that day, 560 s and then 497 s on it alone, over budget; 402 s and 486 s that
-evening, after attention read the KV cache in place; 397 s and 494 s on 2026-12-04, and 216 s
-on a 2-core AVX-512 AMD EPYC later that day). Last line: JSON.
+Decode tokens/s = rows x (new tokens - 1) / the decode steps' seconds (`generate(timings=)`;
+the prefill, the same under every policy, is timed apart). Compared configurations run
+interleaved (`looprl.timing`), so load on a shared machine hits them alike.
 """
 from __future__ import annotations
 
 import os
 
-# decode_vs_torch sets one XLA CPU device per core for the Flax-vs-torch comparison's row mesh
-# (module doc) before jax starts, so it is imported first; every other measurement runs on
-# device 0 as before
+# decode_vs_torch sets one XLA CPU device per core (`--xla_force_host_platform_device_count`)
+# for the Flax-vs-torch comparison's row mesh before jax starts, so it is imported first; every
+# other measurement runs on device 0
 from decode_vs_torch import flax_vs_torch, reference  # noqa: E402  (benchmarks/)
 
 import functools  # noqa: E402
@@ -94,22 +50,25 @@ from looprl.train.warm_start import warm_start  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MAX_NEW = 32  # new tokens per row in the batch-size sweep
-B1_MAX_NEW = 128  # new tokens of the `_b1` keys (see the module doc)
+# new tokens per row (stop ids off: every row decodes them all). At 32 (the sweep, `_b1_new32`)
+# the sequence is so short that the work outside the loops dominates; 128 (the `_b1` keys) is
+# closer to an RL rollout and shows the policies' steady state.
+MAX_NEW = 32
+B1_MAX_NEW = 128
 BATCHES = (1, 16)  # the tiny preset's sweep (256 rows: the main job's model, `_rl_batch`)
 RL_ROWS, RL_Q, RL_GROUP = 256, 0.5, 8  # the RL batch: 32 prompts x G = 8, q = 0.5
 WIDE_ROWS, WIDE_NEW, WIDE_GATE_BIAS = 64, 8, -1.0  # one ouro-1.4b-width layer
 THRESHOLDS = (0.9,)  # the b1/b16 sweep (q = 0.5: the 256-row RL batch, `_rl_batch`)
-B1_Q = 0.9
+B1_Q = 0.9  # mean exit loop <= 2.0 with the trained gate (`b1_mean_exit_at_most_2`)
 POLICIES = ("dense", "deferred", "copy")
-MAX_PENDING = None  # the sampler's default pending bound: policies.auto_max_pending(batch)
-RL_MAX_PENDING = 4  # the RL config's default before 2026-12-04, reported at b1
-WINDOW = 7  # an explicit pending window at 256 / 64 rows, where the automatic one is 0
+# the sampler's default pending bound (policies.auto_max_pending): 0 from 16 rows per device,
+# dense's execution, as postponing loops costs more than it saves at these sizes on a CPU
+MAX_PENDING = None
+RL_MAX_PENDING = 4  # an explicit bound of 4, reported at b1 (`deferred_mp4`)
+WINDOW = 7  # an explicit pending window at 256 / 64 rows: what postponing itself costs
 WINDOW_KEY = f"deferred_window{WINDOW}"
 REPEATS = 3
-# the RL batch's rounds: its calls are 0.1-0.6 s, and with 3 rounds copy_vs_dense_b256 read
-# 1.576 and 1.381 in two runs of one commit on a host whose speed moved 1.5x between them
-RL_REPEATS = 5
+RL_REPEATS = 5  # the RL batch's calls are short (under a second): more rounds for its medians
 
 
 def _interleaved(fns, repeats=None):
@@ -281,7 +240,11 @@ def main() -> dict:
 
     # Flax vs the PyTorch reference decode (greedy, all T loops per token, same weights).
     ref = reference(cfg, params)
-    mesh = make_mesh(MeshConfig(data=-1))  # one device per core (module doc)
+    # torch at the faster of its default threads and 1; Flax at the faster of one device and
+    # its rows over one XLA CPU device per core, which gives every row one device's bits (the
+    # two Flax runs' tokens and log-prob bits must be equal, or the run fails); at one row the
+    # mesh has nothing to split and only adds overhead. `torch_decode` records the choices.
+    mesh = make_mesh(MeshConfig(data=-1))
     torch_vs = {}
     for B in (1, 16, 128):
         P = min(len(p) for p in prompts_all[:B])  # the reference takes equal-length prompts

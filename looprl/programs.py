@@ -1,11 +1,10 @@
 """The process's compiled programs, against the kernel's memory-map limit.
 
-Every compiled XLA CPU program holds its JIT code in memory maps until it is freed (about 3,000
-maps per tiny-model rollout group of `looprl verify`, 2026-12-03). jax keeps every program it
-compiled, so a process that compiles many shapes (the reproducibility matrix, a sweep of
-variants) passes Linux's default `vm.max_map_count` (65,530): LLVM then fails with "Cannot
-allocate memory" and the process dies with SIGSEGV (`looprl verify --quick` did, at ~85 % of
-its cells). The test suite drops its programs after each module (tests/conftest.py).
+Every compiled XLA CPU program holds its JIT code in memory maps until it is freed, and jax
+keeps every program it compiled, so a process that compiles many shapes (the reproducibility
+matrix, a sweep of variants) can pass Linux's default `vm.max_map_count` (65,530): LLVM then
+fails with "Cannot allocate memory" and the process dies with SIGSEGV. The callers drop the
+programs between groups and variants; the test suite after each module (tests/conftest.py).
 """
 from __future__ import annotations
 

@@ -27,9 +27,8 @@ def interleaved(fns: dict, repeats: int, clock=None, warmup: int = 0) -> dict:
     thread; wall seconds off the CPU) of each zero-argument callable in `fns` (name -> fn) over
     `repeats` rounds that call every fn once in turn, after `warmup` untimed calls of each (0:
     the fns are already compiled). With one intra-op XLA thread, on a quiet machine CPU seconds
-    are wall seconds; on a shared one they do not count the time other processes held the core
-    (wall-clock pairs moved by 1.6x between two loaded runs), and they count both cores where XLA
-    splits a loop fusion over them. `clock=time.perf_counter` for wall seconds."""
+    are wall seconds; on a shared one they do not count the time other processes held the core,
+    and they count both cores where XLA splits a loop fusion over them. `clock=time.perf_counter` for wall seconds."""
     clock = clock or default_clock()
     for fn in fns.values():
         for _ in range(warmup):

@@ -1,6 +1,6 @@
 """The config's field types: their readable names, the one type dispatch that checks a Python
-value or parses a command-line string (`convert_value`), and keys renamed since configs were
-written with them (`RENAMED`)."""
+value or parses a command-line string (`convert_value`), and the reading of an old key name
+(`renamed_key`; the names are `looprl.compat.RENAMED`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,11 +9,8 @@ import typing
 import warnings
 from typing import Any, Literal
 
+from looprl.compat import RENAMED
 from looprl.errors import ConfigError
-
-# Keys renamed since configs were written with them: {section: {old name: new name}}. An old
-# key in an override or a config file is read as the new one, with a ConfigRenameWarning.
-RENAMED = {"rollout": {"fixed_exit_loop": "fixed_depth"}}  # the documented --fixed-depth's name
 
 
 class ConfigRenameWarning(UserWarning):

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from looprl.compat import CONFIG_KEYS_ABSENT, RENAMED
+from looprl.config.fields import convert_value, field_types, renamed_key
 from looprl.config.overrides import apply_overrides
-from looprl.config.fields import RENAMED, convert_value, field_types, renamed_key
 from looprl.config.sections import ExperimentConfig
 from looprl.errors import ConfigError
 
@@ -96,13 +97,6 @@ def to_json(cfg: ExperimentConfig, indent: int | None = 2) -> str:
     return json.dumps(dataclasses.asdict(cfg), indent=indent)
 
 
-# Keys that a config file written before they existed means differently from their default:
-# {section: {key: the value such a file implies}}.
-LEGACY_VALUES = {"rollout": {"noise_keying": "layout"},
-                 # the learner ran on the whole layout before its live prefix (2026-12-03)
-                 "learner": {"seq_bucket": 0}}
-
-
 def _from_dict(cls, d: Any, where: str):
     if not isinstance(d, dict):
         raise ConfigError(f"config section {where or 'root'!r}: expected an object, found {d!r}")
@@ -119,7 +113,7 @@ def _from_dict(cls, d: Any, where: str):
         prefix = f"{where}." if where else ""
         raise ConfigError(f"unknown config keys {[prefix + u for u in unknown]}")
     kw = {}
-    for name, value in LEGACY_VALUES.get(where, {}).items():
+    for name, value in CONFIG_KEYS_ABSENT.get(where, {}).items():  # an older file's meaning
         if name not in d:
             kw[name] = value
     for name, value in d.items():

@@ -6,7 +6,8 @@ import dataclasses
 import difflib
 from typing import Any
 
-from looprl.config.fields import RENAMED, convert_value, field_types, renamed_key, type_name
+from looprl.compat import RENAMED
+from looprl.config.fields import convert_value, field_types, renamed_key, type_name
 from looprl.config.sections import ExperimentConfig
 from looprl.errors import ConfigError
 

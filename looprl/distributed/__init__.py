@@ -1,2 +1,2 @@
-"""Meshes, shardings and multi-process start (issue 7): `mesh` and `multihost`."""
+"""Meshes, shardings and multi-process start: `mesh` and `multihost`."""
 

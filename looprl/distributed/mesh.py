@@ -1,28 +1,21 @@
-"""The device mesh and every sharding looprl uses, in one place (issue 7; DESIGN.md §3).
+"""The device mesh and every sharding looprl uses, in one place (docs/DESIGN.md §3).
 
 Mesh axes `("data", "fsdp", "tensor")`, sizes from `MeshConfig` (-1 = the rest of the devices;
-the default is pure data parallelism over every visible device, of every process).
+by default pure data parallelism over every visible device of every process).
 
 - **Batches** (rollout rows, the KV cache's B axis, learner micro-batches) are split by rows over
-  `data` x `fsdp` (`ROW_AXES`). Rows are padded to a multiple of the shard count with copies
-  of row 0 (or zeros) and the padding is dropped after.
-- **Parameters and optimizer state** are replicated over `data` and stored sharded over
-  `fsdp` along their largest axis that the shard count divides (`param_specs`); they are
-  all-gathered (pure data movement) before use.
-- **Compute** runs under `shard_map`: each device executes exactly the one-device program on
-  its rows, and no contraction axis is split. With looprl's row-invariant kernels
-  (`looprl.kernels`: a row's bits do not depend on how many rows ran with it) the
-  sampler's and learner's per-row numbers are therefore the same bits on 1 or N devices, which
-  is what keeps replay exact on a mesh. Gradients are summed over the row axes (`psum`, and the
-  `psum_scatter` that is the transpose of the fsdp all-gather): a different summation order
-  from one device, so updated parameters agree to rounding, not bits.
-- `tensor` > 1 (sharded contractions) is refused by the config: it changes reduction order.
+  `data` x `fsdp` (`ROW_AXES`), padded to a multiple of the shard count and cut back after.
+- **Parameters and optimizer state** are replicated over `data` and stored sharded over `fsdp`
+  along their largest divisible axis (`param_specs`), all-gathered (pure data movement) for use.
+- **Compute** runs under `shard_map`: each device runs the one-device program on its rows, no
+  contraction axis split, so with the row-invariant kernels (`looprl.kernels`) a row's numbers
+  are the same bits on 1 or N devices and replay stays exact on a mesh. Gradients are summed
+  over the row axes (`psum`, `psum_scatter`) in another order than on one device: updated
+  parameters agree to rounding, not bits. `tensor` > 1 is refused by the config.
 
-`mesh_record` is what a `Schedule` stores about the mesh; `replay_compatible` says whether a
-learner may claim exactness for a rollout recorded on another mesh.
-
-Multi-process: arrays are built from host numpy with `jax.make_array_from_callback` (every
-process holds the same host data) and read back with `process_allgather` (`to_host`).
+`mesh_record` is what a `Schedule` stores; `replay_compatible` says whether a learner may claim
+exactness for a rollout recorded on another mesh. Across processes, arrays are built from host
+numpy (`jax.make_array_from_callback`) and read back with `process_allgather` (`to_host`).
 """
 from __future__ import annotations
 
@@ -241,7 +234,7 @@ def row_sharded_call(fn, mesh: Mesh, replicated_args: tuple, row_args: tuple, *,
 # --- records ----------------------------------------------------------------------------------
 
 def mesh_record(mesh: Mesh | None, params=None) -> dict[str, Any]:
-    """What a `Schedule` records about where a computation ran (DESIGN.md §3): axis names and
+    """What a `Schedule` records about where a computation ran (docs/DESIGN.md §3): axis names and
     sizes, device and process counts, the row split, and the parameter shardings.
     `contraction_sharded` is False by construction (all parameters are gathered before use)."""
     if mesh is None:

@@ -1,38 +1,18 @@
-"""The looprl checkpoint (DESIGN.md §2): one directory, written atomically.
+"""The looprl checkpoint (docs/DESIGN.md §2): one directory, written atomically.
 
-Layout of `CKPT/`:
-  params/             Orbax PyTree checkpoint of the fp32 master parameter dict
-                      (`looprl.model.looped.param_dict` layout)
-  train_state/        optional Orbax PyTree checkpoint of a training checkpoint's extra state
-                      (optimizer state, run PRNG key, step, data position, ...), stored flat:
-                      leaf i of the pytree as entry `leaf_{i:05d}`; the leaves' names (their
-                      `/`-joined pytree paths), dtypes, shapes and PRNG implementations (typed
-                      keys are stored as their `jax.random.key_data`) are in the meta file
-  model_config.json   `OuroConfig.to_dict()`
-  tokenizer.json      HF `tokenizers` JSON (absent when the source had none)
-  <extra files>       optional text files the writer names (a training checkpoint stores the
-                      resolved experiment config as `experiment_config.json`)
-  looprl_meta.json    {"format": "looprl-checkpoint", "version": 1, "has_tokenizer",
-                      "has_train_state", "train_state_leaves", "extra_files", "source_dtype",
-                      ...extra_meta, "params_sha256", "files": {relative path: size in bytes},
-                      "file_sha256": {relative path: SHA-256 hex}}
+`CKPT/` holds `params/` (Orbax tree of the fp32 master parameters, `param_dict` layout),
+optionally `train_state/` (a training checkpoint's extra state, flat: `looprl.io.train_state`),
+`model_config.json`, `tokenizer.json` (when the source had one), extra text files the writer
+names, and `looprl_meta.json` (format, version, the parts present, `params_sha256`, and every
+file's size and SHA-256).
 
-`looprl_meta.json` is written last inside a temporary sibling directory which is then renamed
-to `CKPT`, so a directory is either a complete checkpoint or absent; a directory without the
-meta file, with a part it names missing, or with a file whose size differs from the manifest
-(`files`: every file's size, fsync'ed before the meta is written) is refused with a
-CheckpointError.
-
-Every load checks the recorded digests (`check_file_digests`, then `params_sha256` of the
-restored tree, except where the file digests already cover every byte: a sharded load, or a
-`leaf_fn` load that reads leaves in slabs), so bytes damaged in place (same size, which the
-manifest cannot see) are a CheckpointError naming the file and both digests, never a model
-that silently computes NaN. A checkpoint written before digests were recorded loads with a
-one-line warning on stderr.
-
-Restores never cast: parameters must be stored as fp32, and `load_train_state(path, template)`
-checks every array's name, shape and dtype against the template, raising a CheckpointError that
-names the array. Paths are made absolute here (orbax refuses relative ones).
+The meta file is written last inside a temporary sibling directory, which is then renamed to
+`CKPT`: a directory is a complete checkpoint or absent. Every load checks the manifest (a part
+missing or of another size) and the digests (bytes damaged in place), raising a CheckpointError
+that names the file and both values. Restores never cast: parameters are stored as fp32, and
+`load_train_state` checks every array's name, shape and dtype against a template. An older
+checkpoint without digests (`looprl.compat`) loads with a one-line warning. Paths are made
+absolute here (orbax refuses relative ones).
 """
 from __future__ import annotations
 
@@ -47,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from looprl import compat
 from looprl.distributed.mesh import param_shardings, to_host
 from looprl.distributed.multihost import sync
 from looprl.errors import CheckpointError, ConfigError
@@ -59,6 +40,9 @@ from looprl.model.looped import check_param_tree, expected_param_shapes
 
 FORMAT = "looprl-checkpoint"
 VERSION = 1
+# {"format", "version", "has_tokenizer", "has_train_state", "train_state_leaves" (name, dtype,
+# shape, prng_impl per leaf), "extra_files", ...extra_meta, "params_sha256",
+# "files": {relative path: bytes}, "file_sha256": {relative path: SHA-256 hex}}
 META_FILE = "looprl_meta.json"
 CONFIG_FILE = "model_config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -191,12 +175,13 @@ def _synced_manifest(root: Path) -> tuple[dict[str, int], dict[str, str]]:
 
 def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool = False
                        ) -> None:
-    """Compare each file's SHA-256 with the one `meta["file_sha256"]` recorded at save (absent
-    in checkpoints written before 2026-12-01: nothing to compare): the files under
-    `train_state/` with `train_state`, else every other file. Raises CheckpointError naming
-    the first damaged file and both digests."""
+    """Compare each file's SHA-256 with the one `meta["file_sha256"]` recorded at save (none in
+    an older checkpoint: `looprl.compat.checkpoint_records`): the files under `train_state/`
+    with `train_state`, else every other file. Raises CheckpointError naming the first damaged
+    file and both digests."""
     path = _abs(path)
-    for rel, recorded in (meta.get("file_sha256") or {}).items():
+    _, file_digests, _ = compat.checkpoint_records(meta)
+    for rel, recorded in file_digests.items():
         if rel.startswith(TRAIN_STATE_DIR + "/") != train_state:
             continue
         found = file_sha256(path / rel)
@@ -209,9 +194,9 @@ def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool
 def _check_params_digest(path: Path, params, meta: dict[str, Any], found=None) -> None:
     """`params_sha256` of the restored tree (or `found`, streamed as it was read) against the
     recorded one; a checkpoint that records no digest at all loads with a warning on stderr."""
-    recorded = meta.get("params_sha256")
+    _, file_digests, recorded = compat.checkpoint_records(meta)
     if recorded is None:
-        if not meta.get("file_sha256"):
+        if not file_digests:
             print(f"looprl: warning: {path}: written before checkpoints recorded digests; its "
                   f"bytes cannot be checked for damage", file=sys.stderr, flush=True)
         return
@@ -253,7 +238,7 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     for part in needed:
         if not (path / part).exists():
             raise CheckpointError(f"{path}: incomplete looprl checkpoint: {part} missing")
-    for rel, size in (meta.get("files") or {}).items():  # absent in older checkpoints
+    for rel, size in compat.checkpoint_records(meta)[0].items():
         f = path / rel
         found = f.stat().st_size if f.is_file() else None
         if found != size:
@@ -274,9 +259,9 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     (`leaf_fn(keys, looprl.io.slabs.LeafSlabs) -> array`, not with a mesh), each leaf, in
     sorted path order and after its dtype check, is handed over as chunk-aligned fp32 slabs
     and replaced by what `leaf_fn` returns, so neither the fp32 tree nor a whole fp32 leaf
-    exists at once (issue 19: bf16 sampling weights, `looprl.sampling.resident`); the file
-    digests then cover every byte (a checkpoint without them is read a whole leaf at a time
-    and checked by `params_sha256` as before).
+    exists at once (bf16 sampling weights, `looprl.sampling.resident`); the file digests then
+    cover every byte (a checkpoint without them is read a whole leaf at a time and checked by
+    `params_sha256`).
     tokenizer_json: the stored `tokenizer.json` text, or None. meta: `looprl_meta.json`.
     `path` may be relative. Raises: CheckpointError for an incomplete directory, bad config, a
     param mismatch (naming the array), or a file or parameter digest that differs from the one
@@ -293,7 +278,7 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     except (OSError, json.JSONDecodeError, ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from e
     sha = ParamsSha256()
-    files_digested = bool(meta.get("file_sha256"))  # check_file_digests covered every byte
+    files_digested = bool(compat.checkpoint_records(meta)[1])  # then every byte is checked
 
     def streamed(keys, slabs):
         _require_fp32(path, keys, slabs)

@@ -1,10 +1,10 @@
-"""The checkpoint digests (DESIGN.md §5): `params_sha256` of a parameter tree, whole or
+"""The checkpoint digests (docs/DESIGN.md §5): `params_sha256` of a parameter tree, whole or
 streamed, and `file_sha256` of a file.
 
 The digest feeds the leaves in sorted path order, each as `path|dtype|shape|` (path `/`-joined
 keys, dtype numpy name, shape comma-joined) followed by its little-endian bytes. `ParamsSha256`
-takes the same leaves one at a time, so a loader that casts each leaf as it arrives (issue 19:
-bf16 sampling weights) still checks the fp32 bytes it read.
+takes the same leaves one at a time, so a loader that casts each leaf as it arrives (bf16
+sampling weights, `looprl.sampling.resident`) still checks the fp32 bytes it read.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Orbax PyTree I/O under a looprl checkpoint's `params/` and `train_state/`: a synchronous
 checkpointer, saves with small OCDBT data files, and restores as numpy, as placed jax arrays,
-or leaf by leaf in chunk-aligned slabs for a loader's `leaf_fn` (issue 19).
+or leaf by leaf in chunk-aligned slabs for a loader's `leaf_fn`.
 
 The on-disk layout is orbax's (OCDBT + zarr, one array per leaf, named by its `.`-joined
 keys); `looprl.io.checkpoint` owns the directory around it (meta, manifest, digests).
@@ -20,7 +20,7 @@ from looprl.io.digest import leaf_path_name
 from looprl.io.slabs import LeafSlabs
 
 # OCDBT data files of <= 64 MiB: tensorstore holds a data file's bytes until it is written,
-# so its default (2 GiB) cost a second copy of a 1.6 GB tree on every save (issue 19).
+# so its default (2 GiB) would hold a second copy of a whole tree on every save.
 OCDBT_DATA_FILE_BYTES = 64 << 20
 
 
@@ -114,8 +114,8 @@ def _restore_leaf(out: dict, path, stored, whole, leaf_fn, directory: Path) -> N
 def _large_blocks_returned():
     """While reading slabs: glibc maps blocks of 1 MiB and more, and unmaps them when freed.
     Tensorstore decompresses on its own threads, and glibc's per-thread arenas (their mmap
-    threshold raised by the first large frees) kept ~0.1 GB per stack read after it was freed:
-    0.26 GB of a 1.43 B bf16 load's peak (issue 19). glibc cannot read back or re-enable its
+    threshold raised by the first large frees) would keep each stack read after it is freed
+    (benchmarks/memory.py measures the load's peak). glibc cannot read back or re-enable its
     dynamic threshold, so afterwards the threshold stays fixed at 32 MiB, the ceiling the
     dynamic one rises to (then `malloc_trim`): blocks of 1-32 MiB allocated later come from
     the arenas, as they do once the dynamic threshold has risen. A user's own

@@ -1,4 +1,4 @@
-"""The safetensors file format, streamed (issue 19): header parsing (`safetensors_index`, no data
+"""The safetensors file format, streamed: header parsing (`safetensors_index`, no data
 read), one tensor's byte range at a time (`TensorEntry.read`), memory-mapped views of a whole
 file (`read_safetensors`), and a writer that emits the header and then one tensor at a time
 (`write_safetensors`).

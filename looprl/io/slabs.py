@@ -1,12 +1,11 @@
 """A parameter leaf handed to a loader's `leaf_fn` in slabs along one axis, so a consumer that
-holds its weights in another form (issue 19: bf16 sampling weights on the device) never holds
+holds its weights in another form (bf16 sampling weights on the device) never holds
 the fp32 leaf whole.
 
 The loaders choose the slabs from how the leaf is stored: a looprl checkpoint's leaf along the
 axis its chunk grid splits into the most chunks (`looprl.io.orbax_tree`: tensorstore reads whole
-chunks, each once),
-an HF checkpoint's layer stack one layer per slab (`looprl.io.hf`: one tensor per layer), any
-other leaf as one slab.
+chunks, each once), an HF checkpoint's layer stack one layer per slab (`looprl.io.hf`: one
+tensor per layer), any other leaf as one slab.
 
     def leaf_fn(keys, leaf: LeafSlabs):
         for start, slab_fp32 in leaf:   # slab = leaf[..., start:start + n, ...] along leaf.axis

@@ -1,4 +1,4 @@
-"""An independent PyTorch forward of Ouro (DESIGN.md §1): the parity oracle of the Flax model.
+"""An independent PyTorch forward of Ouro (docs/DESIGN.md §1): the parity oracle of the Flax model.
 
 Written from the architecture description, not from `looprl.model`, the way a PyTorch user
 would write it (`torch.inference_mode`, `F.linear` on `[out, in]` weights,
@@ -12,10 +12,8 @@ RMSNorm (eps from the config) normalises in fp32, casts back to the input dtype,
 multiplies by the weight (Ouro's / Llama's HF code). RoPE is the rotate-half form with cos/sin
 computed in fp32 and cast to the compute dtype; attention is causal with scale 1/sqrt(head_dim),
 GQA through `enable_gqa`. Every (loop, layer) pair has its own KV cache slot in
-`generate_greedy`.
-
-Loads the same HF state dict (`config.json` + `model.safetensors` or a sharded index) with
-`safetensors.torch`.
+`generate_greedy`. Loads the same HF state dict (`config.json` + `model.safetensors` or a
+sharded index) with `safetensors.torch`.
 """
 from __future__ import annotations
 

@@ -42,12 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from looprl import compat
 from looprl.errors import ScheduleError
 
 FORMAT_VERSION = 3
-# 1: before row compaction (no row_menu, no loop_rows); 2: before window widths (loop_rows'
-# last axis: the current position alone and the whole deferred window)
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (*compat.OLD_SCHEDULE_VERSIONS, FORMAT_VERSION)  # older ones: looprl.compat
 
 _ARRAYS = ("tokens_BxS", "pad_B", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS",
            "flush_BxS", "prompt_index_B", "sample_index_B", "completion_len_B")
@@ -102,11 +101,12 @@ class Schedule:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Schedule":
+    def from_dict(cls, d: dict[str, Any], version: int = FORMAT_VERSION) -> "Schedule":
+        """The schedule of a file of format `version` (older ones read by `looprl.compat`).
+        Raises ScheduleError naming the keys it lacks."""
+        d = compat.schedule_dict(d, version)
         known = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(known - set(d) - {"devices", "backend", "row_tile", "stop_ids",
-                                            "kernels", "mesh", "noise_keying",
-                                            "kernel_version", "row_menu", "window_widths"})
+        missing = sorted(known - set(d))
         if missing:
             raise ScheduleError(f"schedule meta is missing keys {missing}")
         d = {k: v for k, v in d.items() if k in known}
@@ -207,12 +207,7 @@ class RolloutBatch:
         missing = [k for k in _ARRAYS if k not in data]
         if missing:
             raise ScheduleError(f"{path}: missing arrays {missing}")
-        sched = Schedule.from_dict(meta["schedule"])
-        if meta["format_version"] == 2 and sched.row_menu:  # the two passes of version 2: the
-            # current position alone and the window (for dense and copy, (1, 1): the second
-            # column of their loop_rows is all zero)
-            sched = dataclasses.replace(sched, window_widths=(
-                1, min(sched.chunk_size, sched.seq_len)))
+        sched = Schedule.from_dict(meta["schedule"], meta["format_version"])
         return cls(**{k: data[k] for k in _ARRAYS}, schedule=sched,
                    loop_rows=data.get("loop_rows"))
 

@@ -1,5 +1,5 @@
 """Comparison of variant groups across seeds (`looprl plot --compare SEED_DIR ...`): the figures
-and the table of the mismatch study (experiments/mismatch_study.py, issue 17).
+and the table of the mismatch study (experiments/mismatch_study.py).
 
 Each SEED_DIR is the `out_dir` of one seed of an experiment with `VARIANTS`: it holds one run
 directory per variant (`SEED_DIR/<variant>/metrics.jsonl`, `summary.json`,

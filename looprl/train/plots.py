@@ -1,4 +1,5 @@
-"""PNG plots of runs (`looprl plot RUN_DIR [RUN_DIR ...]`, `looprl.cli.plot`) of reward, accuracy, exit depth and mismatch.
+"""PNG plots of runs (`looprl plot RUN_DIR [RUN_DIR ...]`, `looprl.cli.plot`): reward, accuracy,
+exit depth and mismatch.
 
 Reads each run's `metrics.jsonl` (and `config.json`, `summary.json`, `warm_start_curve.json`
 when present) and writes `reward.png`, `accuracy.png`, `exit_depth.png`, `mismatch.png`,

@@ -1,8 +1,8 @@
-"""Supervised warm start of a tiny looped model on task solutions (DESIGN.md §1, issue 5).
+"""Supervised warm start of a tiny looped model on task solutions (docs/DESIGN.md §1).
 
 Stage I trains the LM and the exit gate with Ouro's loss `sum_t p_t CE_t - beta H(p)`
 (`looprl.rl.grpo.exit_stage1_loss`) on prompt + solution sequences, the loss counting the
-solution tokens and the end-of-turn id 2 (DESIGN.md §3 alignment: position i predicts token
+solution tokens and the end-of-turn id 2 (docs/DESIGN.md §3 alignment: position i predicts token
 i + 1). Stage II freezes the LM and trains only `params["early_exit_gate"]` with the stage-II
 gate loss (`looprl.rl.grpo.gate_stage2_loss`). Both use optax AdamW and one jitted step each.
 
@@ -11,9 +11,8 @@ this is meant for (vocab 64); the forward uses the `stock` kernels (same math, f
 claim is made here), in fp32.
 
 With `eval_fn` and `eval_every`, stage I also records held-out accuracy and stops once it has
-plateaued: the best accuracy in the last fifth of the curve (by step) beats the best before it
-by less than `plateau_min_gain` (a fraction), judged once at least `plateau_min_evals` points
-exist.
+plateaued (`plateaued`: the last fifth of the curve gains less than `plateau_min_gain` over the
+best before it, judged from `plateau_min_evals` points).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The report of `looprl verify` (DESIGN.md §5-§6): the summary verdict, `report.json` and
+"""The report of `looprl verify` (docs/DESIGN.md §5-§6): the summary verdict, `report.json` and
 `report.md` (the environment the bits hold for is `looprl.determinism.environment`).
 """
 from __future__ import annotations

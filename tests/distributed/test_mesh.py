@@ -1,4 +1,4 @@
-"""Meshes and multi-process runs (issue 7): the mesh from config, shardings, the schedule's mesh
+"""Meshes and multi-process runs: the mesh from config, shardings, the schedule's mesh
 record; in subprocesses with forced host devices, a GRPO step on 4 devices against 1, replay
 bits on the sharded learner, checkpoints across device counts, and two processes joined by
 `jax.distributed` (gloo CPU collectives).
@@ -130,7 +130,7 @@ def test_schedule_records_the_mesh_and_reads_files_without_one(tmp_path):
     assert RolloutBatch.load(tmp_path / "r.npz").schedule == rb.schedule
     old = rb.schedule.to_dict()
     del old["mesh"]  # a format-1 file written before meshes
-    assert Schedule.from_dict(old).mesh is None
+    assert Schedule.from_dict(old, version=1).mesh is None
 
 
 # --- subprocesses with forced host devices -------------------------------------------------------

@@ -246,7 +246,7 @@ def test_checkpoint_without_digests_loads_with_a_one_line_warning(tmp_path, caps
     save_model_checkpoint(tmp_path / "ck", params, CFG, TOK)
     meta_path = tmp_path / "ck" / "looprl_meta.json"
     meta = json.loads(meta_path.read_text())
-    del meta["params_sha256"], meta["file_sha256"]   # as written before 2026-12-01
+    del meta["params_sha256"], meta["file_sha256"]   # an older checkpoint: no digests
     meta_path.write_text(json.dumps(meta))
     got, _, _, _ = load_model_checkpoint(tmp_path / "ck")
     assert np.array_equal(u32(got["norm"]), u32(params["norm"]))
