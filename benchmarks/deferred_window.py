@@ -26,7 +26,7 @@ import time
 
 import rollout as R  # benchmarks/ (sets the XLA device count before jax starts)
 
-from looprl.sampling import policies  # noqa: E402
+from looprl.sampling import kv_policies  # noqa: E402
 
 ROWS = {"1p4b": (4, 16), "main": (8, 16, 64, 256), "tiny": (16, 128)}
 REPEATS = 3
@@ -51,7 +51,7 @@ def _model(name):
 
 def main() -> dict:
     t0 = time.time()
-    out = {"benchmark": "deferred_window", "auto_dense_rows": policies.AUTO_DENSE_ROWS}
+    out = {"benchmark": "deferred_window", "auto_dense_rows": kv_policies.AUTO_DENSE_ROWS}
     for name, rows in ROWS.items():
         mcfg, params, prompts, q, new = _model(name)
         for B in rows:

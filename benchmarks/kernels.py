@@ -44,7 +44,7 @@ loops 1/2/3/4 about 35/47/13/5%, mean exit loop ~1.9), both invariant / stock, l
   a pair is ~70 s of the budget); `sampler_invariant_s`, `sampler_stock_s` are the medians.
   fp32 only: a bf16 pair would not fit the 600 s budget.
 - `hybrid_vs_stock_step_1p4b`: one learner step, the jitted `jax.value_and_grad` of the sum of
-  the learner's log-probs (`looprl.logprobs.logprobs.sequence_logprobs`, KV policy `dense`, fp32,
+  the learner's log-probs (`looprl.logprobs.methods.sequence_logprobs`, KV policy `dense`, fp32,
   temperature 1, per-loop rematerialisation as in `looprl.rl.loss`) with `method="hybrid"` (the
   invariant-kernel dense pass: replay's value under stop_gradient, the same pass's gradient) over
   the same with `method="stock"` (plain matmuls and attention): 8 rows x 512 tokens, P = 64
@@ -79,7 +79,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from looprl.determinism import environment  # noqa: E402
-from looprl.logprobs.logprobs import sequence_logprobs  # noqa: E402
+from looprl.logprobs import sequence_logprobs  # noqa: E402
 from looprl import kernels as kn  # noqa: E402
 from looprl.model.config import preset  # noqa: E402
 from looprl.model.looped import init_params  # noqa: E402

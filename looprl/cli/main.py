@@ -15,8 +15,10 @@ import argparse
 import os
 import sys
 import time
+import typing
 
 from looprl import determinism
+from looprl.config import KVPolicy
 from looprl.errors import LooprlError
 from looprl.train.interrupts import CtrlC
 
@@ -106,7 +108,7 @@ def _add_generate(sub):
                    help="q of the Q-exit rule, in (0, 1] (default 1.0: always loop T)")
     p.add_argument("--fixed-depth", type=int, default=None, metavar="D",
                    help="exit every token at loop D (1..T); not with --exit-threshold")
-    p.add_argument("--kv-policy", default="dense", choices=["dense", "deferred", "copy"])
+    p.add_argument("--kv-policy", default="dense", choices=typing.get_args(KVPolicy))
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -141,7 +143,7 @@ def _add_eval(sub):
                    help="q of the Q-exit rule, several separated by commas (default: the run's, "
                         "else 1.0)")
     # defaults None: a run's checkpoint records its evaluation settings (cli/eval.py)
-    p.add_argument("--kv-policy", default=None, choices=["dense", "deferred", "copy"])
+    p.add_argument("--kv-policy", default=None, choices=typing.get_args(KVPolicy))
     p.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's, else 512")
     p.add_argument("--batch-size", type=int, default=None,

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from looprl.config.fields import convert_value, field_types
 from looprl.errors import ConfigError
 
-KVPolicy = Literal["dense", "deferred", "copy"]
+KVPolicy = Literal["dense", "deferred", "copy"]  # the policies of looprl.sampling.kv_policies
 ComputeDtype = Literal["float32", "bfloat16"]
 LogprobMethod = Literal["hybrid", "replay", "dense", "stock", "full_depth", "expected"]
 OldLogprobs = Literal["sampler", "recompute"]
@@ -166,7 +166,7 @@ class RolloutConfig(_Section):
                                           # forced (or auto): its bits have no invariant replay
     deferred_max_pending: Optional[int] = None  # deferred: pending positions before a flush;
                                           # none: automatic (by rows per device, 0 from 16 rows:
-                                          # sampling/policies.auto_max_pending)
+                                          # sampling/kv_policies.auto_max_pending)
     prompt_len_multiple: int = 1          # left-pad prompts to a multiple of this many tokens, so
                                           # steps with different prompts share compiled shapes
     noise_keying: NoiseKeying = "completion"  # sampling noise keyed by the token's index in its
@@ -197,7 +197,7 @@ class LearnerConfig(_Section):
     SECTION = "learner"
     logprob_method: LogprobMethod = "hybrid"  # replay alone has no gradient: not for training;
     # full_depth / expected ignore the schedule: baselines of what common frameworks compute
-    # (looprl.logprobs.logprobs; experiments/mismatch_study.py)
+    # (looprl.logprobs.methods; experiments/mismatch_study.py)
     # the PPO ratio's old log-probs: "sampler" = the rollout's recorded ones; "recompute" = the
     # learner's own method at the rollout's parameters, once per rollout (as veRL/TRL do; TIS,
     # grpo.tis_cap, then reweights by min(pi_old / pi_sampler, cap))
@@ -227,7 +227,7 @@ class LearnerConfig(_Section):
     replay_check_every: int = 1
     # the learner's passes run on the rollout batch's live prefix: P + its longest completion
     # rounded up to a multiple of this many positions (at most P + max_new_tokens), the same
-    # bits at every emitting position (`looprl.logprobs.logprobs.live_seq_len`); the stock
+    # bits at every emitting position (`looprl.logprobs.methods.live_seq_len`); the stock
     # control runs there too (its bits may change with the length); bounds the compiled
     # lengths to max_new_tokens / seq_bucket + 1; 0 = always the whole layout
     seq_bucket: int = 64

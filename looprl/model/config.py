@@ -183,7 +183,8 @@ def shape_note(section, cfg: OuroConfig) -> str | None:
     """None when `cfg` (a loaded checkpoint's config) has the shape the `model` section names
     (`SHAPE_KEYS` plus the head layout; the vocabulary is the checkpoint's), else the one-line
     note that the checkpoint's shape is used: both shapes, `key preset->checkpoint`. The
-    checkpoint is the model (issue 19: the `ouro-1.4b` preset silently took a 6-layer one)."""
+    checkpoint is the model, and the note keeps a preset from passing silently as another
+    shape."""
     named = from_model_section(section)
     keys = SHAPE_KEYS + ("num_kv_heads", "head_dim")
     diff = [f"{k} {getattr(named, k)}->{getattr(cfg, k)}" for k in keys

@@ -1,9 +1,9 @@
 """The looped language model (Ouro): shared stack applied T times, exit gate, exit distribution.
 
-DESIGN.md §1. h0 = Emb(ids); for t = 1..T: h(t) = N_final(stack(h(t-1))); logits_t = W_lm h(t);
-lambda_t = sigmoid(w . h(t) + b). Exit distribution p_t = lambda_t prod_{j<t}(1 - lambda_j) for
-t < T, p_T the remainder; Q-exit: exit at min{t : CDF(t) >= q} with CDF the running sum of p_t
-in fp32 (Ouro's reference code); q = 1.0 means loop T unconditionally.
+docs/DESIGN.md §1. h0 = Emb(ids); for t = 1..T: h(t) = N_final(stack(h(t-1))); logits_t =
+W_lm h(t); lambda_t = sigmoid(w . h(t) + b). Exit distribution p_t = lambda_t prod_{j<t}(1 -
+lambda_j) for t < T, p_T the remainder; Q-exit: exit at min{t : CDF(t) >= q} with CDF the
+running sum of p_t in fp32 (Ouro's reference code); q = 1.0 means loop T unconditionally.
 
 Parameters live in an NNX module (`LoopedLM`) in fp32 (master weights). The forward functions
 are pure functions of a weights dict cast to the compute dtype (`cast_weights`), so that the
@@ -89,7 +89,7 @@ def _inspect_forward_impl(cfg: OuroConfig, dtype: str, weights: dict, tokens_BxS
 
 
 # `LoopedLM.__call__` as one compiled program per (config, dtype, token shape): a second call at
-# the same shape reuses it (issue 19: the `load_hf` model ran op by op, no faster the second time)
+# the same shape reuses it (op by op, the `load_hf` model is no faster the second time)
 _inspect_forward = jax.jit(_inspect_forward_impl, static_argnums=(0, 1))
 
 
@@ -105,8 +105,7 @@ def device_params(params: dict) -> dict:
             device_params(params[k])
         elif not isinstance(params[k], jax.Array):
             # device_put is asynchronous and the pending copy keeps the host leaf alive: wait
-            # for it, so that it is freed before the next leaf moves (1.43 B fp32 parameters:
-            # the first compiled call peaked at 12.1 GB, twice the tree, without both fixes)
+            # for it, so that it is freed before the next leaf moves
             params[k] = jax.block_until_ready(jax.device_put(params[k]))
     return params
 
@@ -122,13 +121,14 @@ def init_params(cfg: OuroConfig, seed: int = 0) -> dict:
 
 
 def cast_weights(params: dict, dtype) -> dict:
-    """Compute-dtype view of the fp32 master weights; the exit gate stays fp32 (DESIGN.md §2).
+    """Compute-dtype view of the fp32 master weights; the exit gate stays fp32 (docs/DESIGN.md
+    §2).
 
     The layer stacks (`w["layers"]`) are passed on as stored: `layers.stack_pass` casts each
     layer to the compute dtype (that of `w["norm"]`) inside its loop, the same values. A cast
     stack would be a second copy of every layer (2 B per parameter in bf16), which XLA CPU also
-    widened to fp32 (4 B) before slicing it, and in a gradient pass a third, the bf16 gradient
-    of the stack (issue 19)."""
+    widens to fp32 (4 B) before slicing it, and in a gradient pass a third, the bf16 gradient
+    of the stack."""
     dtype = jnp.dtype(dtype)
     out = jax.tree.map(lambda a: a.astype(dtype), {k: v for k, v in params.items()
                                                    if k not in ("early_exit_gate", "layers")})
@@ -147,8 +147,8 @@ def embed(w: dict, tokens):
 def _take_rows(table_VxD, tokens):
     """`table_VxD[tokens]`, a 2-byte float table gathered as its uint16 bits: XLA CPU's float
     normalization gathers a bf16 table in fp32, widening the whole table first, and that copy,
-    loop-invariant, is hoisted out of the decode loop (0.4 GB at Ouro-1.4B's vocabulary, issue
-    19). A gather moves bits, so the rows are the same bits either way. Differentiable: the
+    loop-invariant, is hoisted out of the decode loop (0.4 GB at Ouro-1.4B's vocabulary). A
+    gather moves bits, so the rows are the same bits either way. Differentiable: the
     tangent is the plain gather of the table's tangent."""
     if table_VxD.dtype.itemsize != 2:
         return jnp.take(table_VxD, tokens, axis=0)
@@ -242,7 +242,7 @@ class Layout:
 
 def next_token_targets(tokens_BxS):
     """The token each position emits, `[B, S]`: tokens[:, i + 1] at position i and 0 at the last
-    position (DESIGN.md §3 alignment: position i emits token i + 1)."""
+    position (docs/DESIGN.md §3 alignment: position i emits token i + 1)."""
     B = tokens_BxS.shape[0]
     return jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros((B, 1), tokens_BxS.dtype)], axis=1)
 
@@ -269,14 +269,15 @@ def teacher_forced_loops(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None,
     Args:
       w: compute-dtype weights (`cast_weights`); tokens_BxS int32; pad_B int32 `[B]` left
         padding (default 0).
-      kv_depth_BxS: None: every loop's own K/V (the `dense` and `deferred` policies). Given: the
-        `copy` policy, at loop d position j's K/V are those of loop min(d, kv_depth_j).
+      kv_depth_BxS: the KV policy's `learner_kv_depth` (`looprl.sampling.kv_policies`): None,
+        every loop's own K/V; given, at loop d position j's K/V are those of loop
+        min(d, kv_depth_j).
       stock: the `stock` kernels in the stack.
       remat: `jax.checkpoint` each loop's stack pass and readout (the backward recomputes them:
         memory O(1 loop) instead of O(T)); `fold` stays outside the rematerialised region.
       unroll: False: a `lax.scan` over the loops (an XLA while loop), each loop's input h read
         from memory as in the sampler's loop-by-loop while loop; the learner's form (see
-        `looprl.logprobs.logprobs.exit_hidden` for why: the unrolled form rounds differently at
+        `looprl.logprobs.methods.exit_hidden` for why: the unrolled form rounds differently at
         L = 1). True: a Python loop (T copies of the loop in the program).
     Returns: fold's final carry if `fold` is given, else the readouts stacked on a leading T axis
       (a pytree like readout's; None without a readout). The two forms (scan, unrolled) compute

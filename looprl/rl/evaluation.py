@@ -11,7 +11,7 @@ import numpy as np
 from looprl.config import ExperimentConfig
 from looprl.model.config import OuroConfig
 from looprl.rl.rollout import sampling_config
-from looprl.sampling.policies import kv_cache_bytes
+from looprl.sampling.state import kv_cache_bytes
 from looprl.sampling.sampler import SamplingConfig, generate
 
 
@@ -26,7 +26,7 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
     (`task.reward`), correct (reward == 1.0), tokens (completion tokens, the end of turn
     included), truncated (no end of turn within `scfg.max_new_tokens`), exit_loops (the exit
     loop of each completion token, DESIGN.md §3), kv_cache_bytes (its batch's KV cache,
-    `looprl.sampling.policies.kv_cache_bytes`). `progress(n)` is called after each batch with
+    `looprl.sampling.state.kv_cache_bytes`). `progress(n)` is called after each batch with
     its number of problems. `master_fingerprint`: for `params` held in the compute dtype
     (`looprl.sampling.sampler.generate`).
     """

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as PS
 from looprl.config import ExperimentConfig
 from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
-from looprl.logprobs.logprobs import batch_logprobs, forced_replay_logprobs, live_seq_len
+from looprl.logprobs import batch_logprobs, forced_replay_logprobs, live_seq_len
 from looprl.logprobs.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo

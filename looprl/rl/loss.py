@@ -1,5 +1,5 @@
 """The GRPO learner's jitted loss and gradient: one microbatch's PPO-clip loss on the learner's
-log-probs (`looprl.logprobs.logprobs`), with the optional KL, TIS, loop credit and gate terms
+log-probs (`looprl.logprobs.methods`), with the optional KL, TIS, loop credit and gate terms
 (`looprl.rl.grpo`), on one device or per device on a mesh (`shard_map`).
 
 `LossSpec` holds every static setting, so one compiled program serves every microbatch of a
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
 from looprl.distributed.mesh import ROW_AXES, gather_fsdp, sum_grads
-from looprl.logprobs.logprobs import loop_logprobs, sequence_logprobs
+from looprl.logprobs import loop_logprobs, sequence_logprobs
 from looprl.model.config import OuroConfig
 from looprl.model.looped import exit_distribution
 from looprl.rl import grpo

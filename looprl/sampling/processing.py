@@ -10,7 +10,7 @@ shifts with the longest prompt of the batch.
 
 Processing order (as HF transformers and vLLM do): temperature -> top-k -> top-p. The recorded
 behaviour log-prob is `log_softmax(logits / temperature)` over the full vocabulary in fp32
-(DESIGN.md §3); when top-k/top-p are on, the processed (renormalised over the kept tokens)
+(docs/DESIGN.md §3); when top-k/top-p are on, the processed (renormalised over the kept tokens)
 log-prob is recorded as well, and the PPO ratio uses that one.
 """
 from __future__ import annotations
@@ -88,9 +88,8 @@ def sample_tokens(keys_Bx2, processed_logprobs_BxV, greedy: bool):
 
     `jax.random.categorical(key, logp)` written out, `argmax(jax.random.gumbel(key) + logp)`:
     the same noise, sum and first-maximum argmax, with the scores materialised before the argmax
-    (`kernels.row_argmax`). Fused into XLA's argmax reduce, XLA CPU computed the noise's two
-    logs per element in the reduce's scalar loop: 0.87 ms per decode step at 256 rows x 58
-    tokens, 12 % of a `copy` step (2026-12-04). The noise has the same bits in either form,
+    (`kernels.row_argmax`): fused into XLA's argmax reduce, XLA CPU computes the noise's two
+    logs per element in the reduce's scalar loop. The noise has the same bits in either form,
     checked for every uniform draw it can take (2^23 values, tests/sampling/test_gumbel_max.py);
     the add and the argmax are exact."""
     if greedy:

@@ -1,18 +1,14 @@
-"""Sampling weights held in the compute dtype (issue 19): a loader's `leaf_fn` that moves each
-fp32 leaf to the device as it is read, in slabs, casts it there, and streams the fingerprint of
-the fp32 master it came from.
+"""Sampling weights held in the compute dtype: a loader's `leaf_fn` that moves each fp32 leaf to
+the device as it is read, in slabs, casts it there, and streams the fingerprint of the fp32
+master it came from.
 
-`looprl generate` / `looprl eval --dtype bfloat16` sample with `cast_weights(params, bf16)`.
-Holding the fp32 master for that costs 4 B per parameter that the sampler never reads;
-`ComputeWeights` holds 2 B instead, and neither the fp32 tree nor a whole fp32 layer stack ever
-exists: the load's peak is the held tree plus about two fp32 slabs (a chunk column of a stored
-leaf, or one layer of an HF stack; README "Memory"). An HF directory's embedding and head come
-as one slab each (0.4 GB in fp32 at Ouro's vocabulary), so there the peak is the tree plus
-about one of those. The cast is the one `cast_weights` applies (an XLA convert of the same
-fp32 values, the exit gate kept in fp32), so the sampler computes the same bits from either form, and the rollout records the master's fingerprint
-(`FingerprintStream`), so `looprl verify --rollout` and the learner check it against the fp32
-checkpoint as before. In fp32 the same path places the master itself on the device, slab by
-slab, and its fingerprint costs no second pass.
+`ComputeWeights` holds 2 B per parameter in bf16 instead of the fp32 master's 4 B, which the
+sampler never reads, and neither the fp32 tree nor a whole fp32 layer stack ever exists: the
+load's peak is the held tree plus about two fp32 slabs (an HF directory's embedding and head
+come as one slab each). The cast is the one `cast_weights` applies, so the sampler computes the
+same bits from either form, and the rollout records the master's fingerprint
+(`FingerprintStream`), which `looprl verify --rollout` and the learner check. In fp32 the same
+path places the master itself on the device, slab by slab.
 
     params, cfg, tok, meta, fingerprint = load_for_sampling(path, "bfloat16")
     generate(cfg, params, prompts, scfg, master_fingerprint=fingerprint)
@@ -42,7 +38,7 @@ class ComputeWeights:
 
     Args:
       dtype: the compute dtype (`float32`, `bfloat16`, `float16`); every leaf but the exit gate's
-        is held in it (DESIGN.md §2: the gate stays fp32).
+        is held in it (docs/DESIGN.md §2: the gate stays fp32).
     """
 
     def __init__(self, dtype):

@@ -1,32 +1,22 @@
 """The recorded rollout: tokens, masks, behaviour log-probs and the dynamic **schedule**.
 
-Layout (DESIGN.md §3): rows are left-padded to a common prompt length P; row b's prompt occupies
-layout indices [pad_b, P) and its completion [P, P + n_b). Position i emits token i + 1, so all
-per-position arrays are aligned to the *emitting* position: `exit_loop_BxS[:, i]` is the loop
-whose logits emitted `tokens_BxS[:, i + 1]` and `logprob_BxS[:, i]` its recorded log-prob.
-`exit_loop_BxS` is 0 where nothing is emitted (earlier prompt positions, padding, after EOS).
+Layout (docs/DESIGN.md §3): rows are left-padded to a common prompt length P; row b's prompt
+occupies layout indices [pad_b, P) and its completion [P, P + n_b). Position i emits token i + 1,
+so per-position arrays are aligned to the *emitting* position: `exit_loop_BxS[:, i]` is the loop
+whose logits emitted `tokens_BxS[:, i + 1]`, `logprob_BxS[:, i]` its log-prob; 0 where nothing is
+emitted (earlier prompt positions, padding, after EOS).
 
 The schedule is everything dynamic that determined the numbers: exit loops, the KV policy and
-its deferred flushes, how work was grouped (chunk size, batch shape, padding), the devices, mesh
-and shardings (`mesh`, optional: absent = one device), compute dtype, the sampler's kernels
-(`invariant`: row tile `row_tile`, reproduced by the learner's dense pass; `stock`: reproduced
-only by a forced re-run of the sampler), and a fingerprint of the sampler's parameters. The
-learner never re-decides any of it.
+its deferred flushes, how work was grouped (chunk size, batch shape, padding, the compaction's
+`row_menu` and `window_widths`, and the rows each pass ran, `RolloutBatch.loop_rows`
+`[1, S, T, W]`), the devices, mesh and shardings, the compute dtype, the sampler's kernels
+(`invariant`, reproduced by the learner's dense pass; `stock`, only by a forced re-run) and a
+fingerprint of the sampler's parameters. The learner never re-decides any of it. With the
+row-invariant kernels the compaction's sizes change no bit; a forced re-run on the recorded
+rows per device reuses them.
 
-Row compaction (issue 18, format version 2): each decode loop ran only the rows that needed it,
-gathered into a sub-batch whose size came from a fixed menu (`Schedule.row_menu`); the rows
-each loop of each decode step ran are `RolloutBatch.loop_rows` (`[1, S, T, W]`: one column per
-pass width of `Schedule.window_widths`, format version 3: the current position alone, a
-menu size; a deferred window, its blocks' rows, `policies.window_block_rows`; version 2 had
-the two widths (1, chunk_size), each a menu size). With the row-invariant kernels the sizes
-do not change a bit; they are recorded because DESIGN.md §3 asks for the batch
-composition. A forced re-run with the recorded rows per device reuses the menu and the
-window widths (and so reproduces the sizes); on another device count it uses that count's
-(the bits are the same).
-
-On disk (`save`/`load`): one `.npz` file holding the arrays and a JSON `meta` string with
-`format_version` (currently 3; version-2 files, with the two window widths, and version-1
-files, without compaction, still load) and the schedule fields.
+On disk (`save`/`load`): one `.npz` file of the arrays and a JSON `meta` string with
+`format_version` (`FORMAT_VERSION`; the older `READABLE_VERSIONS` still load) and the schedule.
 """
 from __future__ import annotations
 
@@ -59,7 +49,7 @@ class Schedule:
     exit_threshold: float | None  # q of the Q-exit rule (None with fixed depth)
     fixed_depth: int | None
     deferred_max_pending: int
-    chunk_size: int  # positions per decode chunk (1 for dense/copy, max_pending + 1 for deferred)
+    chunk_size: int  # positions per decode chunk (the KV policy's `chunk_size`)
     prompt_len: int  # P
     seq_len: int  # S = P + max_new_tokens
     batch_size: int  # B rows
@@ -79,18 +69,18 @@ class Schedule:
     # where it ran (`looprl.distributed.mesh.mesh_record`): axis sizes, devices, processes, the
     # row split and parameter shardings; None in files written before meshes (one device)
     mesh: dict[str, Any] | None = None
-    # what keyed the sampling noise (`looprl.sampling.processing.noise_position`); files written
-    # before 2026-12-01 lack it and were keyed by layout position
+    # what keyed the sampling noise (`looprl.sampling.processing.noise_position`); older files
+    # lack it and were keyed by layout position
     noise_keying: str = "layout"
     # the invariant kernels' version (`looprl.kernels.kernel_version()`: the CPU's, with
     # the sgemm ISA when it is not AVX-512, or the accelerator form) the rollout was sampled
-    # with; "" in files written before 2026-12-01 (the scanned-rule kernels)
+    # with; "" in older files (the scanned-rule kernels)
     kernel_version: str = ""
-    # the sub-batch sizes of row compaction (`looprl.sampling.policies.row_menu`); () when every
-    # loop ran the whole batch (compaction off, or files of format version 1)
+    # the sub-batch sizes of row compaction (`looprl.sampling.compaction.row_menu`); () when
+    # every loop ran the whole batch (compaction off, or files of format version 1)
     row_menu: tuple[int, ...] = ()
     # the width of each column of `RolloutBatch.loop_rows`: the positions a decode loop's pass
-    # ran per row (`looprl.sampling.policies.window_widths`); () without compaction
+    # ran per row (the KV policy's `window_widths`); () without compaction
     window_widths: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,15 +211,13 @@ def params_fingerprint(params) -> str:
     two independent multiplier streams. Not cryptographic; `looprl.io.checkpoint` computes a
     full SHA-256 at checkpoints.
 
-    Cost (issue 19): one streaming pass per leaf, in chunks of `_CHUNK` words, so fp32 leaves
-    need no temporary larger than two chunks (8 MiB) and are read in place (XLA CPU copies a
-    bf16 leaf of rank > 1 once as uint16: at most one leaf-sized temporary); a numpy leaf is
-    copied to the device one leaf at a time. 1.43 B fp32 parameters: ~2-3 s on one XLA CPU
-    thread, peak RSS + 29 MB (issue 19's measurement). The value is the one this function gave before
-    it streamed (the same sum, taken in chunks), so rollouts recorded earlier (for example
-    reproducibility/cpu/rollouts) still match their checkpoints. Trees of jax arrays
-    (immutable) are remembered: the same tree costs one pass per parameter version; a numpy
-    tree (mutable) is hashed on every call, so callers place parameters on the device once
+    Cost: one streaming pass per leaf, in chunks of `_CHUNK` words, so fp32 leaves need no
+    temporary larger than two chunks (8 MiB) and are read in place (XLA CPU copies a bf16 leaf
+    of rank > 1 once as uint16: at most one leaf-sized temporary); a numpy leaf is copied to
+    the device one leaf at a time. The chunks change no bit of the sum, so committed rollouts
+    (reproducibility/cpu/rollouts) match their checkpoints. Trees of jax arrays (immutable)
+    are remembered: the same tree costs one pass per parameter version; a numpy tree (mutable)
+    is hashed on every call, so callers place parameters on the device once
     (`jax.device_put`) and pass those."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     leaves.sort(key=lambda kv: jax.tree_util.keystr(kv[0]))
@@ -253,7 +241,7 @@ def params_fingerprint(params) -> str:
 class FingerprintStream:
     """`params_fingerprint` of a tree whose leaves arrive one at a time (a loader's order), so
     the tree itself never has to exist at once: a sampler that holds its weights in bf16 still
-    records the fingerprint of the fp32 master they were cast from (issue 19).
+    records the fingerprint of the fp32 master they were cast from.
 
     `paths` are the tree's key paths (tuples of dict keys, e.g. `("layers", "q_proj")`), all of
     them; `add(path, leaf)` digests one leaf (numpy or jax, any position in the order), and

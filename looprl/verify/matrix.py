@@ -26,7 +26,7 @@ only at exact fraction 1.0; `negative_control` lists the `stock` cells, each of 
 mismatches (exact < 1) while staying within 1e-4 of the sampler in fp32. `replay_impl` says how
 a replay cell was computed: `invariant` (the learner's dense pass under stop_gradient, the
 default) or `forced` (the sampler re-run in forced mode on the whole recorded batch,
-`looprl.logprobs.logprobs.forced_replay_logprobs`; only with `--replay-impl auto`, for cells
+`looprl.logprobs.methods.forced_replay_logprobs`; only with `--replay-impl auto`, for cells
 whose invariant replay is not exact, and then the invariant result stays in the report as
 `invariant_exact_fraction`; and always for a rollout sampled with `kernels="stock"`, which
 `batch_logprobs` replays by the forced re-run since no invariant pass reproduces it).
@@ -58,13 +58,13 @@ import optax
 
 from looprl.distributed.mesh import make_mesh
 from looprl.errors import ScheduleError
-from looprl.logprobs.logprobs import METHODS as LEARNER_METHODS
-from looprl.logprobs.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
-                                     sequence_logprobs)
+from looprl.logprobs import METHODS as LEARNER_METHODS
+from looprl.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
+                             sequence_logprobs)
 from looprl.logprobs.mismatch import compare_logprobs
 from looprl.kernels import KERNEL_VERSION, kernel_version, on_cpu
 from looprl.programs import release_programs_near_map_limit
-from looprl.sampling.policies import KV_POLICIES
+from looprl.sampling.kv_policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import params_fingerprint
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from looprl.config import MeshConfig
 from looprl.distributed.mesh import make_mesh, place_params, to_host
-from looprl.logprobs.logprobs import batch_logprobs
+from looprl.logprobs import batch_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from looprl.logprobs.logprobs import batch_logprobs
+from looprl.logprobs import batch_logprobs
 from looprl import kernels as kn
 from looprl.model.config import preset
 from looprl.model.looped import init_params

@@ -1,6 +1,6 @@
 """The learner on a rollout's live prefix (`live_seq_len`, `batch_logprobs(seq_len=)`): the same
 bits at every emitting position as the whole recorded length, and as the sampler (raw fp32 bits,
-as uint32), with the key axis cut from two 128-key blocks to one (looprl.logprobs.logprobs,
+as uint32), with the key axis cut from two 128-key blocks to one (looprl.logprobs.methods,
 module doc)."""
 import types
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl.logprobs.logprobs import batch_logprobs, live_seq_len
+from looprl.logprobs import batch_logprobs, live_seq_len
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate

@@ -1,4 +1,5 @@
-"""Learner log-probs (looprl.logprobs.logprobs) against the sampler, bit for bit (DESIGN.md §4-5).
+"""Learner log-probs (looprl.logprobs.methods) against the sampler, bit for bit
+(docs/DESIGN.md §4-5).
 
 Every claim compares raw fp32 bits (as uint32) of log-probs at sampled positions. Threads are
 pinned by tests/conftest.py (XLA_FLAGS=--xla_cpu_multi_thread_eigen=false).
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl.logprobs.logprobs import batch_logprobs, sequence_logprobs
+from looprl.logprobs import batch_logprobs, sequence_logprobs
 from looprl.verify.matrix import compare_logprobs, updated_params
 from looprl.model.config import preset
 from looprl.model.looped import init_params
@@ -156,7 +157,7 @@ def test_stock_runs_on_the_given_seq_len_and_defaults_to_the_exact_live_prefix(p
                                                                                monkeypatch):
     """The learner hands the stock control its bucketed live prefix (one compiled length per
     bucket, not one per longest completion); called alone it trims to the exact live prefix."""
-    from looprl.logprobs import logprobs as lp_mod
+    from looprl.logprobs import methods as lp_mod
     rb = _rollout(params, "float32", "copy")
     S, P = rb.schedule.seq_len, rb.schedule.prompt_len
     seen = []

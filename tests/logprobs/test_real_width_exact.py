@@ -1,4 +1,4 @@
-"""End to end at the real model's widths (issue 14, slow): one layer of Ouro-1.4B width (hidden
+"""End to end at the real model's widths (slow): one layer of Ouro-1.4B width (hidden
 2048, 16 heads x 128, MLP 5632, the full 49152 vocabulary, T = 4) with a random gate that exits
 about half the tokens early. Rollouts of 1, 2, 3, 5, 8 and 64 rows replay bit for bit (the
 learner's dense pass under stop_gradient against the sampler's recorded log-probs) for every KV
@@ -9,7 +9,7 @@ policy in fp32 and bf16, and the stock control still mismatches, within 1e-4 in 
 import numpy as np
 import pytest
 
-from looprl.logprobs.logprobs import batch_logprobs
+from looprl.logprobs import batch_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate

@@ -1,4 +1,4 @@
-"""The schedule-unaware learner baselines (issue 17): `full_depth` (loop T everywhere) and
+"""The schedule-unaware learner baselines: `full_depth` (loop T everywhere) and
 `expected` (HF Ouro's exit-distribution mixture of logits), checked against independent
 computations: the model's own all-loops inspection pass and the PyTorch reference's mixture."""
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from looprl.io import hf
-from looprl.logprobs.logprobs import sequence_logprobs
+from looprl.logprobs import sequence_logprobs
 from looprl.model import looped
 from looprl.model.config import preset
 from looprl.reference.torch_ouro import TorchOuro

@@ -11,7 +11,7 @@ differed from loop 2 on, the prefill emission included. `exit_hidden` now runs t
 import numpy as np
 import pytest
 
-from looprl.logprobs.logprobs import batch_logprobs
+from looprl.logprobs import batch_logprobs
 from looprl.model.config import OuroConfig
 from looprl.model.looped import init_params
 from looprl.sampling.sampler import SamplingConfig, generate

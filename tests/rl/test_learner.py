@@ -124,7 +124,7 @@ def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
     import jax
     import jax.numpy as jnp
 
-    from looprl.logprobs.logprobs import sequence_logprobs
+    from looprl.logprobs import sequence_logprobs
     from looprl.model.config import preset
     from looprl.model.looped import init_params
     from looprl.rl.loss import LossSpec, policy_loss

@@ -1,5 +1,5 @@
 """A GRPO step whose completions end early runs its learner passes on the live prefix
-(`learner.seq_bucket`; looprl.logprobs.logprobs, module doc): replay still equals the sampler bit
+(`learner.seq_bucket`; looprl.logprobs.methods, module doc): replay still equals the sampler bit
 for bit, the first update's ratios are exactly 1, the KL reference pass (and, under `-m slow`,
 the loop-credit passes) run on the same prefix, and the loss and gradient are the whole
 layout's to fp32 rounding."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from looprl.io.hf import hf_state_from_params
-from looprl.logprobs.logprobs import loop_logprobs, sequence_logprobs
+from looprl.logprobs import loop_logprobs, sequence_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import exit_distribution, init_params
 from looprl.reference.torch_ouro import TorchOuro

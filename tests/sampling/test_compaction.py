@@ -1,5 +1,5 @@
-"""Per-loop row compaction (issue 18): a loop runs only the rows that need it, in a sub-batch
-whose size comes from `policies.row_menu`, and no bit of the rollout changes.
+"""Per-loop row compaction: a loop runs only the rows that need it, in a sub-batch whose size
+comes from `compaction.row_menu`, and no bit of the rollout changes.
 
 The model exits early often (gate bias -0.3, q = 0.5), rows differ in prompt length, stop ids
 are off so every row decodes every step, and the deferred window is short (max_pending 3), so
@@ -15,9 +15,11 @@ import pytest
 from looprl.model.config import preset
 from looprl.model.looped import init_params
 from looprl.sampling import sampler as sm
-from looprl.sampling.policies import row_menu, window_block_rows, window_widths
+from looprl.sampling.compaction import row_menu, window_block_rows
+from looprl.sampling.kv_policies import POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
+from looprl.sampling.state import RowInfo, Static
 
 CFG = preset("tiny", vocab_size=32, hidden_size=64, intermediate_size=128, num_heads=2,
              num_kv_heads=1, head_dim=32)
@@ -57,7 +59,9 @@ def test_row_menu_sizes():
 
 
 def test_window_widths():
-    assert window_widths(1, 256) == (1,)  # dense, copy
+    window_widths = POLICIES["deferred"].window_widths
+    assert window_widths(1, 256) == (1,)  # a chunk of one: max_pending 0
+    assert POLICIES["dense"].window_widths(1, 256) == POLICIES["copy"].window_widths(1, 256) == (1,)
     assert window_widths(8, 16) == (1, 8)  # one menu size: the position alone or the window
     assert window_widths(4, 24) == (1, 2, 4)
     assert window_widths(5, 256) == (1, 2, 4, 5)
@@ -110,7 +114,7 @@ def test_compacted_rollout_equals_the_uncompacted_one_bit_for_bit(rollouts, poli
 
 
 def _deferred_policy(rb, exits, widths, flush=None):
-    """The deferred policy's definition (`policies` module doc) replayed in numpy on `rb`'s
+    """The deferred policy's definition (`kv_policies.Deferred`) replayed in numpy on `rb`'s
     layout, for exit loops `exits` `[B, S]`: at step p a row flushes when C - 1 completion
     positions are pending (or as `flush` says, when given); loop d runs a row iff it has not
     yet exited (flushed rows: up to T); its positions needing loop d are those in its window
@@ -302,16 +306,15 @@ def test_decode_program_holds_one_layer_stack_per_pass_and_menu_size(policy, wid
     compaction pass and menu size: `dense` runs loop d on the current position only (one pass),
     `deferred` one pass per window width: the current position alone (a copy per menu size),
     windows of 2 and 4 (each a loop of full blocks and one of tail blocks: two copies);
-    loop 1 needs no peeled copy of its own (an extra deferred pass until 2026-12-02: 24 -> 14 s
-    of compile at 40 rows). Traced only, nothing compiled."""
+    loop 1 needs no peeled copy of its own. Traced only, nothing compiled."""
     cfg = dataclasses.replace(CFG, num_layers=3)  # no other scan in the program is 3 long
     p = jax.eval_shape(lambda: init_params(cfg, 0))
     sc = _scfg(policy, "float32")
     tokens, pad, P, S = sm.layout_prompts([pr for pr in PROMPTS for _ in range(G)],
                                           sc.max_new_tokens, None, sc.prompt_len_multiple)
-    st = sm._Static(cfg, sc, P, S, 5, False, row_menu(24), widths)
-    rows = sm.RowInfo(jnp.asarray(pad), jnp.zeros((24,), jnp.int32), jnp.zeros((24,), jnp.int32),
-                      None, None, None)
+    st = Static(cfg, sc, P, S, 5, False, row_menu(24), widths)
+    rows = RowInfo(jnp.asarray(pad), jnp.zeros((24,), jnp.int32), jnp.zeros((24,), jnp.int32),
+                   None, None, None)
     s = jax.eval_shape(lambda p: sm._prefill(st, p, jnp.asarray(tokens), rows, jnp.int32(0)), p)
     jaxpr = jax.make_jaxpr(lambda p, s: sm._decode(st, p, s, rows, jnp.int32(0), 4))(p, s)
     assert _scans_of_length(jaxpr.jaxpr, 3) == (2 if policy == "dense" else 2 + 2 + 2)

@@ -1,4 +1,4 @@
-"""The needle test (issue 14): a row's bits depend on nothing but that row. A prompt sampled
+"""The needle test: a row's bits depend on nothing but that row. A prompt sampled
 alone, and the same prompt (same dataset index, seed and step) inside a batch (a) whose prompts
 fit the same prompt bucket and (b) with a longer batch-mate that moves the batch to a larger
 bucket (more left padding, a longer KV cache), draws the same tokens and exit loops and the same

@@ -1,4 +1,4 @@
-"""Sampling noise keyed by the token's index in its completion (issue 14), so a row's samples do
+"""Sampling noise keyed by the token's index in its completion, so a row's samples do
 not depend on its batch-mates; the legacy layout-position keying stays for older runs/rollouts."""
 import json
 

@@ -1,4 +1,4 @@
-"""Sampling weights held in the compute dtype (issue 19): `ComputeWeights` as a loader's
+"""Sampling weights held in the compute dtype: `ComputeWeights` as a loader's
 `leaf_fn`, the master fingerprint it streams, and the sampler's bits from either form."""
 import jax
 import jax.numpy as jnp

@@ -330,7 +330,7 @@ def test_stock_kernels_same_math_and_replayed_exactly_by_forced_rerun(params):
     """`kernels="stock"` (plain matmuls) samples the same distribution (greedy tokens equal to the
     invariant sampler's, log-probs within 1e-5), records its kernels in the schedule, and its
     `replay` is the forced re-run: bit-exact, whereas the invariant learner pass is not."""
-    from looprl.logprobs.logprobs import batch_logprobs
+    from looprl.logprobs import batch_logprobs
 
     kw = dict(max_new_tokens=10, temperature=0.0, exit_threshold=0.6, kv_policy="deferred",
               deferred_max_pending=3, stop_ids=())
@@ -393,7 +393,7 @@ def test_deferred_with_no_pending_window_is_dense_bit_for_bit_and_replays(params
     is flushed at every decode step, so the rollout is dense's (tokens, exit loops, log-prob
     bits, the rows of every loop's pass), recorded as deferred with a flush per decode step;
     a forced re-run and the learner's replay reproduce its bits."""
-    from looprl.logprobs.logprobs import batch_logprobs
+    from looprl.logprobs import batch_logprobs
     kw = dict(max_new_tokens=9, temperature=1.0, exit_threshold=0.7, stop_ids=(5,))
     dense = generate(CFG, params, PROMPTS, SamplingConfig(kv_policy="dense", **kw), seed=4)
     got = generate(CFG, params, PROMPTS, SamplingConfig(kv_policy="deferred",

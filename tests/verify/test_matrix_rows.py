@@ -64,8 +64,8 @@ def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
 
 
 def test_verify_compares_the_learner_methods_but_hybrid_and_the_schedule_unaware_ones():
-    from looprl.logprobs.logprobs import METHODS as LEARNER
-    from looprl.sampling.policies import KV_POLICIES
+    from looprl.logprobs import METHODS as LEARNER
+    from looprl.sampling.kv_policies import KV_POLICIES
     from looprl.verify import matrix
     assert matrix.METHODS == ("replay", "dense", "stock")
     assert set(matrix.METHODS) < set(LEARNER) and matrix.POLICIES == KV_POLICIES

@@ -1,62 +1,19 @@
-"""Learner log-probabilities of sampled tokens: `dense`, `replay`, `hybrid`, `stock` (DESIGN.md §4).
+"""Learner log-probs of a recorded rollout's sampled tokens (docs/DESIGN.md §4).
 
-All four take a rollout's layout (tokens, left padding), its recorded exit loops and KV policy,
-and return `logprob_BxS` fp32: at every emitting position i (exit_loop_BxS[:, i] > 0) the
+Every method takes the rollout's layout (tokens, left padding), exit loops and KV policy, and
+returns `logprob_BxS` fp32: at each emitting position i (exit_loop_BxS[:, i] > 0) the
 temperature-scaled, full-vocabulary log-prob of tokens[:, i + 1] at loop exit_loop[:, i]; 0
-elsewhere. Logits are built only at each position's exit loop (`[B, S, V]`, never `[T, B, S, V]`).
-
-- `dense`: teacher-forced, differentiable pass over the whole sequence with the batch-invariant
-  kernels; KV as the policy implies (dense/deferred: every loop's own K/V; copy: at loop d a
-  position's K/V from loop min(d, k)). Because every matmul is row-tiled and attention runs
-  over key blocks aligned to each row's first live key, it reproduces the sampler's bits
-  (tests/logprobs), over the recorded cache length S or over the batch's live prefix
-  (`live_seq_len`, below).
-- `replay`: the recorded schedule re-executed under stop_gradient. `replay_impl="invariant"`
-  (default) is the dense pass under stop_gradient, exact where the kernels are invariant (XLA CPU,
-  checked by `looprl verify`); `replay_impl="forced"` re-runs the sampler itself in forced mode
-  on the whole recorded batch (same code, same shapes), the fallback for backends where
-  invariance does not hold.
+elsewhere. Logits are built at each position's exit loop only (`[B, S, V]`, never `[T, B, S, V]`).
+- `dense`: a teacher-forced, differentiable pass on the batch-invariant kernels, with the K/V
+  the rollout's KV policy reads (`looprl.sampling.kv_policies`): the sampler's bits.
+- `replay`: the recorded schedule under stop_gradient: the dense pass (`replay_impl` invariant)
+  or the sampler re-run in forced mode (`forced_replay_logprobs`, where the kernels are not).
 - `hybrid = stop_gradient(replay) + (dense - stop_gradient(dense))`: replay's value, dense's
   gradient.
 - `stock`: the same math written the common way (plain `x @ W`, attention over the live prefix,
   scores in the compute dtype): the baseline and negative control.
-
-Two learners that ignore the schedule, the documented baselines of what a framework without
-looprl computes (`experiments/mismatch_study.py`; both differentiable, dense gradients):
-- `full_depth`: every emitting position's log-prob from loop T, what an ordinary forward gives
-  (dense KV, whatever the rollout's exits and KV policy were).
-- `expected`: `log_softmax(sum_t p_t logits_t / temperature)`, the exit-distribution-weighted
-  mixture of logits that the upstream HF Ouro forward computes when given labels
-  (`p_t = lambda_t prod_{j<t}(1 - lambda_j)`, `p_T` the remainder). Since the lm_head is linear
-  and bias-free, `sum_t p_t W h_t = W sum_t p_t h_t`: the mixture is accumulated loop by loop
-  on the hidden state `[B, S, D]` (never `[T, B, S, V]`) and projected once. p_t carries the
-  gate's gradient, so the gate trains, as in HF.
-
-**The live prefix** (`live_seq_len`, the learner's `learner.seq_bucket`): a rollout's layout is
-P + max_new_tokens positions long, but no row emits past P + its completion length. The passes
-may run on the first S' = P + (the longest completion, rounded up to a multiple of the bucket)
-positions only (at most S), the rest padded back with zeros. Why the bits at every emitting
-position are those of the whole length: (1) every pass is causal: position i reads tokens,
-exits and KV depths at positions <= i < S' only; (2) the matmuls are row-invariant, so fewer
-rows change no row; (3) attention: a query's live keys sit in the same slots of the same 128-key
-blocks, cut at its row's first live key (`looprl.kernels`), at any key-axis length, and
-every other slot is masked for it (a query at i < S' sees keys <= i). What the cut changes is
-masked slots only: whole blocks of them go (the key axis is shorter), and since the rotation is
-modulo the padded length, the row's left-padding keys move into the last kept block, into slots
-that held future keys at the whole length. A masked slot adds `0 * v` (v finite) to its block's
-value partial and 0 to its softmax sum, and a block of masked slots alone gives partials of +0
-(summed from +0), which leave a running block sum x unchanged: x + 0 == x for every x but -0,
-the caveat the kernels' exact-zero argument for masked keys has anyway. The max is order-free.
-No dot's shape depends on the key-axis length: scores and values are one `[R, K] x [K, 128]`
-and `[R, 128] x [128, K]` dot per (b, h, key block), over the blocks holding a live key only
-(`looprl.kernels`; tests/model/test_kernels_ouro_shapes.py checks the program's dots and
-the bits at Ouro widths for caches of 384 to 2048 slots). The logits are per position.
-Bucketing bounds the compiled shapes to max_new_tokens / bucket + 1 lengths. Checked bit for
-bit against the recorded log-probs by tests/logprobs/test_live_prefix.py (a reviewer also cut
-`attention` alone at head_dim 64 and 128, fp32 and bf16, pads 0-23, S of 155-700 cut to
-37-640: 0 bits differed).
-The loss and gradient sum their terms over S' positions, so they equal the whole length's to
-fp32 rounding, not bit for bit (a resumed run keeps its own `seq_bucket`).
+- `full_depth` and `expected` ignore the schedule (`SCHEDULE_UNAWARE`, the baselines of
+  `experiments/mismatch_study.py`): loop T everywhere, and HF Ouro's mixture over exit loops.
 """
 from __future__ import annotations
 
@@ -73,6 +30,7 @@ from looprl.errors import ScheduleError
 from looprl.model.config import OuroConfig
 from looprl.model.looped import (cast_weights, exit_lambda, gate_logits, lm_logits,
                                  next_token_targets, teacher_forced_loops)
+from looprl.sampling.kv_policies import policy_named
 from looprl.sampling.processing import process_logits
 from looprl.sampling.sampler import SamplingConfig, generate
 
@@ -80,12 +38,13 @@ METHODS = typing.get_args(LogprobMethod)  # the config's choices: hybrid, replay
 SCHEDULE_UNAWARE = ("full_depth", "expected")  # learners that ignore the recorded schedule
 
 
-def exit_hidden(model_cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS, *,
-                copy_kv: bool, stock: bool = False, remat: bool = True):
+def exit_hidden(model_cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_depth_BxS=None,
+                *, stock: bool = False, remat: bool = True):
     """Teacher-forced loops (`teacher_forced_loops`); returns h at each position's exit loop
     `[B, S, D]` (zeros where exit_loop is 0).
 
-    copy_kv: the `copy` policy: at loop d, position j's K/V are those of loop min(d, kv_depth_j).
+    kv_depth_BxS: the KV policy's `learner_kv_depth`: None, every loop reads its own K/V; else
+      at loop d position j reads the K/V of loop min(d, kv_depth_BxS[:, j]) (`copy`).
     remat: rematerialise each loop in the backward pass (memory O(1 loop) instead of O(T)).
 
     The T loops run as a `lax.scan` (an XLA while loop), not unrolled: each loop's input h is
@@ -99,14 +58,16 @@ def exit_hidden(model_cfg: OuroConfig, w, tokens_BxS, pad_B, exit_loop_BxS, kv_d
 
     return teacher_forced_loops(model_cfg, w, tokens_BxS, pad_B, fold=keep_exit,
                                 init=jnp.zeros_like,
-                                kv_depth_BxS=kv_depth_BxS if copy_kv else None, stock=stock,
-                                remat=remat, unroll=False)
+                                kv_depth_BxS=kv_depth_BxS, stock=stock, remat=remat,
+                                unroll=False)
 
 
 def expected_hidden(model_cfg: OuroConfig, w, tokens_BxS, pad_B, *, remat: bool = True):
     """`sum_t p_t h(t)` `[B, S, D]` fp32 over the T loops of a dense teacher-forced pass, with
     p_t the exit distribution of the gate (HF Ouro's `stacked_exit_pdf`: `p_t = lambda_t *
-    remaining` for t < T, `p_T = remaining`). Differentiable in the gate and the stack."""
+    remaining` for t < T, `p_T = remaining`). Differentiable in the gate and the stack, so the
+    gate trains, as in HF. The lm_head is linear and bias-free (`sum_t p_t W h_t = W sum_t p_t
+    h_t`), so `expected`'s mixture of logits is this mixture projected once."""
     B, S = tokens_BxS.shape
     T = model_cfg.total_ut_steps
 
@@ -143,11 +104,12 @@ def sequence_logprobs(model_cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loo
     """Learner log-probs by `method` (traceable; call inside jit/grad).
 
     Args: params fp32 master dict; tokens/exit_loop/kv_depth `[B, S]` int32; pad_B int32;
-    kv_policy `dense|deferred|copy`; method `dense|replay|hybrid|stock`.
+    kv_policy a name of `kv_policies.POLICIES`; method one of `METHODS`.
     Returns (logprob_BxS, logprob_processed_BxS) fp32.
+    Raises: SamplingError for an unknown kv_policy, ValueError for an unknown method.
     """
     w = cast_weights(params, compute_dtype)
-    copy_kv = kv_policy == "copy"
+    kv_depth = policy_named(kv_policy).learner_kv_depth(kv_depth_BxS)
     stock = method == "stock"
     if method == "expected":  # the mixed hidden state and the lm_head in fp32
         h = expected_hidden(model_cfg, w, tokens_BxS, pad_B, remat=remat)
@@ -156,9 +118,9 @@ def sequence_logprobs(model_cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loo
         exits = exit_loop_BxS
         if method == "full_depth":  # loop T everywhere, dense KV: an ordinary forward
             exits = jnp.where(exit_loop_BxS > 0, model_cfg.total_ut_steps, 0)
-            copy_kv = False
-        h = exit_hidden(model_cfg, w, tokens_BxS, pad_B, exits, kv_depth_BxS, copy_kv=copy_kv,
-                        stock=stock, remat=remat)
+            kv_depth = None
+        h = exit_hidden(model_cfg, w, tokens_BxS, pad_B, exits, kv_depth, stock=stock,
+                        remat=remat)
     full, proc = token_logprobs(w, h, tokens_BxS, exit_loop_BxS, temperature, top_k, top_p,
                                 stock)
     if method in ("dense", "stock", "full_depth", "expected"):
@@ -181,10 +143,20 @@ def _jit_logprobs(params, tokens, pad, exit_loop, kv_depth, *, cfg, kv_policy, c
 
 
 def live_seq_len(batch, bucket: int) -> int:
-    """The live prefix of a `RolloutBatch` the learner's passes run on (module doc): P + the
-    longest completion (stop token included) rounded up to a multiple of `bucket`, at most the
-    layout's length S; S when `bucket` is 0 (off). Every emitting position and the token it
-    emits lie inside it."""
+    """The live prefix S' of a `RolloutBatch` the learner's passes run on (the learner's
+    `learner.seq_bucket`): P + the longest completion (stop token included) rounded up to a
+    multiple of `bucket`, at most the layout's length S; S when `bucket` is 0 (off). Every
+    emitting position and the token it emits lie inside it; bucketing bounds the compiled
+    shapes to max_new_tokens / bucket + 1 lengths.
+
+    The bits at every emitting position are those of the whole length: every pass is causal
+    (position i reads positions <= i < S' only); the matmuls are row-invariant, so fewer rows
+    change no row; in attention a query's live keys sit in the same slots of the same 128-key
+    blocks at any key-axis length, and the cut changes masked slots only (each adds `0 * v` and
+    0, which leave a running sum unchanged), with no dot's shape depending on the key-axis
+    length (`looprl.kernels`; tests/logprobs/test_live_prefix.py checks the bits). The loss
+    and gradient sum over S' positions, so they equal the whole length's to fp32 rounding only
+    (a resumed run keeps its own `seq_bucket`)."""
     S, P = batch.schedule.seq_len, batch.schedule.prompt_len
     if bucket <= 0:
         return S
@@ -196,14 +168,13 @@ def batch_logprobs(cfg: OuroConfig, params, batch, method: str = "replay", rows=
                    remat: bool = False, mesh=None, seq_len: int | None = None):
     """Learner log-probs for rows `rows` of a `RolloutBatch` (all rows by default), as numpy.
 
-    `seq_len`: run on the first `seq_len` positions (`live_seq_len`; the same bits at every
-    emitting position, module doc) and pad the result back to S with zeros; default S, except
-    for `stock`, whose default is the exact live prefix (P + the longest completion, as common
-    code pads a batch). The learner passes its bucketed live prefix to every method, `stock`
-    included, so a GRPO step compiles at most max_new_tokens / seq_bucket + 1 lengths of each
-    pass (an unbucketed stock control compiled again for each new longest completion, 0.7-0.9 s
-    a step at 256 rows; experiments/README "Whole GRPO step"). A stock pass's bits may depend on
-    the key-axis length; it is the baseline, not a replay. A rollout sampled with
+    `seq_len`: run on the first `seq_len` positions (`live_seq_len`: the same bits at every
+    emitting position) and pad the result back to S with zeros; default S, except for `stock`,
+    whose default is the exact live prefix (P + the longest completion, as common code pads a
+    batch). The learner passes its bucketed live prefix to every method, `stock` included, so a
+    GRPO step compiles at most max_new_tokens / seq_bucket + 1 lengths of each pass (unbucketed,
+    the stock control compiles again for each new longest completion). A stock pass's bits may
+    depend on the key-axis length; it is the baseline, not a replay. A rollout sampled with
     `kernels="stock"` has no invariant pass that reproduces it: its `replay` (and `hybrid`,
     whose value is replay's) is `forced_replay_logprobs`. With a `mesh` of several devices the
     rows are split over its row axes and each device runs this one-device program on its rows
@@ -290,12 +261,12 @@ def loop_logprobs(model_cfg: OuroConfig, params, tokens_BxS, pad_B, exit_loop_Bx
         full, _ = process_logits(lm_logits(w, h).reshape(B * S, -1), temperature, 0, 1.0)
         lp = jnp.take_along_axis(full, target.reshape(B * S, 1), axis=1).reshape(B, S)
         # the gate logit reads h(t) under stop_gradient: the stage-II gate loss trains the gate
-        # only (DESIGN.md §1), never the LM that produced h (tests/rl/test_train_gate.py)
+        # only (docs/DESIGN.md §1), never the LM that produced h (tests/rl/test_train_gate.py)
         z = gate_logits(w, jax.lax.stop_gradient(h))
         return jnp.where(emit, lp, 0.0), z
 
     # unrolled (a Python loop over T), the form this pass has always had: the scan form would
     # give other low bits, and so change every loop-credit and gate-training run
     return teacher_forced_loops(model_cfg, w, tokens_BxS, pad_B, readout=readout,
-                                kv_depth_BxS=kv_depth_BxS if kv_policy == "copy" else None,
-                                remat=remat, unroll=True)
+                                kv_depth_BxS=policy_named(kv_policy).learner_kv_depth(
+                                    kv_depth_BxS), remat=remat, unroll=True)
