@@ -63,8 +63,8 @@ def scan_forms(shapes: dict, rows=SCAN_ROWS) -> dict:
     Keys `<form>/<weight>_<dtype>`; the kernel version of each form is recorded under
     `kernel_versions`."""
     here = kn.current_form()
-    pallas = "pallas-tpu" if jax.default_backend() == "tpu" else "pallas-gpu"
-    names = ([here.name] if here.cpu else []) + ["accel-xla", pallas]
+    accel, pallas = kn.accelerator_forms()
+    names = ([here.name] if here.cpu else []) + [accel, pallas]
     out, versions = {}, {}
     try:
         for name in names:

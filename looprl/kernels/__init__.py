@@ -25,7 +25,8 @@ import numpy as np
 from looprl.kernels import forms, stock as _stock
 from looprl.kernels.cpu_ordered import ones_column
 from looprl.kernels.forms import (FORMS, KERNEL_VERSION, KERNEL_VERSION_ACCEL,
-                                  KERNEL_VERSION_ORDERED, KERNEL_VERSION_STOCK, Form, use_form)
+                                  KERNEL_VERSION_ORDERED, KERNEL_VERSION_STOCK, Form,
+                                  accelerator_forms, use_form)
 from looprl.kernels.operands import (CachedKV, KeyRange, LayerWeight, cache_window,
                                      repeat_kv_heads)
 from looprl.kernels.plain import attention_plain, matmul_grads
@@ -34,8 +35,8 @@ from looprl.kernels.tiling import (K_BLOCK, LAST_AXIS_TILE, MASK_VALUE, N_MIN, R
 
 __all__ = ["CachedKV", "FORMS", "Form", "KERNEL_VERSION", "KERNEL_VERSION_ACCEL",
            "KERNEL_VERSION_ORDERED", "KERNEL_VERSION_STOCK", "K_BLOCK", "KeyRange", "LayerWeight",
-           "MASK_VALUE", "N_MIN", "ROW_QUANTUM", "ROW_TILE", "ROW_TILE_MAX", "apply_rope",
-           "attention", "attention_cached", "cache_window", "cpu_kernel_version", "current_form",
+           "MASK_VALUE", "N_MIN", "ROW_QUANTUM", "ROW_TILE", "ROW_TILE_MAX", "accelerator_forms",
+           "apply_rope", "attention", "attention_cached", "cache_window", "cpu_kernel_version", "current_form",
            "kernel_version", "layer_matmul", "log_softmax", "matmul", "reads_layers_in_place",
            "repeat_kv_heads", "rms_norm", "rope_cos_sin", "row_argmax", "row_tile", "rowsum",
            "softmax", "stock_attention", "stock_matmul", "use_form"]

@@ -130,6 +130,14 @@ def resolve(platform: str, env) -> Form:
     return form
 
 
+def accelerator_forms(platform: str | None = None) -> tuple[str, ...]:
+    """The accelerator forms for `platform` (default: this process's): `accel-xla` and the
+    platform's Pallas form (`pallas-tpu` on a TPU, else `pallas-gpu`, which a CPU process
+    traces with the Pallas kernel interpreted)."""
+    platform = platform or jax.default_backend()
+    return ("accel-xla", "pallas-tpu" if platform == "tpu" else "pallas-gpu")
+
+
 @functools.cache
 def _resolved(platform: str, kernels: str | None, cpu: str | None, accel_: str | None) -> Form:
     env = {ENV: kernels, CPU_ALIAS: cpu, ACCEL_ALIAS: accel_}

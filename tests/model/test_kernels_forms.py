@@ -26,6 +26,12 @@ def test_the_form_comes_from_the_environment_or_the_platform(platform, env, name
     assert forms.resolve(platform, env).name == name
 
 
+def test_the_accelerator_forms_of_a_platform():
+    assert forms.accelerator_forms("gpu") == ("accel-xla", "pallas-gpu")
+    assert forms.accelerator_forms("tpu") == ("accel-xla", "pallas-tpu")
+    assert forms.accelerator_forms("cpu") == ("accel-xla", "pallas-gpu")  # traced from a CPU
+
+
 def test_an_unknown_form_names_the_variable_the_value_and_the_choices():
     with pytest.raises(ConfigError, match="LOOPRL_KERNELS='cuda': expected one of cpu-ordered, "
                                           "cpu-xla, accel-xla, pallas-gpu, pallas-tpu, stock"):
