@@ -360,7 +360,7 @@ def test_the_ordered_form_is_one_kernel_call_whatever_m(name, cpu_form):
     """Structural (the default CPU form): in the optimized program of an M-row matmul (M in 1, 3,
     7, 64, 300) the weight meets no dot, only one call of the ordered kernel on `[M, I]` rows
     and the unpadded `[I, O]` weight, so nothing XLA chooses per shape touches the numerics
-    (looprl/kernels/ordered_gemm.cc's argument)."""
+    (docs/NUMERICS.md, "The ordered CPU form")."""
     cpu_form("ordered")
     i, o = WEIGHTS[name]
     for dtype in ("float32", "bfloat16"):

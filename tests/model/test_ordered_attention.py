@@ -1,5 +1,5 @@
 """Attention's two ordered products read from the KV cache in place
-(`ordered_gemm.ordered_attention_scores` / `_values`, looprl/kernels/ordered_gemm.cc): each output
+(`ordered_gemm.ordered_attention_scores` / `_values`, looprl/kernels/ordered_attention.cc): each output
 is exactly the chain the kernel's comment defines, written here in numpy from the rotated
 128-slot blocks (`reference_matmul`, the ordered matmul's correctly rounded emulation), for
 fp32 and bf16 caches, GQA, a window written over the slot (w0 clamped as

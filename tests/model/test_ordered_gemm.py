@@ -1,4 +1,4 @@
-"""The ordered CPU matmul (looprl/kernels/ordered_gemm.cc): its bits are exactly the chain its
+"""The ordered CPU matmul (looprl/kernels/ordered_matmul.cc): its bits are exactly the chain its
 docstring defines (`reference_matmul`, a correctly rounded numpy emulation), on every code path
 (1-2 rows; 3-16 with the weight read in place or, past 8192 columns or in bf16, packed 1024
 columns at a time; more, in row blocks and tasks of 256-2048 columns; partial column panels
