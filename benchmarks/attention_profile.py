@@ -12,7 +12,7 @@ themselves, the loop container not; an op XLA hoisted out of the loop is still d
 REPEATS); the op names are XLA's (with the CPU's default ordered kernels, since the evening of
 2026-12-03: `ffi_call.N`, the ordered attention kernels, scores and values, reading K/V from
 the cache in place, and the softmax's `rowsum`; before that, the score and value dots batched
-over (row, head), fed by K/V block gathers; with `LOOPRL_CPU_MATMUL=xla`: `dot_general.N`, the same dots as XLA's;
+over (row, head), fed by K/V block gathers; with `LOOPRL_KERNELS=cpu-xla`: `dot_general.N`, the same dots as XLA's;
 `transpose_copy_fusion*`: the rotated K/V block gathers into head-major order;
 `bitcast_pad_fusion*`: the query and probability padding and the masked scores). The dots' share
 counts every op named `dot*` or `ffi_call*`.

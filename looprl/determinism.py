@@ -10,7 +10,7 @@ The CPU kernels pad rows to the sgemm register block of the machine's ISA (`cpu_
 thread count: the test suite and `looprl verify` pin XLA CPU to one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`); the flags in force are recorded in every report.
 
-On a GPU (issue 16) the compiler could still choose per program what the invariant kernels'
+On a GPU the compiler could still choose per program what the invariant kernels'
 argument needs fixed, so where a GPU plugin of jax is installed `configure_xla()` also pins
 ACCELERATOR_FLAGS: deterministic ops (no atomics in reductions or scatters), GEMM autotuning off
 (level 0: the algorithm is the library heuristic's function of the dot's shape and the device,
@@ -142,10 +142,10 @@ def _hardware_isa_level(flags) -> int | None:
 def cpu_isa() -> str:
     """The ISA level of oneDNN's sgemm kernels on this CPU (what XLA CPU's dots run): the
     highest of ISA_LEVELS the CPU's flags allow (`avx512_core` needs all four of AVX512_CORE),
-    capped by ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA when set (oneDNN honours it inside XLA:
-    with `AVX` or `SSE41` on an AVX2 machine the same dots gave other bits and another
-    leftover-row pattern, 2026-12-02); `other` where the flags cannot be read (no
-    /proc/cpuinfo, not x86) or the cap is a name oneDNN's x86 list does not have."""
+    capped by ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA when set (oneDNN honours it inside XLA,
+    and a capped ISA runs other sgemm kernels, with other bits); `other` where the flags
+    cannot be read (no /proc/cpuinfo, not x86) or the cap is a name oneDNN's x86 list does
+    not have."""
     level = _hardware_isa_level(cpu_flags())
     if level is None:
         return "other"
@@ -163,14 +163,9 @@ def cpu_row_quantum(isa: str | None = None) -> int:
     """The CPU kernels' row quantum (`looprl.kernels`, argument (3)): every row tile of a
     dot is a multiple of it, so that every row of every sgemm call sits in a whole register block
     of the micro-kernel. 8 with `avx512_core` (its block is 8 rows). 24 elsewhere, the least
-    common multiple of the 4-, 6- and 8-row blocks of oneDNN's x86 kernels: on AVX2 (AMD EPYC,
-    2026-12-02) the block is 6 rows, the leftover rows 6k+1..6k+3 of a call came out of another
-    code path with other bits (so the AVX-512 quantum of 8 broke replay there), and a 6-row
-    tile still differed from larger ones at `[R, 128] x [128, 5632]`, while rows of calls of
-    1..1000 rows with 24-row tiles agreed at the q/k/v/o, gate/up and down shapes of Ouro-1.4B
-    in fp32 and bf16 (12-row tiles at the two shapes tried), and the suite's Ouro-width tests
-    (lm_head, exit gate, attention) and the real-width end-to-end replay pass. Off x86 (no
-    oneDNN) 24 is not argued: the tests decide."""
+    common multiple of the 4-, 6- and 8-row blocks of oneDNN's x86 kernels (AVX2's block is 6
+    rows; its leftover rows take another code path with other bits). Off x86 (no oneDNN) 24
+    is not argued: the tests decide (docs/NUMERICS.md, "The XLA CPU form")."""
     isa = cpu_isa() if isa is None else isa
     return CPU_ROW_QUANTUM_AVX512 if isa == "avx512_core" else CPU_ROW_QUANTUM_OTHER
 
@@ -193,10 +188,11 @@ def git_commit() -> dict:
 
 
 def environment() -> dict:
-    """What bit claims hold for (DESIGN.md §5), the one record every report carries (`looprl
-    verify`'s report.json, `looprl eval`'s summary, benchmarks): jax/jaxlib/python versions,
-    backend, device kind and count, CPU model, the CPU's sgemm ISA and the kernels' row quantum
-    (`cpu_isa`, `cpu_row_quantum`), CPU count and affinity, XLA_FLAGS,
+    """What bit claims hold for (docs/DESIGN.md section 5), the one record every report
+    carries (`looprl verify`'s report.json, `looprl eval`'s summary, benchmarks):
+    jax/jaxlib/python versions, backend, device kind and count, CPU model, the CPU's sgemm ISA
+    and the kernels' row quantum (`cpu_isa`, `cpu_row_quantum`), CPU count and affinity,
+    XLA_FLAGS,
     `threads_pinned` (one intra-op thread) and `intra_op_threads`, the accelerator pins
     (`accelerator_pins`: each of ACCELERATOR_FLAGS and ACCELERATOR_ENV, in force or not;
     `accel_matmul`: LOOPRL_ACCEL_MATMUL), platform, git commit and whether the checkout is

@@ -11,9 +11,9 @@ passes and the smoke train is exact at every measured step):
   1. scan      kernel row invariance at Ouro-1.4B widths: rows of `kernels.matmul` at M rows
                against the same rows inside a 512-row call, for every weight shape, fp32/bf16,
                and one attention query in calls of other batch, cache and chunk sizes,
-               for each accelerator matmul form (`LOOPRL_ACCEL_MATMUL=xla`, the default, and
-               `pallas`, the fixed-block Pallas kernel); on a CPU (`--reduced`) the CPU kernels
-               and, traced as for an accelerator, both accelerator forms (Pallas interpreted)
+               for each accelerator kernel form (`accel-xla`, the default, and the fixed-block
+               Pallas kernel, `pallas-gpu` / `pallas-tpu`); on a CPU (`--reduced`) the CPU form
+               and, traced as for an accelerator, `accel-xla` and `pallas-gpu` (interpreted)
   2. verify    `looprl verify --quick` with the invariant replay, then `--replay-impl auto`
                (forced re-run where the invariant replay is not exact; skipped when every
                invariant cell is exact, since it would give the same cells)
@@ -58,34 +58,28 @@ PALLAS_SCAN_ROWS = (1, 3, 7, 64, 300)  # fewer compiles for the second form (8-m
 
 def scan_forms(shapes: dict, rows=SCAN_ROWS) -> dict:
     """`scan` for each kernel form this backend runs: off the CPU both accelerator matmul forms
-    (xla, pallas); on a CPU the CPU form and, traced as for an accelerator (`kernels.on_cpu`
-    patched), both accelerator forms. Keys `<form>/<weight>_<dtype>`; the kernel version of
-    each form is recorded under `kernel_versions`."""
-    cpu = kn.on_cpu()
-    forms = (["cpu"] if cpu else []) + ["accel_xla", "accel_pallas"]
+    (`accel-xla`, the Pallas form of the platform); on a CPU the CPU form in force and, traced
+    as for an accelerator (`kernels.use_form`), `accel-xla` and `pallas-gpu` (interpreted).
+    Keys `<form>/<weight>_<dtype>`; the kernel version of each form is recorded under
+    `kernel_versions`."""
+    here = kn.current_form()
+    accel, pallas = kn.accelerator_forms()
+    names = ([here.name] if here.cpu else []) + [accel, pallas]
     out, versions = {}, {}
-    saved_env, saved_on_cpu = os.environ.get("LOOPRL_ACCEL_MATMUL"), kn.on_cpu
     try:
-        for form in forms:
-            if form != "cpu":
-                os.environ["LOOPRL_ACCEL_MATMUL"] = form.split("_")[1]
-                kn.on_cpu = lambda: False
-            jax.clear_caches()  # the form is read when a program is traced
-            versions[form] = kn.kernel_version()
-            form_rows = PALLAS_SCAN_ROWS if form == "accel_pallas" and not cpu else rows
-            try:  # a form that fails to build must not lose the other forms' results
-                for key, v in scan(shapes, form_rows).items():
-                    out[f"{form}/{key}"] = v
-                out[f"{form}/attention"] = scan_attention(reduced=shapes is not OURO_1P4B)
-            except Exception as e:
-                out[f"{form}/error"] = {"error": f"{type(e).__name__}: {e}"[:2000],
-                                        "rows_differing": ["error"]}
+        for name in names:
+            with kn.use_form(name):
+                jax.clear_caches()  # the form is read when a program is traced
+                versions[name] = kn.kernel_version()
+                form_rows = PALLAS_SCAN_ROWS if name == pallas and not here.cpu else rows
+                try:  # a form that fails to build must not lose the other forms' results
+                    for key, v in scan(shapes, form_rows).items():
+                        out[f"{name}/{key}"] = v
+                    out[f"{name}/attention"] = scan_attention(reduced=shapes is not OURO_1P4B)
+                except Exception as e:
+                    out[f"{name}/error"] = {"error": f"{type(e).__name__}: {e}"[:2000],
+                                            "rows_differing": ["error"]}
     finally:
-        kn.on_cpu = saved_on_cpu
-        if saved_env is None:
-            os.environ.pop("LOOPRL_ACCEL_MATMUL", None)
-        else:
-            os.environ["LOOPRL_ACCEL_MATMUL"] = saved_env
         jax.clear_caches()
     return {"kernel_versions": versions, "results": out}
 

@@ -6,6 +6,7 @@ import pytest
 
 from looprl import determinism
 from looprl import kernels as kn
+from looprl.kernels import tiling
 
 AVX512 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
 AVX2 = frozenset({"avx", "avx2", "fma"})
@@ -62,4 +63,4 @@ def test_kernels_use_this_machines_quantum_and_record_it():
     assert kn.ROW_QUANTUM == determinism.cpu_row_quantum() == env["cpu_row_quantum"]
     assert kn.row_tile() == kn.ROW_QUANTUM and kn.ROW_TILE_MAX % kn.ROW_QUANTUM == 0
     assert env["cpu_isa"] == determinism.cpu_isa()
-    assert all(kn._row_tile_for(m) % kn.ROW_QUANTUM == 0 for m in (1, 7, 300, 1000, 4096))
+    assert all(tiling.row_tile_for(m) % kn.ROW_QUANTUM == 0 for m in (1, 7, 300, 1000, 4096))

@@ -1,10 +1,9 @@
-"""`reproducibility/gpu_check.py`, the prepared accelerator check (issue 16), from the CPU: its
+"""`reproducibility/gpu_check.py`, the prepared accelerator check, from the CPU: its
 command line parses, its row-invariance scan runs every kernel form this backend can trace
 (the CPU form, and both accelerator forms traced as for a device) and finds no differing row,
 and its Markdown names every scanned form and the kernel versions. The whole script in its
 reduced mode takes minutes, so it runs by hand (the issue note gives its figures)."""
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import jax
 import pytest
 
 from looprl import kernels as kn
+from looprl.kernels import accel
 
 SCRIPT = Path(__file__).resolve().parents[1] / "reproducibility" / "gpu_check.py"
 
@@ -35,22 +35,23 @@ def test_gpu_check_help_runs():
 def test_gpu_check_scans_every_form_and_reports_it():
     gc = _module()
     res = gc.scan_forms(gc.REDUCED_ONE, rows=(1, 9))
-    assert res["kernel_versions"] == {"cpu": kn.cpu_kernel_version(),
-                                      "accel_xla": f"{kn.KERNEL_VERSION_ACCEL}/xla",
-                                      "accel_pallas": f"{kn.KERNEL_VERSION_ACCEL}/pallas"}
+    assert res["kernel_versions"] == {"cpu-ordered": kn.cpu_kernel_version(),
+                                      "accel-xla": f"{kn.KERNEL_VERSION_ACCEL}/xla",
+                                      "pallas-gpu": f"{kn.KERNEL_VERSION_ACCEL}/pallas"}
     assert sorted(res["results"]) == sorted([f"{f}/q_proj_{d}" for f in res["kernel_versions"]
                                              for d in ("float32", "bfloat16")] +
                                             [f"{f}/attention" for f in res["kernel_versions"]])
     assert all(v["rows_differing"] == [] for v in res["results"].values())
     assert all(v["rows_tested"] == [1, 9] for k, v in res["results"].items()
                if "q_proj" in k)
-    assert len(res["results"]["accel_xla/attention"]["calls"]) == 6
-    assert kn.on_cpu() and kn.kernel_version() == kn.cpu_kernel_version()  # restored
+    assert len(res["results"]["accel-xla/attention"]["calls"]) == 6
+    assert kn.current_form().name == "cpu-ordered"  # restored
+    assert kn.kernel_version() == kn.cpu_kernel_version()
     md = gc.report_md({"env": {"device_kind": "cpu", "jax": jax.__version__,
                                "accelerator_pins": {"NVIDIA_TF32_OVERRIDE": True}},
                        "wall_s": 1.0, "reduced": True, "scan": res, "errors": {}})
-    assert "accel_pallas/q_proj_bfloat16 | none" in md
-    assert f"accel_xla `{kn.KERNEL_VERSION_ACCEL}/xla`" in md and "`NVIDIA_TF32_OVERRIDE`" in md
+    assert "pallas-gpu/q_proj_bfloat16 | none" in md
+    assert f"accel-xla `{kn.KERNEL_VERSION_ACCEL}/xla`" in md and "`NVIDIA_TF32_OVERRIDE`" in md
     assert "pins in force: none" in gc.report_md({"env": {}, "wall_s": 1.0, "reduced": True})
 
 
@@ -61,10 +62,10 @@ def test_a_form_that_fails_keeps_the_other_forms_results(monkeypatch):
 
     def broken(*a, **k):
         raise ValueError("kernel exceeds available shared memory")
-    monkeypatch.setattr(kn, "pallas_matmul", broken)
+    monkeypatch.setattr(accel, "pallas_matmul", broken)
     res = gc.scan_forms(gc.REDUCED_ONE, rows=(1,))
-    assert res["results"]["accel_pallas/error"]["error"].startswith("ValueError: kernel exceeds")
-    assert res["results"]["accel_xla/q_proj_float32"]["rows_differing"] == []
-    assert kn.on_cpu() and os.environ.get("LOOPRL_ACCEL_MATMUL") is None
+    assert res["results"]["pallas-gpu/error"]["error"].startswith("ValueError: kernel exceeds")
+    assert res["results"]["accel-xla/q_proj_float32"]["rows_differing"] == []
+    assert kn.current_form().name == "cpu-ordered"  # the form in force again
     md = gc.report_md({"env": {}, "wall_s": 1.0, "reduced": True, "scan": res, "errors": {}})
-    assert "| accel_pallas/error | ValueError: kernel exceeds" in md
+    assert "| pallas-gpu/error | ValueError: kernel exceeds" in md

@@ -1,52 +1,17 @@
-"""The CPU's row-invariant matmul as an XLA FFI custom call: `ordered_matmul(x, w)`.
+"""The ordered CPU kernels as XLA FFI custom calls: `ordered_matmul(x, w)` and its layer,
+batched and attention forms, and the row reductions `row_sum`, `row_max`, `row_argmax`.
 
-`out[m, n]` is built in the order `looprl/kernels/ordered_gemm.cc` fixes, whatever M, the row's
-place, the thread count or the ISA: the contraction is cut into K_CHUNK-long chunks from k = 0;
-a chunk's value is an fma chain `acc = fma(x[m, k], w[k, n], acc)` over its k in order from
--0.0; the chunks are added in order, `((c0 + c1) + c2) + ...` (`reference_matmul` writes the
-same in numpy). No two partial sums of one chunk are ever added, and nothing depends on
-anything but row m of x and column n of w, so a row's bits cannot change with its batch: the
-argument is the program, not a scan of shapes (issue 14). fma and + are correctly rounded (IEEE
-754), so the AVX2 vector instructions and the scalar fallback give the same bits on every
-machine with a correctly rounded fma; the file is compiled with `-ffp-contract=off` and without
-`-ffast-math`. Subnormal inputs and results are flushed to zero (FTZ/DAZ set by every task, the
-state XLA CPU's threads run in), so the bits do not depend on the calling thread's state.
+`out[m, n]` is built in the order the C++ sources fix (`ordered_common.h`): K_CHUNK-long chunks
+from k = 0, each an fma chain over its k in order from -0.0, the chunks added in order.
+Nothing depends on anything but row m of x and column n of w, so a row's bits cannot change
+with its batch, the thread count or the ISA (docs/NUMERICS.md; `reference_matmul` writes the
+same in numpy). Subnormal inputs and results are flushed to zero.
 
-How it runs (none of it changes a bit): tasks of output columns on XLA's intra-op thread pool (16384
-columns up to 6 rows, so a decode step's weight rows are read in long contiguous sweeps; 1024 up to
-48 rows; above, the widest of 2048, 1024, 512, 256 that gives each pool thread 4 tasks, since x is
-packed once per task); 1-2 rows, each weight row is read once and fma'd into per-row accumulators,
-four weight rows at a time (a decode step's matrix-vector-like product, memory-bound like stock's);
-3-16 rows, the same register tiles as above but on balanced row panels (7 rows: 4 + 3), with an fp32
-weight of up to 8192 columns read in place, one 16-column strip at a time, so a few-row call does
-not pay for packing it (2026-12-03, fp32 Ouro-1.4B weights, side by side in one process, one thread:
-7-16 rows 1.10-1.46x stock, from 1.34-2.24x with packing; 3-6 rows about 1.5-3x faster than the
-streaming pass, which had 3-6 rows at 1.5-2.9x stock), and a wider weight (the 49152-column lm_head:
-its strips read in place are 256 rows 192 KB apart, 1.4-1.8x stock at 3-5 rows) or a bf16 one packed
-1024 columns at a time from contiguous row runs (0.6-0.7x stock, 2026-12-04); above, GotoBLAS-style
-blocking: tasks of (row block, 256-2048 columns), the rows in blocks of up to 768 (balanced,
-multiples of 96) run block by block so a row block of x is read from cache by every column block (at
-4096 rows, whole-M blocks ran 1.26-1.36x stock, 768-row blocks 1.10-1.21x: Ouro-1.4B widths, one
-thread, 32 MB L3), the task's [256, width] weight block packed per k chunk, x packed in 96-row
-blocks (once per task and k chunk: with 256-column tasks that was 12 % of the time at 1000-4096
-rows; wider tasks, 2026-12-04: 0.99-1.13x stock at 4096 rows from 1.10-1.28x, 2 threads), 6 x 16
-register tiles (AVX2: 12 accumulator vectors).
-
-`ordered_attention_scores` / `ordered_attention_values` are attention's two products in the
-same numerics, per (row, head) and 128-slot key block, reading the rotated keys and values
-straight from the KV cache (no block, slot or sub-batch copied; `kernels.attention_cached`);
-tasks of (row, head) pairs, 4-row x 16-column register blocks (one query row: up to 64 columns;
-its value products two heads at a time for a head dim of 32, so the chains overlap).
-`ordered_batched_matmul` runs Z independent products, one task each, every product exactly as
-a single call of its shape (attention's products before the cache was read in place).
-`row_sum` is `ordered_matmul(x, ones)`'s column bit for bit (the same chains, eight rows a
-vector, without the product's 15 zero columns) and `row_max` each row's max: the softmaxes'
-reductions (`kernels.rowsum`, `kernels._row_max`).
-
-The kernel is compiled with the machine's C++ compiler the first time it is used, into
-`LOOPRL_KERNEL_CACHE` (default `~/.cache/looprl/kernels`), keyed by the source, the compiler,
-jax's version, the FFI headers and the flags, and written atomically, so that concurrent
-processes (pytest-xdist workers) share one build.
+The sources (`ordered_matmul.cc`, `ordered_attention.cc`, `ordered_reductions.cc` and their
+headers) are compiled with the machine's C++ compiler the first time a kernel is used, into
+`LOOPRL_KERNEL_CACHE` (default `~/.cache/looprl/kernels`), keyed by every source, the
+compiler, jax's version, the FFI headers and the flags, and written atomically, so that
+concurrent processes (pytest-xdist workers) share one build.
 """
 from __future__ import annotations
 
@@ -65,10 +30,12 @@ import numpy as np
 
 from looprl.errors import ConfigError, create_dir
 
-SOURCE = Path(__file__).with_name("ordered_gemm.cc")
+_HERE = Path(__file__).parent
+SOURCES = tuple(_HERE / f"ordered_{name}.cc" for name in ("matmul", "attention", "reductions"))
+HEADERS = (_HERE / "ordered_common.h", _HERE / "ordered_chains.h")
 TARGET = "looprl_ordered_matmul"
-K_CHUNK = 256  # the .cc's KC: the contraction's chunk, part of the numerics (kernel version)
-KEY_BLOCK = 128  # the .cc's KEY_BLOCK: attention's key block (`kernels.K_BLOCK`)
+K_CHUNK = 256  # the C++ KC: the contraction's chunk, part of the numerics (kernel version)
+KEY_BLOCK = 128  # the C++ KEY_BLOCK: attention's key block (`kernels.K_BLOCK`)
 
 
 def _cpu_flags() -> set[str]:
@@ -83,7 +50,7 @@ def _cpu_flags() -> set[str]:
 
 def compile_flags() -> list[str]:
     """The compiler flags: vector code for AVX2 + FMA where the CPU has both (the bits are the
-    same without: module doc)."""
+    same without: IEEE fma and + are correctly rounded)."""
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
@@ -91,15 +58,16 @@ def compile_flags() -> list[str]:
 
 
 # what a failed build's error offers instead of the kernel
-_FALLBACK = ("without it, LOOPRL_CPU_MATMUL=xla selects the earlier XLA-op form (kernel version "
-             "2026-12-03: rollouts of one form do not verify under the other)")
+_FALLBACK = ("without it, LOOPRL_KERNELS=cpu-xla selects the XLA CPU form (another kernel "
+             "version: rollouts of one form do not verify under the other)")
 
 
 def _compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise ConfigError("looprl's CPU matmul kernel needs a C++ compiler to build "
-                          f"({SOURCE.name}): none found (set CXX, or install g++); {_FALLBACK}")
+        raise ConfigError("looprl's CPU kernels need a C++ compiler to build "
+                          f"({', '.join(s.name for s in SOURCES)}): none found (set CXX, or "
+                          f"install g++); {_FALLBACK}")
     return cxx
 
 
@@ -119,7 +87,8 @@ def build() -> Path:
     except OSError as e:  # CXX names no runnable program
         raise ConfigError(f"building looprl's CPU matmul kernel failed: cannot run the "
                           f"compiler {cxx!r} (CXX): {e}; {_FALLBACK}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version.splitlines()[0]
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]  # the key covers every source
+    key = hashlib.sha256("\0".join([*texts, cxx, version.splitlines()[0]
                                     if version else "", jax.__version__, include, *flags])
                          .encode()).hexdigest()[:16]
     cache = _cache_dir()
@@ -129,7 +98,7 @@ def build() -> Path:
     create_dir(cache, "LOOPRL_KERNEL_CACHE")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
-    cmd = [cxx, *flags, f"-I{include}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{include}", *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -301,7 +270,7 @@ def _attention_call(target, x, cache, win, rows_M, offset_M, slot, w0, live_bloc
 def ordered_attention_scores(q_MxHxRxD, k_NxBxSxJxD, k_win_MxCxJxD, rows_M, offset_M, span_M,
                              slot, w0, live_blocks, slots: int) -> jax.Array:
     """Attention scores `q . k` of one query tile in the numerics of `ordered_matmul`, the keys
-    read from the KV cache in place (`ordered_gemm.cc`, attention's comment).
+    read from the KV cache in place (`ordered_attention.cc`'s header comment).
 
     Row m's keys are slot `slot` of the cache at batch row `rows_M[m]`, with `k_win[m]`
     written over slots [w0, w0 + C) (w0 clamped to [0, S - C]: what `dynamic_update_slice`
@@ -339,7 +308,7 @@ def ordered_attention_values(p_MxHxRxS, v_NxBxSxJxD, v_win_MxCxJxD, rows_M, offs
     The values at or past it are not read where that cannot change a bit: a block's chain
     stops after the span when every probability past it is a zero and no output of the block
     is -0.0 there (adding `0 * v` changes only -0.0, for a finite `v`; the caller keeps the
-    masked slots' values finite, kernels.py module doc). Every output is the full chain's.
+    masked slots' values finite: docs/NUMERICS.md). Every output is the full chain's.
 
     Args: p (probabilities) `[M, H, R, Sp]` float32, Sp a multiple of KEY_BLOCK >= S; v
       `[N, B, S, J, D]` and v_win `[M, C, J, D]` float32 or bfloat16; the rest as

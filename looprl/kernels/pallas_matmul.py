@@ -1,46 +1,21 @@
-"""A Pallas matmul with fixed blocks: the accelerator fallback of the invariant kernels (issue 16).
+"""A Pallas matmul with fixed blocks: the matmul of the `pallas-gpu` / `pallas-tpu` kernel forms.
 
-`looprl.kernels` runs off the CPU with XLA ops by default (fixed row tiles, 128-long
-contraction blocks summed in order). Whether XLA's GPU/TPU compiler keeps that order is checked on
-the device (`reproducibility/gpu_check.py`), not assumed. This kernel states the order itself,
-so nothing the compiler picks per program can change it (`LOOPRL_ACCEL_MATMUL=pallas`).
-
-Construction. `x [M, I] @ w [I, O]` with rows zero-padded to a multiple of `block_rows` (bm),
-output columns to `block_cols` (bn) and the contraction to `block_k` (bk). The grid is
-`(Mp / bm, Op / bn)`; program (i, j) owns the `[bm, bn]` output block of row block i and column
-block j, and computes it alone:
+`x [M, I] @ w [I, O]` with rows zero-padded to a multiple of `block_rows` (bm), output columns
+to `block_cols` (bn) and the contraction to `block_k` (bk). The grid is `(Mp / bm, Op / bn)`;
+program (i, j) owns the `[bm, bn]` output block of row block i and column block j:
 
     acc = -0.0                               (fp32, [bm, bn])
     for z in 0 .. Ip / bk - 1:               (in order; one program, no split-K)
         acc = acc + dot(x[i-th bm rows, z-th bk cols], w[z-th bk rows, j-th bn cols])  (fp32)
     out[i, j] = acc
 
-Why a row's bits cannot depend on M or on the row's place (the argument):
-  1. Every dot has the one shape `[bm, bk] x [bk, bn]`, whatever M: the blocks are constants of
-     the call, M only changes the grid's first extent.
-  2. Programs are independent: a program reads its own x rows and w columns and writes only its
-     own output block, so the grid's size and the order in which programs run cannot enter a
-     value (no atomics, no cross-program reduction).
-  3. The K order is the loop above, ours and fixed; inside one block dot all bm rows of the
-     block run the same instruction stream (an MMA / MXU tile computes every output of the block
-     with the same k order), so a row's place in its block does not matter. Padding rows,
-     columns and contraction entries are zeros: they add exact zeros and are cut off.
-  4. The accumulator starts at -0.0, so `-0.0 + p == p` bitwise for every first partial p: the
-     sum has the bits of `p0 + p1 + ...` (the XLA form's convention).
-(3)'s claim about one block dot is how MMA/MXU units are built, and is what the GPU check
-measures; (1), (2) and (4) follow from the code. fp32 dots ask for `Precision.HIGHEST` (Triton's
-IEEE input precision, no TF32); bf16 dots run on the tensor cores with fp32 accumulation.
-
-Block sizes: bm = 64 rows (a decode step's one row costs a `[64, I]` tile, which in bf16 stays
-below the H200's compute/bandwidth ridge, i.e. about a weight read; in fp32 about two, by the
-roofline), bn = bk = 128 (powers of two, as Triton loads require). On a GPU the kernel is lowered
-through Triton (jax 0.10's default GPU lowering, Mosaic GPU, stages whole blocks in shared
-memory: the whole contraction here, 1.6 MB at I = 2048, over an H200's 227 KB). The CPU tests
-export it for CUDA and TPU (lowering only); it has not been compiled or run on a device here:
-`reproducibility/gpu_check.py` does that. Interpret mode (`interpret=True`) runs the same
-kernel body as XLA ops: that is how the CPU tests run it. This is the forward kernel only:
-`kernels.matmul` wraps it in the invariant matmul's `jax.custom_vjp`, whose backward is plain
-dots (gradients need no invariance, DESIGN.md §4).
+Every dot has one shape whatever M, programs are independent, and the K order is the loop, so
+no compiler choice can change a row's bits (docs/NUMERICS.md, "The accelerator forms"). fp32
+dots ask for `Precision.HIGHEST` (no TF32); bf16 dots accumulate in fp32. bm = 64 (a decode
+step's row costs a `[64, I]` tile), bn = bk = 128 (powers of two, as Triton loads require). On
+a GPU the kernel is lowered through Triton: Mosaic GPU stages whole blocks, here the whole
+contraction, in shared memory. Interpret mode runs the same kernel body as XLA ops (the CPU
+tests). Forward only: `kernels.matmul`'s `jax.custom_vjp` gives the plain-dot backward.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One Ouro decoder layer ("sandwich" norm) and the shared L-layer stack, as pure functions.
 
-Layer (DESIGN.md §1, Ouro's modeling code):
+Layer (docs/DESIGN.md section 1, Ouro's modeling code):
   a = x + N_in2(Attn(N_in(x)));  y = a + N_post2(MLP(N_post(a)));  MLP(z) = W_down(silu(W_gate z) * W_up z)
 
 Weights are a dict of arrays in compute dtype with Linear kernels stored `[in, out]`
@@ -86,8 +86,8 @@ def layer_bits(a):
 
     XLA CPU's float normalization computes a dynamic slice of a bf16 array in fp32: it widens
     the whole operand first, and the widened stack, loop-invariant, is then hoisted out of the
-    layer loop as an fp32 copy of every layer (issue 19: `generate --dtype bfloat16` held more
-    than fp32 did). An integer slice moves the bits only, so the values are the same bits.
+    layer loop as an fp32 copy of every layer (a bf16 `generate` would hold more than an fp32
+    one). An integer slice moves the bits only, so the values are the same bits.
     Not differentiable: differentiating through it raises (a bitcast's gradient would be a
     silent zero), so only the sampler, which takes no gradient, uses it."""
     return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a

@@ -62,7 +62,7 @@ from looprl.logprobs import METHODS as LEARNER_METHODS
 from looprl.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
                              sequence_logprobs)
 from looprl.logprobs.mismatch import compare_logprobs
-from looprl.kernels import KERNEL_VERSION, kernel_version, on_cpu
+from looprl.kernels import KERNEL_VERSION, kernel_version
 from looprl.programs import release_programs_near_map_limit
 from looprl.sampling.kv_policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
@@ -363,9 +363,10 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
         if base == here.split("/")[0]:  # this CPU form, sampled on another sgemm ISA
             fix = ("verify it on a machine whose CPU runs the same sgemm kernels (the report's "
                    "env.cpu_isa), or sample it again here")
-        elif base == KERNEL_VERSION and on_cpu():  # the CPU's earlier XLA-op matmul form
-            fix = ("that is the CPU matmul's XLA form: verify it with LOOPRL_CPU_MATMUL=xla "
-                   "(on a machine of its sgemm ISA), or sample it again here")
+        elif base == KERNEL_VERSION:  # the cpu-xla kernel form
+            fix = ("that is the cpu-xla kernel form: verify it with LOOPRL_KERNELS=cpu-xla "
+                   "(formerly LOOPRL_CPU_MATMUL=xla) on a CPU of its sgemm ISA, or sample it "
+                   "again here")
         else:
             fix = "sample it again with this version"
         raise ScheduleError(f"rollout was sampled with kernel version "

@@ -1,5 +1,5 @@
-"""The accelerator form of the kernels, end to end on XLA CPU (issue 16): with `kernels.on_cpu`
-patched to False the sampler and the learner both run the accelerator form (fixed 64-row tiles,
+"""The accelerator forms of the kernels, end to end on XLA CPU: with `kernels.use_form`
+selecting `accel-xla` or `pallas-gpu` the sampler and the learner both run the accelerator form (fixed 64-row tiles,
 128-long K blocks, attention in key blocks; the XLA form and the Pallas kernel, interpreted), and
 the learner's replay equals the sampler's log-probs bit for bit for every KV policy, in fp32 and
 bf16, for a one-row decode batch and a five-row one, while the stock control mismatches (all
@@ -43,8 +43,8 @@ CASES = [("deferred", "xla", "float32"), ("dense", "xla", "float32"), ("copy", "
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,impl,dtype", CASES)
 def test_accelerator_form_replays_bit_for_bit(params, policy, impl, dtype, monkeypatch):
-    monkeypatch.setattr(kn, "on_cpu", lambda: False)
-    monkeypatch.setenv("LOOPRL_ACCEL_MATMUL", impl)
+    scope = kn.use_form({"xla": "accel-xla", "pallas": "pallas-gpu"}[impl])
+    scope.__enter__()
     jax.clear_caches()  # the form is read when a program is traced
     try:
         scfg = SamplingConfig(max_new_tokens=6, temperature=1.0, exit_threshold=0.5,
@@ -68,4 +68,5 @@ def test_accelerator_form_replays_bit_for_bit(params, policy, impl, dtype, monke
             stock_exact.append(_bits(stock)[emit] == _bits(rb.logprob_BxS)[emit])
         assert np.concatenate(stock_exact).mean() < 1.0  # the control can fail
     finally:
+        scope.__exit__(None, None, None)
         jax.clear_caches()

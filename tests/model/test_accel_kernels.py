@@ -1,13 +1,14 @@
-"""The accelerator form of the invariant kernels (issue 16), checked from the CPU.
+"""The accelerator forms of the invariant kernels, checked from the CPU.
 
-The off-CPU branch is traced here with `kernels.on_cpu` patched to False. What these tests can
-show is necessary, not sufficient, for bits on a GPU or TPU: that every dot of a weight has one
-shape whatever the row count M, that the contraction is cut into 128-long blocks summed in a
+The accelerator forms are traced here on the CPU, selected with `kernels.use_form`. What these
+tests can show is necessary, not sufficient, for bits on a GPU or TPU: that every dot of a weight
+has one shape whatever the row count M, that the contraction is cut into 128-long blocks summed in a
 loop (no split-K left to the compiler), and that fp32 dots ask for full precision (no TF32).
 Whether the device's GEMM then gives every row the same bits is what
 `reproducibility/gpu_check.py` measures. Because the shapes are fixed, the accelerator form is
 also row-invariant on XLA CPU, which the raw-bit tests below check (the Pallas kernel in
 interpret mode)."""
+import contextlib
 import re
 
 import jax
@@ -19,6 +20,7 @@ from jax import export
 from looprl import determinism
 from looprl.errors import ConfigError
 from looprl import kernels as kn
+from looprl.kernels import forms
 from looprl.kernels.pallas_matmul import pallas_matmul
 
 D, F, V = 2048, 5632, 49152  # ouro-1.4b / ouro-2.6b widths (both presets share them)
@@ -31,15 +33,18 @@ _DOT = re.compile(r"stablehlo\.dot_general\s+%\S+,\s+%\S+,(.*?):\s*\((tensor<[^>
 
 
 @pytest.fixture
-def accel(monkeypatch):
-    """Trace the accelerator branch on this CPU; `accel("pallas")` selects the Pallas form."""
-    monkeypatch.setattr(kn, "on_cpu", lambda: False)
+def accel():
+    """Trace the accelerator form `accel-xla` on this CPU; `accel("pallas")` selects the Pallas
+    form (`pallas-gpu`, interpreted here)."""
+    scope = contextlib.ExitStack()
 
     def use(impl="xla"):
-        monkeypatch.setenv("LOOPRL_ACCEL_MATMUL", impl)
+        scope.close()
+        scope.enter_context(kn.use_form({"xla": "accel-xla", "pallas": "pallas-gpu"}[impl]))
         jax.clear_caches()  # the form is read when a program is traced: no cached traces
     use("xla")
     yield use
+    scope.close()
     jax.clear_caches()
 
 
@@ -171,18 +176,19 @@ def test_accelerator_attention_does_not_depend_on_the_left_padding_or_the_chunk(
     assert np.array_equal(last[0], outs[0][:, -1:]) and np.array_equal(last[1], last[0])
 
 
-def test_the_accelerator_form_is_named_in_the_kernel_version(accel, monkeypatch):
-    """A rollout records which numerics sampled it: the CPU's version on the CPU, the
-    accelerator form with its matmul implementation elsewhere; a bad LOOPRL_ACCEL_MATMUL is a
-    ConfigError naming the variable."""
+def test_the_accelerator_form_is_named_in_the_kernel_version(accel):
+    """A rollout records which numerics sampled it: the accelerator form with its matmul
+    implementation; off the CPU LOOPRL_ACCEL_MATMUL picks it, and a bad value is a ConfigError
+    naming the variable; on the CPU that variable is not read."""
     assert kn.kernel_version() == f"{kn.KERNEL_VERSION_ACCEL}/xla"
     accel("pallas")
     assert kn.kernel_version() == f"{kn.KERNEL_VERSION_ACCEL}/pallas"
-    accel("triton")
+    assert forms.resolve("gpu", {}).name == "accel-xla"
+    assert forms.resolve("gpu", {"LOOPRL_ACCEL_MATMUL": "pallas"}).name == "pallas-gpu"
+    assert forms.resolve("tpu", {"LOOPRL_ACCEL_MATMUL": "pallas"}).name == "pallas-tpu"
     with pytest.raises(ConfigError, match="LOOPRL_ACCEL_MATMUL='triton'.*xla, pallas"):
-        kn.kernel_version()
-    monkeypatch.setattr(kn, "on_cpu", lambda: True)
-    assert kn.kernel_version() == kn.cpu_kernel_version()
+        forms.resolve("gpu", {"LOOPRL_ACCEL_MATMUL": "triton"})
+    assert forms.resolve("cpu", {"LOOPRL_ACCEL_MATMUL": "triton"}).name == "cpu-ordered"
 
 
 def test_gpu_installs_pin_the_accelerator_flags(monkeypatch):

@@ -175,11 +175,11 @@ def test_rms_norm_has_the_product_forms_bits_at_ouro_width(dtype):
         assert np.array_equal(_bits(grads[0]), _bits(grads[1]))
 
 
-def test_off_the_cpu_branch_pads_rows_and_asks_for_full_fp32_precision(monkeypatch):
+def test_the_accelerator_form_pads_rows_and_asks_for_full_fp32_precision():
     """The GPU/TPU form (fixed 64-row tiles, 128-long K blocks, Precision.HIGHEST for fp32 so
     GPUs do not use TF32; tests/model/test_accel_kernels.py checks its structure and bits),
-    traced and run here with `on_cpu` patched: same values as the CPU form, and the precision
-    request is in the program (none for bf16)."""
+    traced and run here with `use_form("accel-xla")`: same values as the CPU form, and the
+    precision request is in the program (none for bf16)."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((5, 3, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 40)) / 8, jnp.float32)
@@ -187,21 +187,23 @@ def test_off_the_cpu_branch_pads_rows_and_asks_for_full_fp32_precision(monkeypat
     kv = jnp.asarray(rng.standard_normal((2, 20, 4, 16)), jnp.float32)
     mask = jnp.asarray(rng.random((2, 3, 20)) < 0.7).at[:, :, 0].set(True)
     cpu_mm, cpu_att = kn.matmul(x, w), kn.attention(q, kv, kv, mask, 0.25)
-    monkeypatch.setattr(kn, "on_cpu", lambda: False)
-    np.testing.assert_allclose(np.asarray(kn.matmul(x, w)), np.asarray(cpu_mm), rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kn.attention(q, kv, kv, mask, 0.25)),
-                               np.asarray(cpu_att), rtol=1e-5, atol=1e-5)
-    assert "HIGHEST" in str(jax.make_jaxpr(kn.matmul)(x, w))
-    assert "HIGHEST" in str(jax.make_jaxpr(kn.stock_matmul)(x, w))
-    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    assert "HIGHEST" not in str(jax.make_jaxpr(kn.matmul)(xb, wb))
-    assert kn.row_tile() == kn.ROW_TILE
+    with kn.use_form("accel-xla"):
+        np.testing.assert_allclose(np.asarray(kn.matmul(x, w)), np.asarray(cpu_mm), rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(kn.attention(q, kv, kv, mask, 0.25)),
+                                   np.asarray(cpu_att), rtol=1e-5, atol=1e-5)
+        assert "HIGHEST" in str(jax.make_jaxpr(kn.matmul)(x, w))
+        assert "HIGHEST" in str(jax.make_jaxpr(kn.stock_matmul)(x, w))
+        xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+        assert "HIGHEST" not in str(jax.make_jaxpr(kn.matmul)(xb, wb))
+        assert kn.row_tile() == kn.ROW_TILE
+    jax.clear_caches()  # traces do not know the form
+    assert "HIGHEST" not in str(jax.make_jaxpr(kn.stock_matmul)(x, w))  # the CPU form again
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attention_does_not_depend_on_the_left_padding(dtype):
-    """Issue 14: 100 live keys in a prompt bucket of P = 128 (pad 28) and of P = 192 (pad 92,
+    """100 live keys in a prompt bucket of P = 128 (pad 28) and of P = 192 (pad 92,
     the live keys straddling slot 128 of the cache): the same queries over the same keys give
     the same bits (keys are rotated to each row's first live key, so 128-key blocks sit at token
     positions)."""

@@ -6,6 +6,7 @@ suite (`--xla_cpu_multi_thread_eigen=false`, tests/conftest.py via looprl.determ
 The matmul tests run the default CPU form (`ordered`, the FFI kernel); `cpu_form("xla")` runs the
 XLA-op form (kernel version KERNEL_VERSION), which its structural, tile and memory tests are
 about."""
+import contextlib
 import re
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from looprl import kernels as kn
+from looprl.kernels import tiling
 
 D, H, K, F, V = 2048, 16, 128, 5632, 49152
 WEIGHTS = {"q/k/v/o": (D, D), "gate/up": (D, F), "down": (F, D), "lm_head": (D, V),
@@ -28,12 +30,17 @@ def _bits(x):
 
 @pytest.fixture
 def cpu_form(monkeypatch):
-    """`cpu_form("xla")` / `cpu_form("ordered")`: trace the CPU matmul's form (LOOPRL_CPU_MATMUL);
-    the form is read when a program is traced, so cached traces are dropped."""
+    """`cpu_form("xla")` / `cpu_form("ordered")`: trace the CPU form `cpu-xla` / `cpu-ordered`
+    (`kernels.use_form`); the form is read when a program is traced, so cached traces are
+    dropped."""
+    scope = contextlib.ExitStack()
+
     def use(impl):
-        monkeypatch.setenv("LOOPRL_CPU_MATMUL", impl)
+        scope.close()
+        scope.enter_context(kn.use_form(f"cpu-{impl}"))
         jax.clear_caches()
     yield use
+    scope.close()
     jax.clear_caches()
 
 
@@ -192,7 +199,7 @@ def test_every_attention_dot_has_one_shape_whatever_the_cache_length(cpu_form):
             progs.append(sorted({(tuple(lhs), tuple(rhs), tuple(out))
                                  for lhs, rhs, out, _ in _dots(text)}))
         assert progs[1] == progs[0] and progs[2] == progs[0], (C, progs)
-        R = kn._row_tile_for(C)
+        R = tiling.row_tile_for(C)
         batched = {d for d in progs[0] if len(d[0]) == 4}
         assert batched == {((2, H, R, K), (2, H, kn.K_BLOCK, K), (2, H, R, K))}, (C, progs[0])
 
@@ -297,7 +304,7 @@ def _check_tiles(name, dtype, tiles, rows=512, monkeypatch=None):
     ref = _bits(jax.jit(kn.matmul)(x, w))
     bad = []
     for t in tiles:
-        monkeypatch.setattr(kn, "_row_tile_for", lambda m, t=t: t)
+        monkeypatch.setattr(tiling, "row_tile_for", lambda m, t=t: t)
         if not np.array_equal(_bits(jax.jit(kn.matmul)(x, w)), ref):
             bad.append(t)
     monkeypatch.undo()
@@ -340,7 +347,7 @@ def test_a_long_call_copies_neither_x_nor_the_output(name, m, cpu_form):
     x, w = jax.ShapeDtypeStruct((m, i), jnp.float32), jax.ShapeDtypeStruct((i, o), jnp.float32)
     ours = jax.jit(kn.matmul).lower(x, w).compile().memory_analysis()
     stock = jax.jit(kn.stock_matmul).lower(x, w).compile().memory_analysis()
-    t = kn._row_tile_for(m)
+    t = tiling.row_tile_for(m)
     assert ours.output_size_in_bytes == stock.output_size_in_bytes == m * o * 4
     assert ours.temp_size_in_bytes <= 1.1 * 4 * (t * o + t * kn.K_BLOCK + kn.K_BLOCK * o)
     if m == 4096:
@@ -353,7 +360,7 @@ def test_the_ordered_form_is_one_kernel_call_whatever_m(name, cpu_form):
     """Structural (the default CPU form): in the optimized program of an M-row matmul (M in 1, 3,
     7, 64, 300) the weight meets no dot, only one call of the ordered kernel on `[M, I]` rows
     and the unpadded `[I, O]` weight, so nothing XLA chooses per shape touches the numerics
-    (looprl/kernels/ordered_gemm.cc's argument)."""
+    (docs/NUMERICS.md, "The ordered CPU form")."""
     cpu_form("ordered")
     i, o = WEIGHTS[name]
     for dtype in ("float32", "bfloat16"):

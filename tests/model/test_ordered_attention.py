@@ -1,5 +1,5 @@
 """Attention's two ordered products read from the KV cache in place
-(`ordered_gemm.ordered_attention_scores` / `_values`, looprl/kernels/ordered_gemm.cc): each output
+(`ordered_gemm.ordered_attention_scores` / `_values`, looprl/kernels/ordered_attention.cc): each output
 is exactly the chain the kernel's comment defines, written here in numpy from the rotated
 128-slot blocks (`reference_matmul`, the ordered matmul's correctly rounded emulation), for
 fp32 and bf16 caches, GQA, a window written over the slot (w0 clamped as
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from looprl import kernels as kn
-from looprl.kernels import ordered_gemm as og
+from looprl.kernels import ordered_gemm as og, tiling
 
 KB = og.KEY_BLOCK
 
@@ -156,12 +156,12 @@ def _gathered_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale):
     k_BxSxHxK, v_BxSxHxK = kn.repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)
     dtype = q_BxHxCxK.dtype
-    mask, offset_B = kn._mask_in_blocks(mask_BxCxS)
+    mask, offset_B = tiling.mask_in_blocks(mask_BxCxS)
     S = mask.shape[2]
-    mask = kn._keys_from_first_live(mask, offset_B, 2)
+    mask = tiling.keys_from_first_live(mask, offset_B, 2)
 
     def key_block(x_BxSxHxK, j):
-        x = kn._keys_from_first_live(x_BxSxHxK, offset_B, 1, j * KB, KB, period=S)
+        x = tiling.keys_from_first_live(x_BxSxHxK, offset_B, 1, j * KB, KB, period=S)
         return jnp.swapaxes(x, 1, 2).astype(jnp.float32)
 
     def per_head_dot(x, w, transposed=False):
@@ -174,7 +174,7 @@ def _gathered_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale):
         q, m = qm
         q32 = q.astype(jnp.float32)
         R = q32.shape[2]
-        n = kn._live_key_blocks(m)
+        n = tiling.live_key_blocks(m)
 
         def over(body, init):
             return body(0, init) if S == KB else jax.lax.fori_loop(0, n, body, init)
@@ -182,19 +182,19 @@ def _gathered_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale):
         scores = over(lambda j, buf: jax.lax.dynamic_update_slice_in_dim(
             buf, per_head_dot(q32, key_block(k_BxSxHxK, j), True), j * KB, axis=3),
             jnp.zeros((B, H, R, S), jnp.float32))
-        probs = kn._masked_probs(scores, m, scale, dtype, kn.softmax).astype(jnp.float32)
+        probs = tiling.masked_probs(scores, m, scale, dtype, kn.softmax).astype(jnp.float32)
         acc = over(lambda j, acc: acc + per_head_dot(
             jax.lax.dynamic_slice_in_dim(probs, j * KB, KB, axis=3), key_block(v_BxSxHxK, j)),
             jnp.full((B, H, R, K), -0.0, jnp.float32))
         return acc.astype(dtype)
 
-    t = kn._row_tile_for(C)
+    t = tiling.row_tile_for(C)
     if C <= t:
         out = tile((q_BxHxCxK, mask))
     else:
-        q_pad, _ = kn._pad_rows(q_BxHxCxK, 2, t)
-        m_pad, _ = kn._pad_rows(mask, 1, t)
-        out = kn._map_query_tiles(tile, q_pad, m_pad, t)[:, :, :C]
+        q_pad, _ = tiling.pad_rows(q_BxHxCxK, 2, t)
+        m_pad, _ = tiling.pad_rows(mask, 1, t)
+        out = tiling.map_query_tiles(tile, q_pad, m_pad, t)[:, :, :C]
     return jnp.swapaxes(out, 1, 2)
 
 
@@ -204,7 +204,8 @@ def _gathered_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale):
     (2, 600, 600, 2, 2, 64, jnp.float32),  # a prefill of two query tiles, five blocks
 ])
 def test_attention_has_the_bits_of_the_gathered_form(B, C, S, H, J, K, dtype, monkeypatch):
-    monkeypatch.setenv("LOOPRL_CPU_MATMUL", "ordered")  # the default form, whatever the env
+    monkeypatch.delenv("LOOPRL_KERNELS", raising=False)  # the default form, whatever the env
+    monkeypatch.delenv("LOOPRL_CPU_MATMUL", raising=False)
     jax.clear_caches()
     rng = np.random.default_rng(S + C)
     q = jnp.asarray(rng.standard_normal((B, C, H, K)), dtype)
@@ -266,8 +267,8 @@ def test_a_key_range_gives_the_gathered_rotated_mask(S, C):
     for w0 in (0, S // 3, S - C):
         layout = (w0 + np.arange(C)).astype(np.int32)
         kr = kn.KeyRange(jnp.asarray(pad), jnp.asarray(layout), S)
-        want_mask, want_off = kn._mask_in_blocks(kr.mask())
-        want_mask = kn._keys_from_first_live(want_mask, want_off, 2)
+        want_mask, want_off = tiling.mask_in_blocks(kr.mask())
+        want_mask = tiling.keys_from_first_live(want_mask, want_off, 2)
         got_mask, got_off = jax.jit(kr.rotated_blocks)()
         assert got_mask.shape == want_mask.shape and got_mask.dtype == want_mask.dtype
         assert np.array_equal(np.asarray(got_mask), np.asarray(want_mask)), w0
@@ -275,8 +276,8 @@ def test_a_key_range_gives_the_gathered_rotated_mask(S, C):
     pad_all = rng.integers(0, S, B).astype(np.int32)  # random pads, queries before some of them
     kr = kn.KeyRange(jnp.asarray(pad_all), jnp.asarray((np.arange(C) + S // 4).astype(np.int32)),
                      S)
-    want_mask, want_off = kn._mask_in_blocks(kr.mask())
-    want_mask = kn._keys_from_first_live(want_mask, want_off, 2)
+    want_mask, want_off = tiling.mask_in_blocks(kr.mask())
+    want_mask = tiling.keys_from_first_live(want_mask, want_off, 2)
     got_mask, got_off = kr.rotated_blocks()
     assert np.array_equal(np.asarray(got_mask), np.asarray(want_mask))
     assert np.array_equal(np.asarray(got_off), np.asarray(want_off))

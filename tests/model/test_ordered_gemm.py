@@ -1,4 +1,4 @@
-"""The ordered CPU matmul (looprl/kernels/ordered_gemm.cc): its bits are exactly the chain its
+"""The ordered CPU matmul (looprl/kernels/ordered_matmul.cc): its bits are exactly the chain its
 docstring defines (`reference_matmul`, a correctly rounded numpy emulation), on every code path
 (1-2 rows; 3-16 with the weight read in place or, past 8192 columns or in bf16, packed 1024
 columns at a time; more, in row blocks and tasks of 256-2048 columns; partial column panels
@@ -80,20 +80,26 @@ def test_a_missing_compiler_is_named_with_the_xla_form_as_the_way_out(monkeypatc
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     monkeypatch.setenv("LOOPRL_KERNEL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=r"cannot run the compiler .*no-such-g\+\+.* "
-                                          r"LOOPRL_CPU_MATMUL=xla"):
+                                          r"LOOPRL_KERNELS=cpu-xla"):
         og.build()
     assert not (tmp_path / "cache").exists()  # nothing written
 
 
 def test_the_cpu_form_is_chosen_by_env_and_named_in_the_kernel_version(monkeypatch):
-    assert kn.cpu_matmul_impl() == "ordered"
+    monkeypatch.delenv("LOOPRL_KERNELS", raising=False)
+    monkeypatch.delenv("LOOPRL_CPU_MATMUL", raising=False)
+    assert kn.current_form().name == "cpu-ordered"
     assert kn.cpu_kernel_version().startswith(kn.KERNEL_VERSION_ORDERED)
-    monkeypatch.setenv("LOOPRL_CPU_MATMUL", "xla")
+    monkeypatch.setenv("LOOPRL_CPU_MATMUL", "xla")  # the older name of LOOPRL_KERNELS=cpu-xla
+    assert kn.current_form().name == "cpu-xla"
     assert kn.cpu_kernel_version().split("/")[0] == kn.KERNEL_VERSION
+    monkeypatch.setenv("LOOPRL_KERNELS", "cpu-ordered")  # LOOPRL_KERNELS wins over the alias
+    assert kn.current_form().name == "cpu-ordered"
+    monkeypatch.delenv("LOOPRL_KERNELS")
     monkeypatch.setenv("LOOPRL_CPU_MATMUL", "onednn")
     with pytest.raises(ConfigError,
                        match="LOOPRL_CPU_MATMUL='onednn': expected one of ordered, xla"):
-        kn.cpu_matmul_impl()
+        kn.kernel_version()
 
 
 def test_matmul_on_the_cpu_is_the_ordered_kernel():
