@@ -240,3 +240,19 @@ def test_one_type_dispatch_checks_values_and_parses_text_alike():
     assert convert_value(float, 2, "k") == 2.0 and isinstance(convert_value(float, 2, "k"), float)
     with pytest.raises(ConfigError, match=r"'k': expected int, found True"):
         convert_value(int, True, "k")
+
+
+def test_the_sampler_takes_exactly_the_configs_kernel_choices():
+    """`rollout.kernels`' choices are the one list the sampler and `looprl generate` check."""
+    from looprl.cli.main import build_parser
+    from looprl.errors import SamplingError
+    from looprl.sampling.sampler import SamplingConfig
+
+    assert C.sections.KERNELS == ("invariant", "stock")
+    for kernels in C.sections.KERNELS:
+        SamplingConfig(kernels=kernels).validate(4)
+    with pytest.raises(SamplingError, match="kernels"):
+        SamplingConfig(kernels="fast").validate(4)
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    choices = {a.dest: a.choices for a in generate._actions}
+    assert tuple(choices["kernels"]) == C.sections.KERNELS

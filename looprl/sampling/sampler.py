@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
+from looprl.config.sections import KERNELS
 from looprl.distributed import mesh as ml
 from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError
@@ -43,8 +44,6 @@ from looprl.sampling import policies
 from looprl.sampling.processing import (NOISE_KEYING, NOISE_KEYINGS, noise_position,
                                         process_logits, row_keys, sample_tokens)
 from looprl.sampling.schedule import RolloutBatch, Schedule, params_fingerprint
-
-KERNELS = ("invariant", "stock")
 
 
 @dataclasses.dataclass(frozen=True)

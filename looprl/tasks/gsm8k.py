@@ -143,6 +143,32 @@ class GSM8KTask(Task):
       ConfigError: unknown source or prompt style, or (source `jsonl`) no such data directory.
     """
     name = "gsm8k"
+    data_options = {"data_dir": DEFAULT_DATA_DIR, "source": "jsonl"}
+
+    @classmethod
+    def for_run(cls, section, *, checkpoint, warm_start):
+        """One task for both roles (no warm start: the model and its tokenizer come from
+        `model.checkpoint`).
+
+        Raises:
+          ConfigError: no `model.checkpoint`, `warm_start.enabled`, bad task knobs, or (source
+            `jsonl`) no train file in `task.data_dir`.
+        """
+        if not checkpoint:
+            raise ConfigError("config key 'model.checkpoint': task 'gsm8k' has no tokenizer of its "
+                              "own, so it needs a converted Ouro checkpoint (looprl convert --hf "
+                              "DIR --out CKPT), e.g. model.checkpoint=/path/to/ouro-1.4b-looprl")
+        if warm_start:
+            raise ConfigError("config key 'warm_start.enabled': the supervised warm start is for "
+                              "tiny models; task 'gsm8k' starts from model.checkpoint, set "
+                              "warm_start.enabled=false")
+        t = section
+        task = cls(data_dir=t.data_dir, source=t.source, seed=t.data_seed,
+                   prompt_style=t.prompt_style or "chatml")
+        if task.resolved_dir is not None and not (task.resolved_dir / task.train_file).is_file():
+            raise ConfigError(f"config key 'task.data_dir': no {task.train_file!r} in "
+                              f"{task.resolved_dir} (GRPO trains on it)")
+        return task, task
 
     def __init__(self, data_dir: str = DEFAULT_DATA_DIR, source: str = "jsonl", seed: int = 0,
                  prompt_style: str = "chatml", instruction: str = DEFAULT_INSTRUCTION,
