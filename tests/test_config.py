@@ -196,7 +196,7 @@ def test_cross_section_checks_name_their_keys():
 
 
 def test_shape_note_names_both_shapes_when_a_checkpoint_differs_from_its_preset():
-    """Issue 19: the ouro-1.4b preset silently took a 6-layer checkpoint."""
+    """The ouro-1.4b preset never silently takes a checkpoint of another shape (6 layers)."""
     from looprl.config import ModelConfig
     from looprl.model.config import preset, shape_note
     section = ModelConfig(preset="ouro-1.4b")

@@ -58,7 +58,8 @@ def parse_thresholds(text: str) -> list[float]:
 DEFAULTS = {"max_new_tokens": 512, "batch_size": 32, "kv_policy": "dense",
             "compute_dtype": "float32",
             # prompts are left-padded to a multiple of this, so most batches share one compiled
-            # shape; greedy tokens and exit loops do not depend on it (tests/cli/test_eval_cli.py)
+            # shape; greedy tokens and exit loops do not depend on it (fp32 log-probs may move in
+            # the last bits: attention sums over a longer cache; tests/cli/test_eval_cli.py)
             "prompt_len_multiple": 64, "seed": 0}
 DATA_FLAGS = {"data_dir": "--data-dir", "source": "--source"}  # a task's `data_options`
 

@@ -222,10 +222,9 @@ def entry() -> None:
 
     After a Ctrl-C (status 130) the process ends with `os._exit`, skipping the interpreter's
     finalization: the KeyboardInterrupt may have landed inside XLA's C++ (a compile, a
-    dispatch), and finalizing that runtime then crashed the process (SIGSEGV or SIGINT after
-    the resume line was printed, i.e. a status other than 130). Nothing is lost by skipping it:
-    every file looprl writes is complete when written (atomic renames), the TensorBoard writer
-    is closed in `train`'s `finally`, and stdout/stderr are flushed here first."""
+    dispatch), and finalizing that runtime can then crash the process with another status.
+    Nothing is lost: every file looprl writes is complete when written (atomic renames), the
+    TensorBoard writer is closed in `train`'s `finally`, and stdout/stderr are flushed here."""
     status = main()
     if status == 130:
         sys.stdout.flush()

@@ -1,23 +1,17 @@
 """GSM8K: grade-school math word problems, from JSONL files or the HF hub.
 
 Data: the official JSONL format, one object per line with `question` and `answer`, the answer's
-last line `#### N` holding the gold number (`#### 1,080` in a few records). Files `train.jsonl`
-and `test.jsonl` are read from `data_dir` (default `../shared/data/gsm8k`; a relative path is tried
-against the working directory, then the repository root, for a directory holding `test.jsonl`).
-Each file is read on first use: the held-out set needs only `test.jsonl` (so `looprl eval` works
-without `train.jsonl`); the first train problem reads `train.jsonl` (a `ConfigError` if it is
-absent). `source="hub"` reads `openai/gsm8k` (`main`) through the optional `datasets` package
-instead. Malformed records (invalid UTF-8, bad JSON, not an object, a missing or non-string key,
-an answer without a numeric `#### N`) raise `TaskError` with the file and line number (and the
-column in the line of a JSON error); blank lines are skipped.
+last line `#### N` holding the gold number. `train.jsonl` and `test.jsonl` are read from
+`data_dir` (a relative path is tried against the working directory, then the repository root),
+each on first use, so the held-out set needs only `test.jsonl`; `source="hub"` reads
+`openai/gsm8k` through the optional `datasets` package. A malformed record raises `TaskError`
+naming the file and line.
 
 Splits: the held-out set is the test file in file order; the train stream cycles the train file
-in seeded epochs (a fresh shuffle per epoch, `random.Random(seed * 1_000_003 + epoch)`), skipping
-any train record whose question also appears in the test file. `Problem.id` is the record's
-0-based index in its file (blank lines not counted) and `metadata` has `file` and `line`.
-
-Prompts follow Ouro's chat template (ChatML, no system prompt); `prompt_style="thinking"` ends
-with `<think>\\n` for the Thinking models. Grading: `looprl.tasks.grading.grade_answer`.
+in seeded epochs (`random.Random(seed * 1_000_003 + epoch)`), skipping any train question that
+is also in the test file. `Problem.id` is the record's 0-based index in its file.
+Prompts follow Ouro's chat template (ChatML, no system prompt; `prompt_style="thinking"` ends
+with `<think>\\n`). Grading: `looprl.tasks.grading.grade_answer`.
 """
 from __future__ import annotations
 
