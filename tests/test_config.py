@@ -196,7 +196,7 @@ def test_cross_section_checks_name_their_keys():
 
 
 def test_shape_note_names_both_shapes_when_a_checkpoint_differs_from_its_preset():
-    """Issue 19: the ouro-1.4b preset silently took a 6-layer checkpoint."""
+    """The ouro-1.4b preset never silently takes a checkpoint of another shape (6 layers)."""
     from looprl.config import ModelConfig
     from looprl.model.config import preset, shape_note
     section = ModelConfig(preset="ouro-1.4b")
@@ -240,3 +240,19 @@ def test_one_type_dispatch_checks_values_and_parses_text_alike():
     assert convert_value(float, 2, "k") == 2.0 and isinstance(convert_value(float, 2, "k"), float)
     with pytest.raises(ConfigError, match=r"'k': expected int, found True"):
         convert_value(int, True, "k")
+
+
+def test_the_sampler_takes_exactly_the_configs_kernel_choices():
+    """`rollout.kernels`' choices are the one list the sampler and `looprl generate` check."""
+    from looprl.cli.main import build_parser
+    from looprl.errors import SamplingError
+    from looprl.sampling.sampler import SamplingConfig
+
+    assert C.sections.KERNELS == ("invariant", "stock")
+    for kernels in C.sections.KERNELS:
+        SamplingConfig(kernels=kernels).validate(4)
+    with pytest.raises(SamplingError, match="kernels"):
+        SamplingConfig(kernels="fast").validate(4)
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    choices = {a.dest: a.choices for a in generate._actions}
+    assert tuple(choices["kernels"]) == C.sections.KERNELS

@@ -1,11 +1,11 @@
-"""README drift (issue 15): what it documents exists."""
+"""The README documents only what exists."""
 from pathlib import Path
 
 from looprl.cli.main import build_parser
 
 
 def test_readme_documents_only_flags_that_exist():
-    """README drift (issue 15): `verify --overwrite` was documented after it was removed."""
+    """A removed flag (`verify --overwrite`) stays out of the README; the flags it names exist."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     verify = build_parser()._subparsers._group_actions[0].choices["verify"]
     flags = {s for a in verify._actions for s in a.option_strings}

@@ -1,49 +1,17 @@
 """`looprl eval`: pass@1 of a checkpoint on a task's held-out set, at one or more exit thresholds.
 
-    looprl eval --checkpoint CKPT [--task arithmetic|gsm8k] --out DIR [--limit N]
-                [--exit-threshold Q[,Q...]] [--kv-policy dense|deferred|copy]
-                [--compute-dtype float32|bfloat16] [--max-new-tokens N] [--batch-size N]
-                [--data-dir DIR] [--source jsonl|hub] [--prompt-style chatml|thinking|compact]
-                [--prompt-len-multiple N] [--temperature T] [--seed S]
-
-Defaults come from the checkpoint. A run's checkpoints (`warm_start/`, `checkpoint/`,
-`checkpoints/step_N/`) record the evaluated task with its config, the prompt style, the stop ids
-and the held-out evaluation's settings (`looprl.train.setup.checkpoint_task_meta`); every flag not
-given takes the recorded value (the task's config only when `--task` is the recorded task), so
+Each setting comes from its flag, else from what the checkpoint records (a run's checkpoints
+record the evaluated task with its config, the prompt style, the stop ids and the evaluation's
+settings: `looprl.train.setup.checkpoint_task_meta`), else from `DEFAULTS`; so
 `looprl eval --checkpoint RUN/checkpoint --out DIR` reproduces the run's `eval_accuracy_after`.
-Without a record (a converted model, an HF directory, an older run) the defaults are GSM8K's
-(`--task` is then required): q 1.0, dense, float32, 512 new tokens, batches of 32, ChatML.
+A checkpoint without that record (a converted model, an HF directory) needs `--task`.
 
-`--checkpoint` takes a looprl checkpoint (`looprl convert --hf ...`, a run's `checkpoint/` or
-`warm_start/`) or an HF directory; its `tokenizer.json` encodes the prompts (a checkpoint without
-one is refused). Decoding is greedy unless `--temperature` > 0; a completion ends at `<|im_end|>`
-or after `--max-new-tokens`. The held-out set is the task's (GSM8K: `test.jsonl` in file order),
-its first `--limit` problems.
-
-Per threshold q (the Q-exit rule, DESIGN.md §1; q = 1.0 always runs all T loops) the command
-prints one table row: pass@1 (the fraction of problems whose completion's final answer equals the
-gold, `looprl.tasks.grading`), the mean exit loop over all completion tokens, the completion
-tokens, the completions cut at `--max-new-tokens`, and the wall time; it writes
-
-  DIR/results.json          {"checkpoint", "task", "settings" (with "data_dir": the absolute data
-                            directory read, None for source hub; "task_config" keeps --data-dir
-                            as typed), "thresholds": [{"exit_threshold", "pass_at_1", "correct",
-                            "problems", "mean_exit_loop", "tokens", "truncated", "wall_s"}, ...],
-                            "env"}
-  DIR/problems.jsonl        one object per problem: id, question, gold, and per threshold
-                            (key: q as text) completion, extracted, correct, mean_exit_loop, tokens
-  DIR/accuracy_vs_depth.png pass@1 against mean exit loop, one point per q (with several q)
-
-The sampler compiles once per distinct (padded prompt length, batch size, q): prompts are
-left-padded to a multiple of `--prompt-len-multiple` tokens (default 64), so most batches share one
-compilation. Greedy completions do not depend on that padding (a test checks tokens and exit loops;
-fp32 log-probs may move in the last bits, as attention then sums over a longer cache).
-
-Raises (printed by `looprl.cli` as one line, exit status 2): CheckpointError (missing checkpoint,
-no tokenizer, tokenizer larger than the model's vocabulary), ConfigError (unknown task, q outside
-(0, 1], limit/batch size/max new tokens < 1, DIR already holding results.json, DIR or one of its
-parents being a file; GSM8K: no `test.jsonl` in `--data-dir`), TaskError (a malformed data line,
-named `file:line`). Only the test file is read: `train.jsonl` need not exist.
+The task comes from the registry (`looprl.tasks`); the first `--limit` problems of its held-out
+set are decoded (greedy unless `--temperature` > 0) up to `<|im_end|>` or `--max-new-tokens`.
+Per q (the Q-exit rule, docs/DESIGN.md §1) the command prints one table row and writes
+DIR/results.json, DIR/problems.jsonl and, with several q, DIR/accuracy_vs_depth.png
+(`write_results`). Errors (CheckpointError, ConfigError, TaskError naming `file:line`) are
+printed by `looprl.cli` as one line with exit status 2.
 """
 from __future__ import annotations
 
@@ -55,18 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from looprl.cli.main import EVAL_TASKS
 from looprl.determinism import environment
 from looprl.errors import CheckpointError, ConfigError, create_dir
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
 from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig
-from looprl.tasks import get_task, task_names
+from looprl.tasks import get_task, task_class, task_names
 from looprl.tasks.grading import extract_answer
 from looprl.tokenizer import tokenizer_from_json
-
-
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -91,8 +56,12 @@ def parse_thresholds(text: str) -> list[float]:
 
 
 DEFAULTS = {"max_new_tokens": 512, "batch_size": 32, "kv_policy": "dense",
-            "compute_dtype": "float32", "prompt_len_multiple": 64, "seed": 0}
-GSM8K_DATA_DIR = "../shared/data/gsm8k"
+            "compute_dtype": "float32",
+            # prompts are left-padded to a multiple of this, so most batches share one compiled
+            # shape; greedy tokens and exit loops do not depend on it (fp32 log-probs may move in
+            # the last bits: attention sums over a longer cache; tests/cli/test_eval_cli.py)
+            "prompt_len_multiple": 64, "seed": 0}
+DATA_FLAGS = {"data_dir": "--data-dir", "source": "--source"}  # a task's `data_options`
 
 
 def recorded_meta(checkpoint: str) -> dict[str, Any]:
@@ -104,30 +73,45 @@ def recorded_meta(checkpoint: str) -> dict[str, Any]:
     return read_checkpoint_meta(path)
 
 
+def check_task_name(name: str) -> str:
+    """`name` if the registry knows it. Raises ConfigError naming `--task` and the choices."""
+    if name not in task_names():
+        raise ConfigError(f"--task: expected one of {task_names()}, found {name!r}")
+    return name
+
+
+def _data_kwargs(args, name: str, task_kwargs: dict[str, Any]) -> None:
+    """Set the task's data options (`Task.data_options`) from --data-dir / --source, else the
+    recorded config, else the task's defaults. Raises ConfigError for a data flag the task
+    does not take."""
+    options = task_class(name).data_options
+    for key, flag in DATA_FLAGS.items():
+        given = getattr(args, key)
+        if key in options:
+            task_kwargs[key] = given or task_kwargs.get(key) or options[key]
+        elif given is not None:
+            readers = [n for n in task_names() if key in task_class(n).data_options]
+            raise ConfigError(f"{flag}: only the {' and '.join(readers)} task reads data files, "
+                              f"found --task {name}")
+
+
 def resolve_settings(args, meta: dict[str, Any]) -> dict[str, Any]:
     """The evaluation's task name, task kwargs and settings: each flag given wins, else the
     value the checkpoint records (`meta["task"]`, `meta["eval"]`; the task's config and the
     evaluation settings only when the task is the recorded one), else `DEFAULTS`. Raises
-    ConfigError for no task at all, an unknown task, or GSM8K-only flags with another task."""
+    ConfigError for no task at all, an unknown task, or a data flag the task does not take."""
     rec_task = meta.get("task") or {}
     name = args.task or rec_task.get("name")
     if name is None:
         raise ConfigError(f"--task: {args.checkpoint} records no task (not a run's checkpoint, "
-                          f"or one written before 2026-12-01); pass --task, one of "
-                          f"{list(EVAL_TASKS)}")
-    if name not in EVAL_TASKS or name not in task_names():
-        raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {name!r}")
+                          f"or one from an older looprl); pass --task, one of {task_names()}")
+    check_task_name(name)
     same = rec_task.get("name") == name
     task_kwargs = dict(rec_task.get("config") or {}) if same else {}
     if meta.get("stage") and not same:
         print(f"looprl eval: warning: {args.checkpoint} records no {name!r} task config; using "
               f"the task's defaults", file=sys.stderr, flush=True)
-    if name == "gsm8k":
-        task_kwargs["data_dir"] = args.data_dir or task_kwargs.get("data_dir") or GSM8K_DATA_DIR
-        task_kwargs["source"] = args.source or task_kwargs.get("source") or "jsonl"
-    elif args.data_dir is not None or args.source is not None:
-        raise ConfigError(f"--data-dir/--source: only the gsm8k task reads data files, found "
-                          f"--task {name}")
+    _data_kwargs(args, name, task_kwargs)
     if args.prompt_style:
         task_kwargs["prompt_style"] = args.prompt_style
     rec_eval = dict(meta.get("eval") or {}) if same else {}
@@ -143,13 +127,6 @@ def resolve_settings(args, meta: dict[str, Any]) -> dict[str, Any]:
     return {"task": name, "task_kwargs": task_kwargs, **settings}
 
 
-def build_eval_task(name: str, **task_kwargs):
-    """The task whose held-out set is evaluated. Raises ConfigError for an unknown task."""
-    if name not in EVAL_TASKS:
-        raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {name!r}")
-    return get_task(name, **task_kwargs)
-
-
 def _check_args(args) -> None:
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size),
                         ("--max-new-tokens", args.max_new_tokens),
@@ -158,8 +135,8 @@ def _check_args(args) -> None:
             raise ConfigError(f"{flag}: expected a positive int, found {value}")
     if args.temperature < 0:
         raise ConfigError(f"--temperature: expected >= 0 (0 = greedy), found {args.temperature}")
-    if args.task is not None and args.task not in EVAL_TASKS:
-        raise ConfigError(f"--task: expected one of {list(EVAL_TASKS)}, found {args.task!r}")
+    if args.task is not None:
+        check_task_name(args.task)
     if args.exit_threshold is not None:
         parse_thresholds(args.exit_threshold)
     if not Path(args.checkpoint).expanduser().exists():
@@ -254,15 +231,54 @@ def _print_table(summaries, title: str) -> None:
     Console(width=120).print(table)
 
 
+def write_results(out: Path, args, st: dict[str, Any], task, total_loops: int, problems,
+                  per_q: dict[float, list[dict[str, Any]]], summaries: list[dict[str, Any]]
+                  ) -> None:
+    """Write the evaluation's files into `out`:
+
+      results.json          {"checkpoint", "task", "settings" (with "data_dir": the absolute data
+                            directory read, None for none; "task_config" keeps --data-dir as
+                            typed), "thresholds" (`summarize` per q), "env"}
+      problems.jsonl        one object per problem: id, question, gold, and "by_threshold" (key:
+                            q as text): completion, extracted, correct, tokens, truncated,
+                            mean_exit_loop
+      accuracy_vs_depth.png pass@1 against mean exit loop, one point per q (with several q)
+    """
+    with (out / "problems.jsonl").open("w") as f:
+        for i, p in enumerate(problems):
+            by_q = {}
+            for q, rows in per_q.items():
+                r = rows[i]
+                by_q[f"{q:g}"] = {"completion": r["completion"], "extracted": r["extracted"],
+                                  "correct": r["correct"], "tokens": r["tokens"],
+                                  "truncated": r["truncated"],
+                                  "mean_exit_loop": (float(np.mean(r["exit_loops"]))
+                                                     if r["exit_loops"] else 0.0)}
+            f.write(json.dumps({"id": p.id, "question": p.prompt, "gold": p.answer,
+                                "by_threshold": by_q}) + "\n")
+    settings = {"limit": st["limit"], "problems": len(problems), "kv_policy": st["kv_policy"],
+                "compute_dtype": st["compute_dtype"], "max_new_tokens": st["max_new_tokens"],
+                "batch_size": st["batch_size"], "temperature": args.temperature,
+                "prompt_len_multiple": st["prompt_len_multiple"],
+                "seed": st["seed"], "total_ut_steps": total_loops,
+                "data_dir": (None if getattr(task, "resolved_dir", None) is None
+                             else str(task.resolved_dir)),
+                "task_config": task.config()}
+    results = {"checkpoint": str(args.checkpoint), "task": st["task"], "settings": settings,
+               "thresholds": summaries, "env": environment()}
+    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    if len(summaries) > 1:
+        plot_accuracy_vs_depth(summaries, total_loops, out / "accuracy_vs_depth.png")
+
+
 def run(args) -> int:
     """CLI entry (`looprl eval`); see the module docstring."""
     from tqdm import tqdm
 
-
     _check_args(args)
     st = resolve_settings(args, recorded_meta(args.checkpoint))
     thresholds = parse_thresholds(st["exit_threshold"])
-    task = build_eval_task(st["task"], **st["task_kwargs"])
+    task = get_task(st["task"], **st["task_kwargs"])
     held_out = task.eval_problems()
     problems = held_out[:st["limit"]] if st["limit"] else held_out
     params, cfg, tok, fingerprint = _load(args.checkpoint, st["compute_dtype"])
@@ -292,31 +308,7 @@ def run(args) -> int:
         per_q[q] = rows
         summaries.append(summarize(q, rows, time.time() - t0))
 
-    with (out / "problems.jsonl").open("w") as f:
-        for i, p in enumerate(problems):
-            by_q = {}
-            for q, rows in per_q.items():
-                r = rows[i]
-                by_q[f"{q:g}"] = {"completion": r["completion"], "extracted": r["extracted"],
-                                  "correct": r["correct"], "tokens": r["tokens"],
-                                  "truncated": r["truncated"],
-                                  "mean_exit_loop": (float(np.mean(r["exit_loops"]))
-                                                     if r["exit_loops"] else 0.0)}
-            f.write(json.dumps({"id": p.id, "question": p.prompt, "gold": p.answer,
-                                "by_threshold": by_q}) + "\n")
-    settings = {"limit": st["limit"], "problems": len(problems), "kv_policy": st["kv_policy"],
-                "compute_dtype": st["compute_dtype"], "max_new_tokens": st["max_new_tokens"],
-                "batch_size": st["batch_size"], "temperature": args.temperature,
-                "prompt_len_multiple": st["prompt_len_multiple"],
-                "seed": st["seed"], "total_ut_steps": cfg.total_ut_steps,
-                "data_dir": (None if getattr(task, "resolved_dir", None) is None
-                             else str(task.resolved_dir)),
-                "task_config": task.config()}
-    results = {"checkpoint": str(args.checkpoint), "task": st["task"], "settings": settings,
-               "thresholds": summaries, "env": environment()}
-    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    if len(summaries) > 1:
-        plot_accuracy_vs_depth(summaries, cfg.total_ut_steps, out / "accuracy_vs_depth.png")
+    write_results(out, args, st, task, cfg.total_ut_steps, problems, per_q, summaries)
     _print_table(summaries, f"{st['task']}: {len(problems)} held-out problems, "
                             f"{args.checkpoint}")
     print(f"wrote {out / 'results.json'} and {out / 'problems.jsonl'}")

@@ -19,11 +19,12 @@ import typing
 
 from looprl import determinism
 from looprl.config import KVPolicy
+from looprl.config.sections import KERNELS
 from looprl.errors import LooprlError
+from looprl.tasks import task_names
 from looprl.train.interrupts import CtrlC
 
 COMMAND_START = time.time()  # `wall_s` of `looprl train` counts from here (imports included)
-EVAL_TASKS = ("arithmetic", "gsm8k")  # the tasks `looprl eval` evaluates (every looprl.tasks one)
 
 
 def _add_convert(sub):
@@ -119,7 +120,7 @@ def _add_generate(sub):
                    help="decode all --max-new-tokens (no stop ids), e.g. for a rollout that "
                         "`looprl verify --rollout` accepts (>= 512 sampled tokens)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kernels", default="invariant", choices=["invariant", "stock"],
+    p.add_argument("--kernels", default="invariant", choices=KERNELS,
                    help="invariant (default): replayable by the learner's dense pass; stock: "
                         "plain matmuls, faster at small batch, replayed by forced re-run")
     p.add_argument("--seed", type=int, default=0)
@@ -133,8 +134,8 @@ def _add_eval(sub):
     p.add_argument("--checkpoint", required=True, metavar="CKPT",
                    help="looprl checkpoint (or HF directory) with a tokenizer.json")
     p.add_argument("--task", default=None,
-                   help=f"one of {', '.join(EVAL_TASKS)} (default: the task a run's checkpoint "
-                        f"records, with its config)")
+                   help=f"one of {', '.join(task_names())} (default: the task a run's "
+                        f"checkpoint records, with its config)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="directory for results.json, problems.jsonl (and the plot)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
@@ -175,7 +176,7 @@ def _command_module(command: str):
     elif command == "convert":
         from looprl.cli import convert as module
     elif command == "verify":
-        determinism.configure_xla(pin_threads=True)  # before jax starts (DESIGN.md §5)
+        determinism.configure_xla(pin_threads=True)  # before jax starts (docs/DESIGN.md §5)
         from looprl.cli import verify as module
     elif command == "eval":
         from looprl.cli import eval as module
@@ -223,10 +224,9 @@ def entry() -> None:
 
     After a Ctrl-C (status 130) the process ends with `os._exit`, skipping the interpreter's
     finalization: the KeyboardInterrupt may have landed inside XLA's C++ (a compile, a
-    dispatch), and finalizing that runtime then crashed the process (SIGSEGV or SIGINT after
-    the resume line was printed, i.e. a status other than 130). Nothing is lost by skipping it:
-    every file looprl writes is complete when written (atomic renames), the TensorBoard writer
-    is closed in `train`'s `finally`, and stdout/stderr are flushed here first."""
+    dispatch), and finalizing that runtime can then crash the process with another status.
+    Nothing is lost: every file looprl writes is complete when written (atomic renames), the
+    TensorBoard writer is closed in `train`'s `finally`, and stdout/stderr are flushed here."""
     status = main()
     if status == 130:
         sys.stdout.flush()

@@ -3,7 +3,7 @@ constructed (`looprl.config` has the whole story)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from looprl.config.fields import convert_value, field_types
 from looprl.errors import ConfigError
@@ -20,6 +20,10 @@ LoopCredit = Literal["none", "uniform", "progressive", "exit_dist"]
 LrSchedule = Literal["constant", "cosine", "linear"]
 PromptStyle = Literal["chatml", "thinking", "compact"]
 TaskSource = Literal["jsonl", "hub"]
+# the same choices as tuples, for the code that checks or lists them
+KERNELS = get_args(Kernels)
+AGG_MODES = get_args(LossAgg)
+LOOP_CREDIT_MODES = get_args(LoopCredit)
 
 
 class _Section:
@@ -171,8 +175,8 @@ class RolloutConfig(_Section):
                                           # steps with different prompts share compiled shapes
     noise_keying: NoiseKeying = "completion"  # sampling noise keyed by the token's index in its
                                           # completion ("layout": by padded position, the keying
-                                          # of runs before 2026-12-01; a config file without this
-                                          # key means "layout", and a resumed run keeps its own)
+                                          # of older runs; a config file without this key means
+                                          # "layout", and a resumed run keeps its own)
 
     @property
     def sequences_per_step(self) -> int:
@@ -206,7 +210,7 @@ class LearnerConfig(_Section):
     # the row-invariant dense pass (free; exact on XLA CPU); "forced" = the sampler re-run in
     # forced mode on the recorded schedule (one re-run per extra update; exact wherever the
     # sampler is deterministic); "auto" = invariant on CPU with invariant sampler kernels,
-    # forced otherwise (GPU/TPU, where invariance was not shown: DESIGN.md §4)
+    # forced otherwise (GPU/TPU, where invariance is not shown: docs/DESIGN.md §4)
     replay_impl: ReplayImpl = "auto"
     ppo_epochs: int = 1                   # passes over each rollout batch
     minibatches: int = 1                  # optimizer updates per epoch
@@ -306,7 +310,7 @@ class EvalConfig(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig(_Section):
-    """Where and how long a run goes (DESIGN.md §6)."""
+    """Where and how long a run goes (docs/DESIGN.md §6)."""
     SECTION = "run"
     out_dir: str = "runs/default"
     seed: int = 0

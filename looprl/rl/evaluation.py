@@ -25,7 +25,7 @@ def evaluate_problems(model_cfg: OuroConfig, params, task, tokenizer, problems,
     Returns one dict per problem (in order): completion (text before the end of turn), reward
     (`task.reward`), correct (reward == 1.0), tokens (completion tokens, the end of turn
     included), truncated (no end of turn within `scfg.max_new_tokens`), exit_loops (the exit
-    loop of each completion token, DESIGN.md §3), kv_cache_bytes (its batch's KV cache,
+    loop of each completion token, docs/DESIGN.md §3), kv_cache_bytes (its batch's KV cache,
     `looprl.sampling.state.kv_cache_bytes`). `progress(n)` is called after each batch with
     its number of problems. `master_fingerprint`: for `params` held in the compute dtype
     (`looprl.sampling.sampler.generate`).

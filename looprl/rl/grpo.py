@@ -1,35 +1,26 @@
 """GRPO math: group advantages, the PPO-clip policy loss, loss aggregation, k3 KL, RLTT loop
-credit, and Ouro's stage-I / stage-II losses. Pure jax functions of arrays, jit-friendly; every
-reduction is done in fp32 whatever the input dtype.
+credit, and Ouro's stage-I / stage-II losses. Pure jax functions of arrays; every reduction in fp32.
 
-Conventions used throughout:
-- Shapes use one letter per axis: N groups, G group size, B sequences (B = N * G in a GRPO
-  batch), S sequence positions, T loops. `mask_BxS` is 1 (or True) on positions whose emitted
-  token is part of the completion (DESIGN.md §3: position i emits token i + 1) and 0 elsewhere;
-  masked positions contribute exactly 0, whatever garbage (inf, NaN) their inputs hold.
-- Losses are per token, `loss_BxS`; `aggregate_loss` turns them into a scalar with a
-  normaliser computed once over the *whole* batch (`loss_normalizer`), so that summing the
-  microbatches' results gives the same loss and gradient for any split (gradient accumulation
-  is a plain sum).
+Axes: N groups, G group size, B sequences (B = N * G), S positions, T loops. `mask_BxS` is 1 on
+positions whose emitted token belongs to the completion (docs/DESIGN.md §3: position i emits
+token i + 1); masked positions contribute exactly 0, whatever (inf, NaN) their inputs hold.
+Per-token losses `loss_BxS` become a scalar in `aggregate_loss`, divided by a normaliser computed
+once over the whole minibatch (`loss_normalizer`), so microbatch results add up to the same loss
+and gradient for any split.
 
-Sources: GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300); PPO clip (Schulman et al. 2017);
-separate eps_low / eps_high ("clip-higher") and token-mean aggregation (DAPO, arXiv 2503.14476);
-Dr.GRPO (Liu et al. 2025, arXiv 2503.20783); k3 KL estimator (Schulman, "Approximating KL
-divergence", 2020); truncated importance sampling (Yao et al. 2025, "Your efficient RL framework
-secretly brings you off-policy RL training"); loop credit (RLTT, arXiv 2602.10520); Ouro stage-I
-and stage-II losses (DESIGN.md §1).
+Sources: GRPO (Shao et al. 2024, arXiv 2402.03300); PPO clip (Schulman et al. 2017); eps_low /
+eps_high and token-mean (DAPO, arXiv 2503.14476); Dr.GRPO (arXiv 2503.20783); k3 KL (Schulman,
+"Approximating KL divergence", 2020); truncated importance sampling (Yao et al. 2025); loop
+credit (RLTT, arXiv 2602.10520); Ouro's stage-I and stage-II losses (docs/DESIGN.md §1).
 """
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "dr-grpo"]
-LoopCreditMode = Literal["none", "uniform", "progressive", "exit_dist"]
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "dr-grpo")
-LOOP_CREDIT_MODES = ("none", "uniform", "progressive", "exit_dist")
+from looprl.config.sections import AGG_MODES, LOOP_CREDIT_MODES, LoopCredit, LossAgg
 
 _F32 = jnp.float32
 
@@ -177,7 +168,7 @@ def k3_kl(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, mask_BxS: jax.Ar
 
 # --- aggregation (microbatch-invariant) ---------------------------------------------------------
 
-def loss_normalizer(mask_BxS: jax.Array, mode: AggMode, max_new_tokens: int | None = None
+def loss_normalizer(mask_BxS: jax.Array, mode: LossAgg, max_new_tokens: int | None = None
                     ) -> jax.Array:
     """The constant that `aggregate_loss` divides by, computed once over the FULL batch (all
     microbatches of one optimizer update) before it is split. fp32 scalar, at least 1.
@@ -204,7 +195,7 @@ def loss_normalizer(mask_BxS: jax.Array, mode: AggMode, max_new_tokens: int | No
     return jnp.maximum(n.astype(_F32), 1.0)
 
 
-def aggregate_loss(loss_BxS: jax.Array, mask_BxS: jax.Array, mode: AggMode,
+def aggregate_loss(loss_BxS: jax.Array, mask_BxS: jax.Array, mode: LossAgg,
                    normalizer: jax.Array | float) -> jax.Array:
     """This microbatch's share of the batch loss: a masked *sum* divided by the full batch's
     `normalizer` (from `loss_normalizer`). Summing it over microbatches gives the full-batch
@@ -231,7 +222,7 @@ def aggregate_loss(loss_BxS: jax.Array, mask_BxS: jax.Array, mode: AggMode,
 
 # --- loop credit (RLTT) -------------------------------------------------------------------------
 
-def loop_credit_weights(exit_loop_BxS: jax.Array, num_loops: int, mode: LoopCreditMode, *,
+def loop_credit_weights(exit_loop_BxS: jax.Array, num_loops: int, mode: LoopCredit, *,
                         alpha: float = 1.0, exit_probs_TxBxS: jax.Array | None = None
                         ) -> jax.Array:
     """Weights `w_TxBxS` (fp32, stop-gradient) over the loops t = 1..T that the schedule
@@ -275,7 +266,7 @@ def loop_credit_logprobs(logprobs_TxBxS: jax.Array, weights_TxBxS: jax.Array) ->
     return jnp.sum(jnp.where(w > 0, w * logprobs_TxBxS.astype(_F32), 0.0), axis=0)
 
 
-# --- Ouro warm-start losses (DESIGN.md §1) ------------------------------------------------------
+# --- Ouro warm-start losses (docs/DESIGN.md §1) ------------------------------------------------
 
 def _gate_logs(gate_logits_TxBxS, exit_lambda_TxBxS, eps: float):
     """(log lambda, log(1 - lambda)) in fp32, from the gate logit (exact, via log-sigmoid) or,

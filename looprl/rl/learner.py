@@ -1,37 +1,27 @@
-"""The GRPO step and loop (issue 5): rollouts, rewards, group advantages, PPO-clip updates.
+"""The GRPO learner: `GRPOLearner.step` runs one GRPO step in five phases.
 
-One GRPO step (`GRPOLearner.step`):
-  1. `generate` samples G completions for each of N prompts (seed = run seed, step = GRPO step,
-     prompt indices = the problems' global ids), recording the schedule;
-  2. rewards from the task's verifier; `group_advantages` per group;
-  3. measurements at the sampler's parameters (before any update): `replay_exact_fraction`
-     (replay vs recorded log-probs, raw bits, emitting positions; must be 1.0; with
-     `learner.require_exact` (auto: on where exactness is claimed) a lower value raises
-     TrainingError before any update), and
-     `stock_max_abs_diff` (the `stock` method vs recorded); the k3 KL to the reference policy;
-     with loop credit, the old per-loop log-probs (`loop_logprobs` at the sampler's parameters);
-  4. `ppo_epochs` x `minibatches` optimizer updates; each minibatch's loss normaliser is computed
-     once over the whole minibatch, its microbatches' gradients are summed (`aggregate_loss`
-     makes this split-invariant), then one optax update (AdamW, global-norm clipping, schedule).
-     The exit gate's update is zeroed (`optax.multi_transform`) unless `learner.train_gate`.
-
-Each step's metrics include `rollout_sha256` (`rollout_sha256`: tokens, exit loops and recorded
-log-prob bits), so two runs can be checked to have sampled the same completions.
-
-The learner's log-probs are `hybrid` by default, so the first update's ratio is exactly 1.
-A non-finite loss or gradient raises `TrainingError` naming the tensor and step before anything
-is written.
+1. rollout (`_rollout`): G completions for each of N train problems, sampled with the learner's
+   parameters, the schedule recorded;
+2. rewards (`completion_rewards`) and group advantages (`_advantages`);
+3. replay check and measurements at the sampler's parameters (`_at_sampler`): the replay's
+   raw-bit match with the recorded log-probs (`replay_exact_fraction`; with
+   `learner.require_exact` an inexact step raises TrainingError before any update),
+   `stock_max_abs_diff`, the k3 KL to the frozen reference, the learner's own mismatch;
+4. updates (`_updates`): `ppo_epochs` x `minibatches` optax updates, each on its microbatches'
+   summed gradients (split-invariant: `looprl.rl.grpo.aggregate_loss`);
+5. metrics (`_metrics`): one flat row, with `rollout_sha256` of what was sampled.
+The learner's log-probs are `hybrid` by default, so the first update's ratio is exactly 1. A
+non-finite loss or gradient raises TrainingError naming the step before anything is written.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import PartitionSpec as PS
 
 from looprl.config import ExperimentConfig
@@ -42,6 +32,7 @@ from looprl.logprobs.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
+from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
 from looprl.rl.rollout import (completion_rewards, mean_exit_loop, rollout_sha256,
                                sampling_config)
 from looprl.sampling.sampler import generate
@@ -70,58 +61,35 @@ def resolve_require_exact(exp_cfg: ExperimentConfig, replay_impl: str,
             and replay_impl == "invariant")
 
 
-def make_optimizer(exp_cfg: ExperimentConfig, params) -> optax.GradientTransformation:
-    """AdamW + global-norm clipping + learning-rate schedule, the exit gate's update zeroed
-    unless `learner.train_gate` (DESIGN.md: exit decisions are replayed, never re-decided) or
-    the learner is `expected`, whose log-probs train the gate through the exit distribution
-    (as HF Ouro's forward with labels does)."""
-    o = exp_cfg.optim
-    total = max(1, exp_cfg.run.grpo_steps * exp_cfg.learner.ppo_epochs
-                * exp_cfg.learner.minibatches)
-    if o.lr_schedule == "constant":
-        lr = optax.constant_schedule(o.learning_rate)
-    elif o.lr_schedule == "cosine":
-        lr = optax.cosine_decay_schedule(o.learning_rate, max(1, total - o.warmup_steps))
-    else:
-        lr = optax.linear_schedule(o.learning_rate, 0.0, max(1, total - o.warmup_steps))
-    if o.warmup_steps:
-        lr = optax.join_schedules([optax.linear_schedule(0.0, o.learning_rate, o.warmup_steps),
-                                   lr], [o.warmup_steps])
-    parts = []
-    if o.max_grad_norm > 0:
-        parts.append(optax.clip_by_global_norm(o.max_grad_norm))
-    parts.append(optax.adamw(lr, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
-                             weight_decay=o.weight_decay))
-    train = optax.chain(*parts)
-    gate_trains = exp_cfg.learner.train_gate or exp_cfg.learner.logprob_method == "expected"
-    labels = {k: jax.tree.map(lambda _: "frozen" if (k == "early_exit_gate"
-                                                      and not gate_trains)
-                              else "train", v) for k, v in params.items()}
-    return optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, labels)
+@dataclasses.dataclass
+class _AtSampler:
+    """What a GRPO step measures at the sampler's parameters (`GRPOLearner._at_sampler`)."""
+    emit: np.ndarray            # [B, S] bool: positions that emit a completion token
+    recorded: np.ndarray        # [B, S] fp32: the sampler's recorded log-probs
+    live: int                   # the learner's passes run on positions [0, live)
+    replay_lp: np.ndarray       # [B, S] fp32: the replay value (full vocabulary)
+    replay_lpp: np.ndarray      # [B, S] fp32: the replay value (processed: top-k/top-p)
+    replay_exact: float | None  # raw-bit match fraction; None on an unchecked step
+    stock_diff: float           # max |stock - recorded| (nan when not measured)
+    ref_lp: np.ndarray          # [B, S] the frozen reference's replay log-probs
+    kl_ref: float               # k3 KL to the reference, mean over emitting positions
+    own_lp: np.ndarray          # [B, S] the learner method's log-probs (full, processed)
+    own_lpp: np.ndarray
+    mismatch: dict[str, Any]    # `mismatch_stats` of own_lp vs recorded (None: unmeasured)
 
 
-@functools.partial(jax.jit, static_argnames=("opt",),
-                   donate_argnames=("params", "opt_state"))
-def _apply(params, opt_state, grads, *, opt):
-    """One optax update, in place: the old parameters and moments are donated, so an
-    update needs no second copy of the train state (issue 19's trainer budget)."""
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+@dataclasses.dataclass
+class _Updates:
+    """What a GRPO step's optimizer updates report (`GRPOLearner._updates`)."""
+    stats: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
 
-
-@functools.partial(jax.jit, donate_argnames=("total",))
-def _accumulate(total, grads):
-    """`total + grads` leaf by leaf, written into `total`'s buffers (donated)."""
-    return jax.tree.map(jnp.add, total, grads)
-
-
-def nonfinite_leaves(tree) -> list[str]:
-    """Paths of the leaves of `tree` holding a NaN or inf."""
-    bad = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not bool(jnp.all(jnp.isfinite(leaf))):
-            bad.append(jax.tree_util.keystr(path))
-    return bad
+    def weighted_mean(self, key: str) -> float:
+        """The weighted mean of stat `key` over every microbatch (0.0 when none has weight)."""
+        vals = self.stats.get(key, [])
+        tot = sum(w for _, w in vals)
+        return float(sum(v * w for v, w in vals) / tot) if tot > 0 else 0.0
 
 
 class GRPOLearner:
@@ -151,7 +119,7 @@ class GRPOLearner:
         self.params = ml.place_params(self.params, self.mesh) if self.mesh is not None else \
             jax.tree.map(jnp.asarray, self.params)
         # The frozen reference (default: the starting policy) has buffers of its own, since
-        # `_apply` donates the policy's. `_params_at_ref`: no update applied yet, so the
+        # `apply_update` donates the policy's. `_params_at_ref`: no update applied yet, so the
         # reference pass would repeat the replay pass and is skipped.
         self._params_at_ref = ref_params is None
         self.ref_params = jax.tree.map(jnp.copy, self.params) if ref_params is None else \
@@ -173,6 +141,8 @@ class GRPOLearner:
             tis_cap=g.tis_cap, loop_credit=g.loop_credit, loop_credit_alpha=g.loop_credit_alpha,
             train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef,
             forced_replay=self.replay_impl == "forced")
+        # hybrid's value is the sampler re-run in forced mode (at every update's parameters)
+        self.hybrid_forced = self.replay_impl == "forced" and self.spec.method == "hybrid"
 
     # --- checkpointed state ---------------------------------------------------------------------
     def train_state(self, next_step: int) -> dict[str, Any]:
@@ -263,38 +233,60 @@ class GRPOLearner:
                           else batch.logprob_BxS, np.float32)
 
     # --- one step ---------------------------------------------------------------------------
-    def step(self, step: int) -> dict[str, float]:
-        exp_cfg, spec = self.exp_cfg, self.spec
-        N, G = exp_cfg.rollout.prompts_per_step, exp_cfg.rollout.group_size
+    def step(self, step: int) -> dict[str, Any]:
+        """Run GRPO step `step`: rollout, rewards, the replay check and measurements at the
+        sampler's parameters, the optimizer updates, and the step's metrics (returned)."""
         t0 = time.perf_counter()
+        problems, batch = self._rollout(step)
+        rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch,
+                                        self.exp_cfg.rollout.group_size)
+        rollout_s = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        adv = self._advantages(rewards)
+        at = self._at_sampler(batch, step)
+        arrays = self._loss_arrays(batch, adv, at)
+        upd = self._updates(batch, arrays, at.live, step)
+        jax.block_until_ready(self.params)
+        learner_s = time.perf_counter() - t1
+        return self._metrics(step, batch, rewards, adv, at, upd, rollout_s, learner_s)
+
+    def _rollout(self, step: int):
+        """(problems, RolloutBatch): the next `prompts_per_step` train problems, G samples each
+        (noise keyed by run seed, step and the problems' global ids), sampled with the
+        learner's parameters (`_check_handoff`)."""
+        N, G = self.exp_cfg.rollout.prompts_per_step, self.exp_cfg.rollout.group_size
         problems = self.task.train_problems(N, self.data_position)
         self.data_position += N
         prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
         batch = generate(self.model_cfg, self.params, prompts, self.scfg, group_size=G,
-                         seed=exp_cfg.run.seed, step=step, prompt_indices=[p.id for p in problems],
-                         mesh=self.mesh)
+                         seed=self.exp_cfg.run.seed, step=step,
+                         prompt_indices=[p.id for p in problems], mesh=self.mesh)
         self._check_handoff(batch, step)
-        rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch, G)
-        rollout_s = time.perf_counter() - t0
+        return problems, batch
 
-        t1 = time.perf_counter()
-        adv = grpo.group_advantages(jnp.asarray(rewards.reshape(N, G)),
-                                    scale_by_std=exp_cfg.grpo.scale_adv_by_std,
-                                    std_floor=exp_cfg.grpo.adv_std_floor)
-        adv_B = np.asarray(adv.advantages_NxG).reshape(-1)
-        emit = np.asarray(batch.exit_loop_BxS) > 0
-        recorded = np.asarray(batch.logprob_BxS)
-        # every pass below runs on the batch's live prefix (same bits: learner.logprobs doc)
-        live = live_seq_len(batch, exp_cfg.learner.seq_bucket)
-        # measurements at the sampler's parameters (the first update of this rollout batch)
-        forced = self.replay_impl == "forced"
-        every = exp_cfg.learner.replay_check_every
+    def _advantages(self, rewards_B) -> grpo.GroupAdvantages:
+        """`group_advantages` of the rewards, one group of G rows per prompt."""
+        g = self.exp_cfg.grpo
+        N, G = self.exp_cfg.rollout.prompts_per_step, self.exp_cfg.rollout.group_size
+        return grpo.group_advantages(jnp.asarray(rewards_B.reshape(N, G)),
+                                     scale_by_std=g.scale_adv_by_std, std_floor=g.adv_std_floor)
+
+    def _replay(self, batch, step: int, recorded, emit, live: int):
+        """(replay_lp, replay_lpp, replay_exact): the replay value `[B, S]` fp32 at the sampler's
+        parameters and, on check steps (`learner.replay_check_every`), its raw-bit match with
+        the recorded log-probs on emitting positions (None elsewhere).
+
+        Raises:
+          TrainingError: `require_exact` and a checked step that is not exact.
+        """
+        every = self.exp_cfg.learner.replay_check_every
         checked = every > 0 and step % every == 0
         replay_exact = None  # measured only on check steps, never recorded vs recorded
         if not checked:  # at the sampler's own parameters the replay value is the recorded one
             replay_lp = recorded.astype(np.float32)
             replay_lpp = np.asarray(batch.logprob_processed_BxS, np.float32)
-        elif forced:
+        elif self.replay_impl == "forced":
             replay_lp, replay_lpp = forced_replay_logprobs(self.model_cfg, self.params, batch,
                                                            mesh=self.mesh)
         else:
@@ -305,10 +297,22 @@ class GRPOLearner:
         if self.require_exact and replay_exact is not None and replay_exact < 1.0:
             raise TrainingError(f"GRPO step {step}: replay_exact_fraction {replay_exact:.4f} < 1"
                                 f" (replay_impl {self.replay_impl}, rollout.kernels "
-                                f"{exp_cfg.rollout.kernels}): the learner does not reproduce the "
-                                f"sampler's log-probs; stopping before any update (check the "
-                                f"backend with `looprl verify`, or set "
+                                f"{self.exp_cfg.rollout.kernels}): the learner does not "
+                                f"reproduce the sampler's log-probs; stopping before any update "
+                                f"(check the backend with `looprl verify`, or set "
                                 f"learner.require_exact=false to train anyway)")
+        return replay_lp, replay_lpp, replay_exact
+
+    def _at_sampler(self, batch, step: int) -> _AtSampler:
+        """Everything measured at the sampler's parameters, before any update of this step:
+        the replay check, `stock_max_abs_diff`, the k3 KL to the reference, and the learner's
+        own log-probs with their mismatch to the sampler."""
+        exp_cfg = self.exp_cfg
+        emit = np.asarray(batch.exit_loop_BxS) > 0
+        recorded = np.asarray(batch.logprob_BxS)
+        # every pass below runs on the batch's live prefix (same bits: `live_seq_len`)
+        live = live_seq_len(batch, exp_cfg.learner.seq_bucket)
+        replay_lp, replay_lpp, replay_exact = self._replay(batch, step, recorded, emit, live)
         stock_diff, stock = float("nan"), None
         if exp_cfg.learner.measure_stock:
             stock = batch_logprobs(self.model_cfg, self.params, batch, "stock", mesh=self.mesh,
@@ -325,104 +329,121 @@ class GRPOLearner:
         own_lp, own_lpp = self._learner_logprobs(batch, replay_lp, replay_lpp, stock, live)
         mismatch = mismatch_stats(own_lp, recorded, emit, exp_cfg.grpo.eps_low,
                                   exp_cfg.grpo.eps_high)
-        if not checked and exp_cfg.learner.logprob_method == "hybrid":  # own = recorded: unmeasured
-            mismatch = {k: None for k in mismatch}
+        if replay_exact is None and exp_cfg.learner.logprob_method == "hybrid":
+            mismatch = {k: None for k in mismatch}  # own = recorded on an unchecked step
         self.last_token_abs_delta = np.abs(np.asarray(own_lp, np.float32)[emit]
                                            - recorded.astype(np.float32)[emit])
+        return _AtSampler(emit, recorded, live, replay_lp, replay_lpp, replay_exact, stock_diff,
+                          ref_lp, kl_ref, own_lp, own_lpp, mismatch)
 
+    def _loss_arrays(self, batch, adv, at: _AtSampler) -> dict[str, np.ndarray]:
+        """The loss's per-row inputs on the live prefix: tokens, schedule, advantages, the old,
+        sampler and reference log-probs, the forced replay value (hybrid with forced replay)
+        and, with loop credit, the old per-loop log-probs and gate logits `[T, B, S]`."""
+        spec = self.spec
+        adv_B = np.asarray(adv.advantages_NxG).reshape(-1)
         arrays = {"tokens": np.asarray(batch.tokens_BxS, np.int32),
                   "pad": np.asarray(batch.pad_B, np.int32),
                   "exit_loop": np.asarray(batch.exit_loop_BxS, np.int32),
                   "kv_depth": batch.kv_depth_BxS(), "adv": adv_B.astype(np.float32),
-                  "old_lp": self._old_logprobs(batch, own_lp, own_lpp),
-                  "sampler_lp": recorded.astype(np.float32), "ref_lp": ref_lp.astype(np.float32)}
-        hybrid_forced = forced and spec.method == "hybrid"
-        if hybrid_forced:
-            arrays["replay_lp"], arrays["replay_lpp"] = replay_lp, replay_lpp
-        # the loss and the old loop pass on the live prefix too (rows x positions)
-        arrays = {k: v if v.ndim == 1 else v[..., :live] for k, v in arrays.items()}
+                  "old_lp": self._old_logprobs(batch, at.own_lp, at.own_lpp),
+                  "sampler_lp": at.recorded.astype(np.float32),
+                  "ref_lp": at.ref_lp.astype(np.float32)}
+        if self.hybrid_forced:
+            arrays["replay_lp"], arrays["replay_lpp"] = at.replay_lp, at.replay_lpp
+        arrays = {k: v if v.ndim == 1 else v[..., :at.live] for k, v in arrays.items()}
         if spec.loop_credit != "none":
             loop_in = tuple(arrays[k] for k in ("tokens", "pad", "exit_loop", "kv_depth"))
             if self.mesh is not None:
                 old_T, old_z = ml.row_sharded_call(old_loop_pass, self.mesh, (self.params,),
-                                                loop_in, static={"spec": spec},
-                                                row_axes_out=(1, 1))
+                                                   loop_in, static={"spec": spec},
+                                                   row_axes_out=(1, 1))
             else:
                 old_T, old_z = old_loop_pass(self.params, *map(jnp.asarray, loop_in),
-                                              spec=spec)
+                                             spec=spec)
             arrays["old_lp_T"] = np.asarray(old_T)
             arrays["old_gate_z"] = np.asarray(old_z)
-        # per-row arrays: move the T axis of loop arrays behind the row axis for slicing
-        B = arrays["tokens"].shape[0]
-        stats_acc: dict[str, list[float]] = {}
-        grad_norms, losses = [], []
-        mb_rows = B // exp_cfg.learner.minibatches
-        micro = exp_cfg.learner.microbatch_size or mb_rows
-        for epoch in range(exp_cfg.learner.ppo_epochs):
-            for m in range(exp_cfg.learner.minibatches):
-                if hybrid_forced and (epoch or m):  # the sampler re-run at the updated params
+        return arrays
+
+    def _updates(self, batch, arrays, live: int, step: int) -> _Updates:
+        """`ppo_epochs` x `minibatches` optimizer updates, each on one minibatch's summed
+        microbatch gradients (with forced hybrid, the sampler re-run at the updated
+        parameters before every update but the first)."""
+        lc = self.exp_cfg.learner
+        out = _Updates()
+        mb_rows = arrays["tokens"].shape[0] // lc.minibatches
+        micro = lc.microbatch_size or mb_rows
+        for epoch in range(lc.ppo_epochs):
+            for m in range(lc.minibatches):
+                if self.hybrid_forced and (epoch or m):
                     lp_f, lpp_f = forced_replay_logprobs(self.model_cfg, self.params, batch,
                                                          mesh=self.mesh)
                     arrays["replay_lp"], arrays["replay_lpp"] = lp_f[:, :live], lpp_f[:, :live]
                 rows = np.arange(m * mb_rows, (m + 1) * mb_rows)
-                mask = arrays["exit_loop"][rows] > 0
-                norm = grpo.loss_normalizer(jnp.asarray(mask), exp_cfg.grpo.loss_agg,
-                                            exp_cfg.rollout.max_new_tokens)
-                gate_norm = jnp.float32(max(1, int(mask.sum()) * (self.model_cfg.T - 1)))
-                grads_sum, loss_sum = None, 0.0
-                for u in range(0, mb_rows, micro):
-                    r = rows[u:u + micro]
-                    mb = {k: v[:, r] if k in LOOP_KEYS else v[r] for k, v in arrays.items()}
-                    loss, stats, grads = self._loss_and_grad(mb, norm, gate_norm)
-                    loss_sum += float(loss)
-                    grads_sum = grads if grads_sum is None else _accumulate(grads_sum, grads)
-                    n_tok = float(stats["tokens"])
-                    for k, v in stats.items():
-                        if k not in ("tokens", "ratio_min", "ratio_max"):
-                            stats_acc.setdefault(k, []).append((float(v), n_tok))
-                    for k in ("ratio_min", "ratio_max"):
-                        stats_acc.setdefault(k, []).append((float(stats[k]), 1.0))
+                grads_sum, loss_sum = self._minibatch_grads(arrays, rows, micro, out.stats)
+                where = f"epoch {epoch}, minibatch {m}"
                 if not np.isfinite(loss_sum):
-                    raise TrainingError(f"GRPO step {step}: non-finite loss {loss_sum} (epoch "
-                                        f"{epoch}, minibatch {m}); stopping, nothing written")
+                    raise TrainingError(f"GRPO step {step}: non-finite loss {loss_sum} ({where});"
+                                        f" stopping, nothing written")
                 bad = nonfinite_leaves(grads_sum)
                 if bad:
                     raise TrainingError(f"GRPO step {step}: non-finite gradient in {bad[:5]} "
-                                        f"(epoch {epoch}, minibatch {m}); stopping, nothing "
-                                        f"written")
-                self.params, self.opt_state, gnorm = _apply(self.params, self.opt_state,
+                                        f"({where}); stopping, nothing written")
+                self.params, self.opt_state, gnorm = apply_update(self.params, self.opt_state,
                                                             grads_sum, opt=self.opt)
                 self._params_at_ref = False
-                grad_norms.append(float(gnorm))
-                losses.append(loss_sum)
-        jax.block_until_ready(self.params)
-        learner_s = time.perf_counter() - t1
+                out.grad_norms.append(float(gnorm))
+                out.losses.append(loss_sum)
+        return out
 
-        def wmean(k):
-            vals = stats_acc.get(k, [])
-            tot = sum(w for _, w in vals)
-            return float(sum(v * w for v, w in vals) / tot) if tot > 0 else 0.0
+    def _minibatch_grads(self, arrays, rows, micro: int, stats_acc):
+        """(summed gradients, summed loss) of the minibatch `rows`, `micro` rows at a time;
+        the loss normalisers are the whole minibatch's. Appends each microbatch's stats to
+        `stats_acc` as (value, weight) pairs."""
+        mask = arrays["exit_loop"][rows] > 0
+        norm = grpo.loss_normalizer(jnp.asarray(mask), self.exp_cfg.grpo.loss_agg,
+                                    self.exp_cfg.rollout.max_new_tokens)
+        gate_norm = jnp.float32(max(1, int(mask.sum()) * (self.model_cfg.T - 1)))
+        grads_sum, loss_sum = None, 0.0
+        for u in range(0, len(rows), micro):
+            r = rows[u:u + micro]
+            mb = {k: v[:, r] if k in LOOP_KEYS else v[r] for k, v in arrays.items()}
+            loss, stats, grads = self._loss_and_grad(mb, norm, gate_norm)
+            loss_sum += float(loss)
+            grads_sum = grads if grads_sum is None else accumulate_grads(grads_sum, grads)
+            n_tok = float(stats["tokens"])
+            for k, v in stats.items():  # token means weighted by tokens, min/max unweighted
+                if k not in ("tokens", "ratio_min", "ratio_max"):
+                    stats_acc.setdefault(k, []).append((float(v), n_tok))
+            for k in ("ratio_min", "ratio_max"):
+                stats_acc.setdefault(k, []).append((float(stats[k]), 1.0))
+        return grads_sum, loss_sum
 
+    def _metrics(self, step: int, batch, rewards, adv, at: _AtSampler, upd: _Updates,
+                 rollout_s: float, learner_s: float) -> dict[str, Any]:
+        """The step's metrics row (`metrics.jsonl`; docs/DESIGN.md §6 names the required keys)."""
+        wmean = upd.weighted_mean
+        emit, recorded = at.emit, at.recorded
         comp = np.asarray(batch.completion_len_B)
         out = {"step": step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "accuracy": float(np.mean(rewards == 1.0)),
                "response_length": float(comp.mean()), "mean_exit_loop": mean_exit_loop(batch),
-               "kl": kl_ref, "clip_frac": wmean("clip_frac"),
+               "kl": at.kl_ref, "clip_frac": wmean("clip_frac"),
                "entropy": float(-recorded[emit].mean()) if emit.any() else 0.0,
-               "grad_norm": float(np.mean(grad_norms)), "loss": float(np.mean(losses)),
-               "replay_exact_fraction": replay_exact, "replay_impl": self.replay_impl,
-               "stock_max_abs_diff": stock_diff,
+               "grad_norm": float(np.mean(upd.grad_norms)), "loss": float(np.mean(upd.losses)),
+               "replay_exact_fraction": at.replay_exact, "replay_impl": self.replay_impl,
+               "stock_max_abs_diff": at.stock_diff,
                "ratio_mean": wmean("ratio_mean"),
-               "ratio_min": min(v for v, _ in stats_acc["ratio_min"]),
-               "ratio_max": max(v for v, _ in stats_acc["ratio_max"]),
+               "ratio_min": min(v for v, _ in upd.stats["ratio_min"]),
+               "ratio_max": max(v for v, _ in upd.stats["ratio_max"]),
                "approx_kl_old": wmean("approx_kl"),
                "degenerate_groups": int(adv.num_degenerate),
-               **mismatch,
-               "tokens": int(emit.sum()), "learner_seq_len": live,
+               **at.mismatch,
+               "tokens": int(emit.sum()), "learner_seq_len": at.live,
                "rollout_s": rollout_s, "learner_s": learner_s,
                "rollout_sha256": rollout_sha256(batch)}
-        if "gate_loss" in stats_acc:
+        if "gate_loss" in upd.stats:
             out["gate_loss"] = wmean("gate_loss")
-        if "tis_weight_mean" in stats_acc:
+        if "tis_weight_mean" in upd.stats:
             out["tis_weight_mean"] = wmean("tis_weight_mean")
         return out

@@ -3,7 +3,7 @@ log-probs (`looprl.logprobs.methods`), with the optional KL, TIS, loop credit an
 (`looprl.rl.grpo`), on one device or per device on a mesh (`shard_map`).
 
 `LossSpec` holds every static setting, so one compiled program serves every microbatch of a
-run. The hybrid log-prob (DESIGN.md §4) takes its value from replay and its gradient from the
+run. The hybrid log-prob (docs/DESIGN.md §4) takes its value from replay and its gradient from the
 dense pass; with `forced_replay` the value comes from the sampler re-run in forced mode
 (`mb["replay_lp"]`).
 """
@@ -60,7 +60,7 @@ def policy_loss(params, mb, normalizer, gate_normalizer, spec: LossSpec):
                                 temperature=spec.temperature,
                                 method="dense" if hybrid_forced else spec.method,
                                 top_k=spec.top_k, top_p=spec.top_p)
-    if hybrid_forced:  # value: the forced re-run's bits; gradient: dense's (DESIGN.md §4)
+    if hybrid_forced:  # value: the forced re-run's bits; gradient: dense's (docs/DESIGN.md §4)
         sg = jax.lax.stop_gradient
         lp = sg(mb["replay_lp"]) + (lp - sg(lp))
         lpp = sg(mb["replay_lpp"]) + (lpp - sg(lpp))

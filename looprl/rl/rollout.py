@@ -37,7 +37,7 @@ def completion_rewards(task, tokenizer, problems, batch, group_size: int):
 
 
 def mean_exit_loop(batch) -> float:
-    """Mean exit loop over the completion's emitting positions (DESIGN.md §3 alignment)."""
+    """Mean exit loop over the completion's emitting positions (docs/DESIGN.md §3 alignment)."""
     el = np.asarray(batch.exit_loop_BxS)[:, batch.schedule.prompt_len - 1:]
     return float(el[el > 0].mean()) if np.any(el > 0) else 0.0
 

@@ -3,14 +3,11 @@ section and from a recorded schedule."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 
-from looprl.config import Kernels
+from looprl.config.sections import KERNELS
 from looprl.errors import SamplingError
 from looprl.sampling.kv_policies import policy_named
 from looprl.sampling.processing import NOISE_KEYING, NOISE_KEYINGS
-
-KERNELS = typing.get_args(Kernels)  # "invariant" or "stock"
 
 
 @dataclasses.dataclass(frozen=True)

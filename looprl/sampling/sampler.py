@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
+from looprl.config.sections import KERNELS
 from looprl.distributed import mesh as ml
 from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError

@@ -1,26 +1,18 @@
 """Procedural arithmetic from `reasoning-gym` (chain_sum, basic_arithmetic, products): no download.
 
-Problems come from reasoning-gym's generators, seeded; answers are scored with the generator's own
+Problems come from reasoning-gym's seeded generators and are scored with the generator's own
 scorer (`score_answer`). The format suits a character-level model:
 
-    prompt text   `12 + 7 - 3`                  (the expression; `spaces=False` gives `12+7-3`)
-    completion    `= 19 - 3 = 16` then `<|im_end|>` (solution_style `steps`, chain_sum only: the
-                  expression reduced left to right, one operation per step)
-                  `= 16` then `<|im_end|>`        (solution_style `answer`)
+    prompt text   `12 + 7 - 3`                  (`spaces=False` gives `12+7-3`)
+    completion    `= 19 - 3 = 16` then `<|im_end|>` (solution_style `steps`, chain_sum only:
+                  reduced left to right)  or  `= 16` then `<|im_end|>` (solution_style `answer`)
 
-and the default prompt style is `compact` (`<|im_start|>12 + 7 - 3<|im_end|><|im_start|>`).
-
-Train and held-out problems never overlap: they come from disjoint generator seeds
-(reasoning-gym's item `i` uses `random.Random(seed + i)`; the train stream uses seeds from
-`seed * 2**40`, the held-out set from `seed * 2**40 + 2**39`), and the held-out set is fixed
-(`eval_size` problems, deduplicated by expression) and the train stream skips every problem whose
-expression is in it. For small problem spaces this removes those expressions from training (for
-example 2-term 1-digit sums: 200 distinct, most of them held out): that is the price of the rule.
-
-Difficulty knobs: `train_terms`/`eval_terms` and `train_digits`/`eval_digits` (inclusive ranges),
-so the held-out mix can be harder than the warm start's. A GRPO stage that should train on the
-held-out *mix* (never its problems) builds a second task with `train_terms=eval_terms` and the same
-seed and eval knobs: both then have the same held-out set, and both train streams exclude it.
+The default prompt style is `compact` (`<|im_start|>12 + 7 - 3<|im_end|><|im_start|>`).
+Train and held-out problems come from disjoint generator seeds (item `i` uses
+`random.Random(seed + i)`; train seeds start at `seed * 2**40`, held-out ones at
+`seed * 2**40 + 2**39`); the held-out set is `eval_size` problems deduplicated by expression, and
+the train stream skips every expression in it (in a small problem space such as 2-term 1-digit
+sums that removes most expressions from training).
 """
 from __future__ import annotations
 
@@ -86,6 +78,30 @@ class ArithmeticTask(Task):
       ConfigError: any invalid value.
     """
     name = "arithmetic"
+
+    @classmethod
+    def for_run(cls, section, *, checkpoint, warm_start):
+        """(warm-start task, GRPO task) of an experiment's `task` section: one dataset, the same
+        seed and held-out knobs; the warm start trains on `train_terms`/`train_digits`, GRPO on
+        `rl_terms`/`rl_digits` (none: the held-out mix, never its problems).
+
+        Raises:
+          ConfigError: more than one dataset, or eval_datasets differing from train_datasets.
+        """
+        t = section
+        if len(t.train_datasets) != 1 or t.eval_datasets != t.train_datasets:
+            raise ConfigError(f"config key 'task.train_datasets': the arithmetic task takes one "
+                              f"dataset (the same for eval_datasets), found {t.train_datasets} / "
+                              f"{t.eval_datasets}")
+        common = dict(seed=t.data_seed, dataset=t.train_datasets[0], eval_terms=t.eval_terms,
+                      eval_digits=t.eval_digits, eval_size=t.eval_size,
+                      solution_style=t.solution_style, spaces=t.spaces)
+        if t.prompt_style is not None:
+            common["prompt_style"] = t.prompt_style
+        warm = cls(train_terms=t.train_terms, train_digits=t.train_digits, **common)
+        rl = cls(train_terms=t.rl_terms or t.eval_terms,
+                 train_digits=t.rl_digits or t.eval_digits, **common)
+        return warm, rl
 
     def __init__(self, seed: int = 0, dataset: str = "chain_sum",
                  train_terms: Sequence[int] = (2, 3), train_digits: Sequence[int] = (1, 2),

@@ -3,13 +3,14 @@
 A `Task` owns two sets of problems that never overlap:
   * the **train stream**, infinite (procedural tasks) or cycled in seeded epochs (datasets):
     `train_problem(index)` is a pure function of the task's configuration and `index`, so the
-    trainer's data position is one integer (`ProblemIterator.position`), checkpointed with
-    `state_dict()` and restored bit-exactly with `load_state_dict()`;
+    trainer's data position is one integer (`ProblemIterator.position`);
   * the **held-out set**, fixed by the configuration: `eval_problems(n)` is its first `n`.
-The seed is part of the task's configuration (`get_task(name, seed=...)`), not an argument of
-each call, so the same task object always yields the same problems.
+The seed is part of the task's configuration (`get_task(name, seed=...)`).
 
 Rewards are verifiable and lie in [0, 1]; `solution_text` is the supervised target of a warm start.
+Every task is built through the registry: `get_task` (keyword configuration), `run_tasks` (an
+experiment's `task` section) and `task_class`. Adding a task is one module with a `Task`
+subclass and one entry in `_REGISTRY` (or a `register_task` call).
 """
 from __future__ import annotations
 
@@ -54,6 +55,24 @@ class Task(abc.ABC):
     """
     name: ClassVar[str] = "task"
     prompt_style: str = "chatml"
+    # keyword options naming the task's data files, with their defaults: `looprl eval`'s
+    # --data-dir / --source set them (a task without data files takes neither)
+    data_options: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def for_run(cls, section: Any, *, checkpoint: str | None,
+                warm_start: bool) -> tuple["Task", "Task"]:
+        """Return (warm-start task, GRPO task) of an experiment's `task` section.
+
+        Args:
+          section: the `looprl.config.TaskConfig` (its `name` is this task's).
+          checkpoint: `model.checkpoint`, or None (a model trained from scratch).
+          warm_start: `warm_start.enabled`.
+        Raises:
+          ConfigError: the section does not describe a run of this task (names the key).
+        """
+        raise ConfigError(f"config key 'task.name': task {cls.name!r} does not map an "
+                          f"experiment's task section")
 
     @abc.abstractmethod
     def train_problem(self, index: int) -> Problem:
@@ -161,20 +180,36 @@ class ProblemIterator:
 
 
 # ----- registry -----
-_REGISTRY: dict[str, str | Callable[..., Task]] = {
+_REGISTRY: dict[str, str | type[Task]] = {
     "arithmetic": "looprl.tasks.arithmetic:ArithmeticTask",
     "gsm8k": "looprl.tasks.gsm8k:GSM8KTask",
 }
 
 
-def register_task(name: str, factory: Callable[..., Task]) -> None:
-    """Register `factory(**kwargs) -> Task` under `name` (replacing any earlier one)."""
-    _REGISTRY[name] = factory
+def register_task(name: str, task_cls: str | type[Task]) -> None:
+    """Register a `Task` subclass (or its `"module:Class"` path) as `name` (replacing any)."""
+    _REGISTRY[name] = task_cls
 
 
 def task_names() -> list[str]:
     """Return the registered task names, sorted."""
     return sorted(_REGISTRY)
+
+
+def task_class(name: str, key: str | None = None) -> type[Task]:
+    """Return the `Task` subclass registered as `name` (imported on first use).
+
+    Raises:
+      ConfigError: unknown task name (the message starts with `key`, the setting that gave it).
+    """
+    if name not in _REGISTRY:
+        where = f"{key}: " if key else ""
+        raise ConfigError(f"{where}unknown task {name!r}; known: {task_names()}")
+    cls = _REGISTRY[name]
+    if isinstance(cls, str):
+        module, attr = cls.split(":")
+        cls = _REGISTRY[name] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
@@ -183,14 +218,21 @@ def get_task(name: str, **kwargs: Any) -> Task:
     Raises:
       ConfigError: unknown task name, unknown keyword, or an invalid value.
     """
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown task {name!r}; known: {task_names()}")
-    factory = _REGISTRY[name]
-    if isinstance(factory, str):
-        module, attr = factory.split(":")
-        factory = getattr(importlib.import_module(module), attr)
+    cls = task_class(name)
     try:
-        inspect.signature(factory).bind(**kwargs)
+        inspect.signature(cls).bind(**kwargs)
     except TypeError as e:  # unknown or missing keyword argument
         raise ConfigError(f"task {name!r}: {e}") from e
-    return factory(**kwargs)
+    return cls(**kwargs)
+
+
+def run_tasks(section: Any, *, checkpoint: str | None,
+              warm_start: bool) -> tuple[Task, Task]:
+    """Return (warm-start task, GRPO task) of an experiment's `task` section (`Task.for_run` of
+    the task registered as `section.name`).
+
+    Raises:
+      ConfigError: unknown task name, or a section the task rejects (names the config key).
+    """
+    return task_class(section.name, "config key 'task.name'").for_run(
+        section, checkpoint=checkpoint, warm_start=warm_start)

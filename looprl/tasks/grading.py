@@ -1,75 +1,10 @@
 """Final-answer extraction and grading for math word problems (GSM8K), with `math-verify`.
 
-How an answer is found in a completion (`extract_answer`):
-  1. If the completion holds `</think>`, the text after the last one is searched first (a Thinking
-     model's answer follows its reasoning); if nothing is found there (no value, no marked answer
-     without a value and no negated marker: see 2), the whole text is.
-  2. Candidates are the marked answers: every `\\boxed{...}` / `\\fbox{...}` (nested braces
-     matched), every `#### ...` line (digits only: `#### Step two` / `#### Explanation` may be a
-     Markdown heading, so such a line without a number is no candidate), every `answer is ...` /
-     `Answer: ...` / `final answer = ...` phrase (the rest of its line, up to the end of the
-     sentence; a marker that ends its line, as in `The answer is:` followed by a list, is no
-     candidate, nor is one whose sentence ends in `:`, `The answer is as follows:`), and every
-     correction `actually N` / `Actually, it's N` / `Correction: N` whose sentence is that bare
-     number (digits) and at most one unit word (`actually, 48/2 = 24 ...` is reasoning and
-     `actually, 13 is wrong` a statement: neither counts). A candidate with no letter or digit
-     (`\\boxed{}`) is none. The candidates are read from the last (by position):
-       * one that holds a value (below) is the answer, so a later answer or correction wins
-         (`The answer is 12. Wait, actually 13.` -> 13) and text after the answer is ignored;
-       * one whose words are no number (`\\boxed{none}`, `the answer is unknown`) is skipped: an
-         earlier candidate with a value still counts (`\\boxed{72}. The answer is correct.` -> 72),
-         but no unmarked number does (step 3 is off): `3 eggs each, so the answer is unknown` has
-         no answer;
-       * a negated marker (`answer is not 20`, `answer isn't 20`, `Answer: not 20`) rejects what
-         came before it: the answer is the last number (as in step 3) in the text after the first
-         number of the negated sentence (after `not` when that sentence holds none), or none:
-         `The answer is not 20; it is 30` -> 30, `the answer is not 20` -> no answer, `The answer
-         is 12. Wait, the answer is not 12.` -> no answer; when a later candidate without a
-         value was skipped, the text after the negation does not count either.
-  3. Without any candidate, the last number in the text counts (digits only: number words are not
-     read there); a fraction `1/2` there is its exact decimal `0.5` (`1/3`, without one, goes to
-     math-verify as is). A `-` is a minus sign only where no digit or letter precedes it (`-7`,
-     `(-7`, `= -7`; the `1-7` of a range is 7).
-A candidate's value: LaTeX and Markdown dressing removed (`$`, `\\$`, `\\text{}`, `\\left`, `**`),
-thousands separators dropped (`,`, `{,}`, `\\,`, `\\ `, thin and no-break spaces between digit
-groups of three, and plain spaces when every group after the first has exactly three digits:
-`1 000`, `12 345 678`; the last-number fallback drops these too), the part after its last `=` kept
-when the part before the first `=` is equation-like (`x = 7`, `\\boxed{48 + 24 = 72}`, `2x = 14`:
-no number, or an operator or coefficient, and no `,;:`; in `17, where x = 3` the 17 counts), a
-leading number in signed parentheses collapsed (`-(-18)` -> `18`, `(-12)` -> `-12`); then
-  * a candidate that starts with number words, after at most some filler words (`therefore`,
-    `thus`, `hence`, `so`, `then`, `just`, `exactly`, `simply`, `clearly`, `indeed`, `now`, `still`,
-    `only`), is their value, whatever follows (`eighteen eggs`, `eighteen (6 x 3)` -> 18); the words
-    (any case; hyphens and spaces alike separate them) must form one number:
-      - `zero` (alone) .. `nineteen`, the tens `twenty` .. `ninety`, a ten and a unit
-        (`seventy-two`, `seventy two`);
-      - hundreds: a number below 100 or `a` before `hundred`, with an optional `and` and a number
-        below 100 after it (`a hundred`, `one hundred and five`, `one hundred five`, `twelve
-        hundred` = 1200);
-      - scales `thousand`, `million`, `billion`, `trillion`, each after a number as above (or `a`),
-        in decreasing order, the groups optionally joined by `,` or `and` (`two thousand
-        three hundred`, `two thousand and five`, `one thousand, two hundred and one`);
-      - `dozen` after a number or `a`, as the last word (`a dozen` = 12, `two dozen` = 24);
-      - a sign word first: `minus five`, `negative twelve`, or a leading `-` (`-five`) = -5;
-      - fractions: a whole number (not zero) or `a` before `half`/`halves`, `third(s)`,
-        `quarter(s)`, `fourth(s)` .. `tenth(s)` (`one half`, `a quarter`, `three quarters`), or a
-        whole number, `and`, and such a fraction (`two and a half` = 2.5, `one and three
-        quarters`); the value is its exact decimal, or `p/q` for math-verify (`one third` ->
-        `1/3`, `two and two thirds` -> `8/3`);
-      - decimals: a whole number, `point`, and digit words (`two point five`, `zero point seven
-        five`).
-    Number words are not read in `####` lines, corrections or the last-number fallback. A
-    following number word that does not continue the number makes it no value (`nineteen
-    eighty-four`); `eighteenth`, `hundreds`, `half` alone or `a` alone are no number (`a total
-    of 18` is 18 by the last rule), and `one` is a number (`one of them` -> 1). Digits
-    before a scale word are the digits alone (`192 million` -> 192);
-  * a candidate that starts with `\\frac` / `\\sqrt`, or with numbers joined by operators
-    (`144/2`, `144 \\div 2`, `48 + 24`, `1.92 \\times 10^8`), is handed to math-verify (only the
-    arithmetic prefix: `$10/hour` is the number 10, not a division);
-  * otherwise its first number (sign kept; `18.00` stays `18.00`).
-
-Grading (`grade_answer`): a plain number equals the gold when their `Decimal` values are equal
-(`18.00` == `18`, `1,080` == `1080`); anything else is compared with `math_verify.verify`.
+`extract_answer` finds a completion's final answer: the last marked answer that holds a value
+(`\\boxed{...}`, a `#### N` line, `The answer is ...`, a correction `actually N`), else the last
+number; after `</think>` first. `candidate_value` reads one candidate (numbers, number words,
+LaTeX). `grade_answer` compares the value with the gold: a plain number by its `Decimal` value
+(`18.00` == `18`, `1,080` == `1080`), anything else with `math_verify.verify`.
 """
 from __future__ import annotations
 
@@ -210,7 +145,47 @@ def _collapse_signed_parens(c: str) -> str:
 
 def candidate_value(candidate: str, words: bool = True) -> str | None:
     """Return the value of one answer candidate: a plain number string, LaTeX for math-verify, or
-    None; number words are read only when `words`."""
+    None; number words are read only when `words`.
+
+    The candidate loses its LaTeX and Markdown dressing (`$`, `\\$`, `\\text{}`, `\\left`,
+    `**`), thousands separators dropped (`,`, `{,}`, `\\,`, `\\ `, thin and no-break spaces between
+    digit groups of three, and plain spaces when every group after the first has exactly three
+    digits: `1 000`, `12 345 678`; the last-number fallback drops these too), the part after its
+    last `=` kept when the part before the first `=` is equation-like (`x = 7`, `\\boxed{48 + 24 =
+    72}`, `2x = 14`: no number, or an operator or coefficient, and no `,;:`; in `17, where x = 3`
+    the 17 counts), a leading number in signed parentheses collapsed (`-(-18)` -> `18`, `(-12)` ->
+    `-12`); then
+      * a candidate that starts with number words, after at most some filler words (`therefore`,
+        `thus`, `hence`, `so`, `then`, `just`, `exactly`, `simply`, `clearly`, `indeed`, `now`,
+        `still`, `only`), is their value, whatever follows (`eighteen eggs`, `eighteen (6 x 3)` ->
+        18); the words (any case; hyphens and spaces alike separate them) must form one number:
+          - `zero` (alone) .. `nineteen`, the tens `twenty` .. `ninety`, a ten and a unit
+            (`seventy-two`, `seventy two`);
+          - hundreds: a number below 100 or `a` before `hundred`, with an optional `and` and a
+            number below 100 after it (`a hundred`, `one hundred and five`, `one hundred five`,
+            `twelve hundred` = 1200);
+          - scales `thousand`, `million`, `billion`, `trillion`, each after a number as above (or
+            `a`), in decreasing order, the groups optionally joined by `,` or `and` (`two thousand
+            three hundred`, `two thousand and five`, `one thousand, two hundred and one`);
+          - `dozen` after a number or `a`, as the last word (`a dozen` = 12, `two dozen` = 24);
+          - a sign word first: `minus five`, `negative twelve`, or a leading `-` (`-five`) = -5;
+          - fractions: a whole number (not zero) or `a` before `half`/`halves`, `third(s)`,
+            `quarter(s)`, `fourth(s)` .. `tenth(s)` (`one half`, `a quarter`, `three quarters`), or
+            a whole number, `and`, and such a fraction (`two and a half` = 2.5, `one and three
+            quarters`); the value is its exact decimal, or `p/q` for math-verify (`one third` ->
+            `1/3`, `two and two thirds` -> `8/3`);
+          - decimals: a whole number, `point`, and digit words (`two point five`, `zero point seven
+            five`).
+        Number words are not read in `####` lines, corrections or the last-number fallback. A
+        following number word that does not continue the number makes it no value (`nineteen
+        eighty-four`); `eighteenth`, `hundreds`, `half` alone or `a` alone are no number (`a total
+        of 18` is 18 by the last rule), and `one` is a number (`one of them` -> 1). Digits before a
+        scale word are the digits alone (`192 million` -> 192);
+      * a candidate that starts with `\\frac` / `\\sqrt`, or with numbers joined by operators
+        (`144/2`, `144 \\div 2`, `48 + 24`, `1.92 \\times 10^8`), is handed to math-verify (only the
+        arithmetic prefix: `$10/hour` is the number 10, not a division);
+      * otherwise its first number (sign kept; `18.00` stays `18.00`).
+    """
     c = _collapse_signed_parens(_clean(candidate))
     value = _number_words_value(c) if words else None
     if value is not None:
@@ -391,7 +366,38 @@ def _ratio_string(sign: str, num: int, den: int) -> str:
 
 
 def extract_answer(completion: str) -> str | None:
-    """Return the final answer of a completion (see the module docstring), or None if it has none."""
+    """Return the final answer of a completion, or None if it has none.
+
+    1. If the completion holds `</think>`, the text after the last one is searched first (a Thinking
+       model's answer follows its reasoning); if nothing is found there (no value, no marked answer
+       without a value and no negated marker: see 2), the whole text is.
+    2. Candidates are the marked answers: every `\\boxed{...}` / `\\fbox{...}` (nested braces
+       matched), every `#### ...` line (digits only: `#### Step two` / `#### Explanation` may be a
+       Markdown heading, so such a line without a number is no candidate), every `answer is ...` /
+       `Answer: ...` / `final answer = ...` phrase (the rest of its line, up to the end of the
+       sentence; a marker that ends its line, as in `The answer is:` followed by a list, is no
+       candidate, nor is one whose sentence ends in `:`, `The answer is as follows:`), and every
+       correction `actually N` / `Actually, it's N` / `Correction: N` whose sentence is that bare
+       number (digits) and at most one unit word (`actually, 48/2 = 24 ...` is reasoning and
+       `actually, 13 is wrong` a statement: neither counts). A candidate with no letter or digit
+       (`\\boxed{}`) is none. The candidates are read from the last (by position):
+         * one that holds a value (`candidate_value`) is the answer, so a later answer or correction
+           wins (`The answer is 12. Wait, actually 13.` -> 13) and text after the answer is ignored;
+         * one whose words are no number (`\\boxed{none}`, `the answer is unknown`) is skipped: an
+           earlier candidate with a value still counts (`\\boxed{72}. The answer is correct.` ->
+           72), but no unmarked number does (step 3 is off): `3 eggs each, so the answer is unknown`
+           has no answer;
+         * a negated marker (`answer is not 20`, `answer isn't 20`, `Answer: not 20`) rejects what
+           came before it: the answer is the last number (as in step 3) in the text after the first
+           number of the negated sentence (after `not` when that sentence holds none), or none: `The
+           answer is not 20; it is 30` -> 30, `the answer is not 20` -> no answer, `The answer is
+           12. Wait, the answer is not 12.` -> no answer; when a later candidate without a value was
+           skipped, the text after the negation does not count either.
+    3. Without any candidate, the last number in the text counts (digits only: number words are not
+       read there); a fraction `1/2` there is its exact decimal `0.5` (`1/3`, without one, goes to
+       math-verify as is). A `-` is a minus sign only where no digit or letter precedes it (`-7`,
+       `(-7`, `= -7`; the `1-7` of a range is 7).
+    """
     if "</think>" in completion:
         after, marked = _extract(completion.rsplit("</think>", 1)[1])
         if after is not None or marked:

@@ -1,23 +1,17 @@
 """GSM8K: grade-school math word problems, from JSONL files or the HF hub.
 
 Data: the official JSONL format, one object per line with `question` and `answer`, the answer's
-last line `#### N` holding the gold number (`#### 1,080` in a few records). Files `train.jsonl`
-and `test.jsonl` are read from `data_dir` (default `../shared/data/gsm8k`; a relative path is tried
-against the working directory, then the repository root, for a directory holding `test.jsonl`).
-Each file is read on first use: the held-out set needs only `test.jsonl` (so `looprl eval` works
-without `train.jsonl`); the first train problem reads `train.jsonl` (a `ConfigError` if it is
-absent). `source="hub"` reads `openai/gsm8k` (`main`) through the optional `datasets` package
-instead. Malformed records (invalid UTF-8, bad JSON, not an object, a missing or non-string key,
-an answer without a numeric `#### N`) raise `TaskError` with the file and line number (and the
-column in the line of a JSON error); blank lines are skipped.
+last line `#### N` holding the gold number. `train.jsonl` and `test.jsonl` are read from
+`data_dir` (a relative path is tried against the working directory, then the repository root),
+each on first use, so the held-out set needs only `test.jsonl`; `source="hub"` reads
+`openai/gsm8k` through the optional `datasets` package. A malformed record raises `TaskError`
+naming the file and line.
 
 Splits: the held-out set is the test file in file order; the train stream cycles the train file
-in seeded epochs (a fresh shuffle per epoch, `random.Random(seed * 1_000_003 + epoch)`), skipping
-any train record whose question also appears in the test file. `Problem.id` is the record's
-0-based index in its file (blank lines not counted) and `metadata` has `file` and `line`.
-
-Prompts follow Ouro's chat template (ChatML, no system prompt); `prompt_style="thinking"` ends
-with `<think>\\n` for the Thinking models. Grading: `looprl.tasks.grading.grade_answer`.
+in seeded epochs (`random.Random(seed * 1_000_003 + epoch)`), skipping any train question that
+is also in the test file. `Problem.id` is the record's 0-based index in its file.
+Prompts follow Ouro's chat template (ChatML, no system prompt; `prompt_style="thinking"` ends
+with `<think>\\n`). Grading: `looprl.tasks.grading.grade_answer`.
 """
 from __future__ import annotations
 
@@ -143,6 +137,32 @@ class GSM8KTask(Task):
       ConfigError: unknown source or prompt style, or (source `jsonl`) no such data directory.
     """
     name = "gsm8k"
+    data_options = {"data_dir": DEFAULT_DATA_DIR, "source": "jsonl"}
+
+    @classmethod
+    def for_run(cls, section, *, checkpoint, warm_start):
+        """One task for both roles (no warm start: the model and its tokenizer come from
+        `model.checkpoint`).
+
+        Raises:
+          ConfigError: no `model.checkpoint`, `warm_start.enabled`, bad task knobs, or (source
+            `jsonl`) no train file in `task.data_dir`.
+        """
+        if not checkpoint:
+            raise ConfigError("config key 'model.checkpoint': task 'gsm8k' has no tokenizer of its "
+                              "own, so it needs a converted Ouro checkpoint (looprl convert --hf "
+                              "DIR --out CKPT), e.g. model.checkpoint=/path/to/ouro-1.4b-looprl")
+        if warm_start:
+            raise ConfigError("config key 'warm_start.enabled': the supervised warm start is for "
+                              "tiny models; task 'gsm8k' starts from model.checkpoint, set "
+                              "warm_start.enabled=false")
+        t = section
+        task = cls(data_dir=t.data_dir, source=t.source, seed=t.data_seed,
+                   prompt_style=t.prompt_style or "chatml")
+        if task.resolved_dir is not None and not (task.resolved_dir / task.train_file).is_file():
+            raise ConfigError(f"config key 'task.data_dir': no {task.train_file!r} in "
+                              f"{task.resolved_dir} (GRPO trains on it)")
+        return task, task
 
     def __init__(self, data_dir: str = DEFAULT_DATA_DIR, source: str = "jsonl", seed: int = 0,
                  prompt_style: str = "chatml", instruction: str = DEFAULT_INSTRUCTION,

@@ -315,9 +315,19 @@ def test_losses_are_jit_friendly_and_equal_eager():
     assert np.isfinite(float(jitted[0]))
 
 
-def test_config_choices_match_the_modes_implemented_here():
+def test_every_configured_mode_is_implemented():
+    """The config's choices (`grpo.loss_agg`, `grpo.loop_credit`) are the modes the math takes."""
     import typing
 
     from looprl import config
     assert typing.get_args(config.LossAgg) == grpo.AGG_MODES
     assert typing.get_args(config.LoopCredit) == grpo.LOOP_CREDIT_MODES
+    mask = jnp.asarray([[1, 1, 0], [1, 0, 0]], jnp.float32)
+    for mode in grpo.AGG_MODES:
+        norm = grpo.loss_normalizer(mask, mode, max_new_tokens=3)
+        assert np.isfinite(float(grpo.aggregate_loss(jnp.ones((2, 3)), mask, mode, norm)))
+    exit_loop = jnp.asarray([[2, 1, 0]], jnp.int32)
+    probs = jnp.full((3, 1, 3), 1 / 3, jnp.float32)
+    for mode in grpo.LOOP_CREDIT_MODES:
+        w = grpo.loop_credit_weights(exit_loop, 3, mode, exit_probs_TxBxS=probs)
+        np.testing.assert_allclose(np.asarray(w).sum(axis=0), [[1, 1, 0]], rtol=1e-6)

@@ -1,4 +1,4 @@
-"""Learner modes and old log-probs of the mismatch study (issue 17): one GRPO step per learner
+"""Learner modes and old log-probs of the mismatch study: one GRPO step per learner
 mode, the TIS weight under `recompute`, and the mismatch metrics on a hand-checked case."""
 import math
 import zlib

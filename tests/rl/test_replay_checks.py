@@ -1,4 +1,4 @@
-"""The forced-replay fallback, cheaper (issue 16): at the sampler's own parameters the replay
+"""The forced-replay fallback re-runs the sampler only where it must: at the sampler's own parameters the replay
 value is the recorded log-prob, so the first update needs no re-run; `learner.replay_check_every`
 sets how often the replay is really re-run and compared, and `replay_exact_fraction` is logged
 only on those steps (never computed from recorded values alone)."""

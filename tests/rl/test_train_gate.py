@@ -1,7 +1,7 @@
 """The trainer's gate-training branch (`learner.train_gate`), one GRPO step on the tiny smoke
 config (experiments/tiny_arith_smoke.py, shrunk as tests/distributed/grpo_step_worker.py does).
 
-What the code does (looprl/rl/learner.py `make_optimizer`, looprl/rl/loss.py `policy_loss`):
+What the code does (looprl/rl/optimizer.py `make_optimizer`, looprl/rl/loss.py `policy_loss`):
 the optimizer zeroes the exit gate's update (`optax.set_to_zero`) unless `train_gate`; with
 `train_gate` the loss gains the stage-II gate loss and the gate trains with the same AdamW and
 learning rate as the LM, while the LM keeps training by the PPO loss. So the claims that hold:
@@ -10,10 +10,10 @@ learning rate as the LM, while the LM keeps training by the PPO loss. So the cla
   `optim.learning_rate` must be > 0 and is shared).
 The one setting where only the gate *should* train is a step whose policy term is exactly 0
 (every group degenerate: equal rewards, advantages 0, `kl_beta` 0): the stage-II loss is
-documented to train only the gate (DESIGN.md §1, `grpo.gate_stage2_loss`: CE stop-gradient), so
-the LM stays bit-identical there. It did not until 2026-12-01: the gate logit `z = w . h(t) + b`
-was taken on the LM's hidden state without a stop-gradient (`learner.logprobs.loop_logprobs`),
-so the gate loss's gradient reached every LM parameter but `lm_head`.
+documented to train only the gate (docs/DESIGN.md §1, `grpo.gate_stage2_loss`: CE
+stop-gradient), so the LM stays bit-identical there: the gate logit `z = w . h(t) + b` is taken
+on a stop-gradient of the LM's hidden state (`looprl.logprobs` `loop_logprobs`), so the gate
+loss's gradient reaches no LM parameter.
 """
 from pathlib import Path
 

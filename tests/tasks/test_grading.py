@@ -1,12 +1,12 @@
-"""Grading: marked answers without a number (issue 15, "Grading false positives"), number words,
+"""Grading: marked answers without a number (no false positives), number words,
 negated markers, and the unmarked last-number fallback that must stay as it was."""
 import pytest
 
 from looprl.tasks.grading import extract_answer, grade_answer
 
 
-# The three false positives of issue 15: each was graded by an earlier (or the negated) number
-# before the fix (these tests failed then).
+# Three false positives to guard against: each would be graded by an earlier (or the negated)
+# number.
 def test_number_word_answer_is_not_graded_by_an_earlier_number():
     completion = "Each of the 6 hens lays 3 eggs each, so the answer is eighteen."
     assert extract_answer(completion) == "18"
