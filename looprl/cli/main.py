@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+import looprl
 from looprl import determinism
 from looprl.errors import LooprlError
 from looprl.train.interrupts import CtrlC
@@ -191,8 +192,7 @@ class _Version(argparse.Action):
     """`looprl --version`: `looprl.version_lines()` (imports jax only when asked), exit 0."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from looprl import version_lines
-        print("\n".join(version_lines()))
+        print("\n".join(looprl.version_lines()))
         parser.exit()
 
 
