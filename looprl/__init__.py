@@ -25,5 +25,23 @@ def load_hf(path, dtype="float32", **kw):
     return _load_hf(path, dtype=dtype, **kw)
 
 
-__all__ = ["load_hf", "LooprlError", "ConfigError", "CheckpointError", "ScheduleError",
-           "SamplingError", "TaskError"]
+def version_lines() -> list[str]:
+    """What `looprl --version` prints: looprl's version and the git commit it runs from (with
+    `dirty` when tracked files differ), jax/jaxlib, and the kernel version the sampler records
+    with the backend and CPU ISA (`looprl.kernels.kernel_version`). Imports jax."""
+    import jax
+    import jaxlib
+
+    from looprl.determinism import cpu_isa, git_commit
+    from looprl.kernels import kernel_version
+    git = git_commit()
+    commit = git["git_commit"] or "no git checkout"
+    dirty = ", dirty" if git["git_dirty"] else ""
+    return [f"looprl {__version__} (commit {commit}{dirty})",
+            f"jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+            f"kernel version {kernel_version()} (backend {jax.default_backend()}, CPU ISA "
+            f"{cpu_isa()})"]
+
+
+__all__ = ["load_hf", "version_lines", "LooprlError", "ConfigError", "CheckpointError",
+           "ScheduleError", "SamplingError", "TaskError"]

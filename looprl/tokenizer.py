@@ -191,3 +191,21 @@ def build_char_tokenizer(chars: str = CHAR_TOKENIZER_CHARS) -> TextTokenizer:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _CHAR_SPECIALS])
     tok.decoder = decoders.Fuse()
     return TextTokenizer(tok)
+
+
+def coverage_note(tokenizer_json: str, vocab_size: int) -> str | None:
+    """None when the tokenizer's ids (added tokens included) number the model's vocabulary
+    `vocab_size` (its embedding rows); else one line naming both counts: ids past the
+    tokenizer's are sampled but cannot be decoded, ids past the model's cannot be fed to it.
+    An invalid `tokenizer_json` gives None (its loading reports it)."""
+    try:
+        n = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    except Exception:  # tokenizers raises a bare Exception subclass
+        return None
+    if n < vocab_size:
+        return (f"the tokenizer covers {n} ids, the model's vocabulary has {vocab_size}: ids "
+                f"{n}..{vocab_size - 1} cannot be decoded")
+    if n > vocab_size:
+        return (f"the tokenizer has {n} ids, the model's vocabulary only {vocab_size}: ids "
+                f"{vocab_size}..{n - 1} cannot be fed to the model")
+    return None

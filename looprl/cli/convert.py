@@ -6,12 +6,15 @@
 """
 from __future__ import annotations
 
+import sys
+
 from looprl.errors import ConfigError
 from looprl.io.convert import checkpoint_to_hf, hf_to_checkpoint
 
 
 def run(args) -> int:
-    """CLI entry (`looprl convert`); prints one summary line. Errors are CheckpointError /
+    """CLI entry (`looprl convert`); prints one summary line, and a warning on stderr when the
+    tokenizer's id count differs from the model's vocabulary. Errors are CheckpointError /
     ConfigError (printed by `looprl.cli.main` as one line, exit status 2)."""
     if args.hf:
         if not args.out or args.to_hf:
@@ -27,6 +30,8 @@ def run(args) -> int:
         s = checkpoint_to_hf(args.checkpoint, args.to_hf, args.dtype, args.tokenizer)
         what = f"written as {s['dtype']}"
     cfg = s["cfg"]
+    if s.get("tokenizer_note"):
+        print(f"looprl convert: warning: {s['tokenizer_note']}", file=sys.stderr, flush=True)
     print(f"looprl convert: {s['source']} -> {s['out']} ({s['direction']}; {s['params']:,} "
           f"params, L={cfg.num_layers} T={cfg.total_ut_steps} D={cfg.hidden_size} "
           f"V={cfg.vocab_size}; {what}; tokenizer {'yes' if s['tokenizer'] else 'none'})")

@@ -26,12 +26,14 @@ import numpy as np
 from looprl.determinism import environment
 from looprl.errors import CheckpointError, ConfigError, create_dir
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
+from looprl.io.hf import check_not_run_directory
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
 from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig
 from looprl.tasks import get_task, task_class, task_names
 from looprl.tasks.grading import extract_answer
 from looprl.tokenizer import tokenizer_from_json
+from looprl.train.console import progress_bar
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -141,6 +143,7 @@ def _check_args(args) -> None:
         parse_thresholds(args.exit_threshold)
     if not Path(args.checkpoint).expanduser().exists():
         raise CheckpointError(f"{args.checkpoint}: no such checkpoint directory")
+    check_not_run_directory(Path(args.checkpoint).expanduser())  # RUN given for RUN/checkpoint
     out = Path(args.out).expanduser()
     for d in (out, *out.parents):  # the directory, or the first of its parents that exists
         if d.exists():
@@ -273,8 +276,6 @@ def write_results(out: Path, args, st: dict[str, Any], task, total_loops: int, p
 
 def run(args) -> int:
     """CLI entry (`looprl eval`); see the module docstring."""
-    from tqdm import tqdm
-
     _check_args(args)
     st = resolve_settings(args, recorded_meta(args.checkpoint))
     thresholds = parse_thresholds(st["exit_threshold"])
@@ -296,7 +297,7 @@ def run(args) -> int:
                               stop_ids=tuple(st["stop_ids"] or (tok.end_of_turn_id,)),
                               prompt_len_multiple=st["prompt_len_multiple"],
                               kernels=st["kernels"])
-        bar = tqdm(total=len(problems), desc=f"eval q={q:g}", unit="problem", file=sys.stderr)
+        bar = progress_bar(True, len(problems), f"eval q={q:g}", "problem", leave=True)
         t0 = time.time()
         try:
             rows = evaluate_problems(cfg, params, task, tok, problems, scfg,

@@ -6,7 +6,10 @@ prompt style the checkpoint records (a run's checkpoints record its task's, e.g.
 the arithmetic task; ChatML for a converted model or an HF directory; `--prompt-style raw` sends
 the text as is), and a completion stops at the checkpoint's recorded stop ids (default: the
 tokenizer's end of turn). A run's checkpoint from before these were recorded falls back to
-ChatML with a one-line warning.
+ChatML with a one-line warning. The exit threshold (or fixed depth), KV policy, dtype and
+kernels not given as flags are the run's evaluation settings its checkpoint records, as
+`looprl eval` takes them (`recorded_settings`). A prompt plus `--max-new-tokens` beyond the
+model's positions is an error; an id the tokenizer cannot decode is shown as `<id N: ...>`.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import sys
 from pathlib import Path
 
 from looprl.errors import CheckpointError, SamplingError
+from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
 from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tokenizer import chat_prompt, tokenizer_from_json
@@ -51,6 +55,44 @@ def recorded_prompt_style(meta: dict, checkpoint) -> str:
     return "chatml"
 
 
+def recorded_settings(checkpoint, args) -> dict:
+    """The sampling settings: each flag given wins, else the value a run's checkpoint records
+    for its held-out evaluation (`meta["eval"]`, as `looprl eval` takes it), else q 1.0, dense,
+    float32, invariant kernels. A fixed depth and a threshold exclude each other: a flag for
+    either drops the recorded other. Reads only `looprl_meta.json` (no weights)."""
+    path = Path(checkpoint).expanduser()
+    rec = {}
+    if (path / META_FILE).is_file():
+        rec = dict(read_checkpoint_meta(path).get("eval") or {})
+    flag_depth = args.fixed_depth is not None or args.exit_threshold is not None
+    return {"exit_threshold": args.exit_threshold if args.exit_threshold is not None
+            else 1.0 if args.fixed_depth is not None else rec.get("exit_threshold", 1.0),
+            "fixed_depth": args.fixed_depth if flag_depth else rec.get("fixed_depth"),
+            "kv_policy": args.kv_policy or rec.get("kv_policy", "dense"),
+            "dtype": args.dtype or rec.get("compute_dtype", "float32"),
+            "kernels": args.kernels or rec.get("kernels", "invariant")}
+
+
+def check_length(n_prompt: int, max_new_tokens: int, cfg, checkpoint) -> None:
+    """Raise SamplingError when the prompt's tokens plus `max_new_tokens` exceed the model's
+    positions (`max_position_embeddings`), naming the three numbers."""
+    if n_prompt + max_new_tokens > cfg.max_position_embeddings:
+        raise SamplingError(f"the prompt has {n_prompt} tokens and --max-new-tokens is "
+                            f"{max_new_tokens}: {n_prompt + max_new_tokens} positions, more than "
+                            f"the {cfg.max_position_embeddings} of {checkpoint}'s model "
+                            f"(max_position_embeddings); shorten the prompt or lower "
+                            f"--max-new-tokens")
+
+
+def shown_token(tok, t: int) -> str:
+    """A token id as the per-token lines show it: its text, or `<id N: not in the tokenizer>`
+    for an id the tokenizer cannot decode (a model vocabulary larger than the tokenizer's)."""
+    text = tok.decode([t])
+    if text == "" and t >= tok.vocab_size:
+        return f"<id {t}: not in the tokenizer>"
+    return repr(text)
+
+
 def check_finite_logprobs(lps, toks, checkpoint) -> None:
     """Raise SamplingError naming the first completion token whose recorded log-prob is NaN or
     infinite (damaged or diverged weights: the output would be meaningless)."""
@@ -73,16 +115,18 @@ def generation_timings(timings: dict, n_tokens: int) -> dict:
 
 def run(args) -> int:
     """Sample `--num-samples` completions of the prompt in one batch and print them (text with
-    one line per token, or `--json`); with `--save-rollout FILE` also write the RolloutBatch (in
-    both modes). Prefill seconds and decode tokens/s go to stderr (and `--json`'s "timings").
-    Raises SamplingError for bad arguments (checked before sampling, see `check_args`) or a
+    one line per token, or `--json` with the `settings` used); with `--save-rollout FILE` also
+    write the RolloutBatch (in both modes). Prefill seconds and decode tokens/s go to stderr
+    (and `--json`'s "timings"). Raises SamplingError for bad arguments (checked before
+    sampling, see `check_args`), a prompt too long for the model (`check_length`) or a
     non-finite log-prob, CheckpointError for a missing, damaged or tokenizer-less checkpoint."""
     from tqdm import tqdm
 
     check_args(args)
-    q = 1.0 if args.exit_threshold is None else args.exit_threshold
+    st = recorded_settings(args.checkpoint, args)
+    q, fixed_depth = st["exit_threshold"], st["fixed_depth"]
     # on the device in the compute dtype (bf16: 2 B per parameter, the fp32 master's fingerprint)
-    params, cfg, tok_json, meta, fingerprint = load_for_sampling(args.checkpoint, args.dtype)
+    params, cfg, tok_json, meta, fingerprint = load_for_sampling(args.checkpoint, st["dtype"])
     if tok_json is None:
         raise CheckpointError(f"{args.checkpoint}: no tokenizer.json (convert with --tokenizer)")
     tok = tokenizer_from_json(tok_json)
@@ -91,11 +135,12 @@ def run(args) -> int:
     if not args.prompt:
         raise SamplingError("--prompt is empty")
     ids = tok.encode(text)
+    check_length(len(ids), args.max_new_tokens, cfg, args.checkpoint)
     stop_ids = () if args.ignore_eos else tuple(meta.get("stop_ids") or (tok.end_of_turn_id,))
     scfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, exit_threshold=q,
-                          fixed_depth=args.fixed_depth, kv_policy=args.kv_policy,
-                          compute_dtype=args.dtype, stop_ids=stop_ids, kernels=args.kernels)
+                          fixed_depth=fixed_depth, kv_policy=st["kv_policy"],
+                          compute_dtype=st["dtype"], stop_ids=stop_ids, kernels=st["kernels"])
     bar = tqdm(total=args.max_new_tokens, desc="decode", unit="tok", disable=not sys.stderr.isatty()
                or args.max_new_tokens < 64, leave=False)
 
@@ -125,20 +170,21 @@ def run(args) -> int:
           f"{args.num_samples} rows), decode {timing['decode_s']:.3f} s, "
           f"{timing['decode_tokens_per_s']:.2f} tokens/s per row; KV cache "
           f"{timing['kv_cache_bytes'] / 1e6:.1f} MB", file=sys.stderr, flush=True)
-    depth = f"fixed_depth={args.fixed_depth}" if args.fixed_depth is not None else f"q={q}"
+    depth = f"fixed_depth={fixed_depth}" if fixed_depth is not None else f"q={q}"
     if args.json:  # the first sample's fields at the top level (one sample: as before)
         print(json.dumps({**samples[0], "samples": samples,
-                          "rollout_file": args.save_rollout or None, "timings": timing},
-                         allow_nan=False))
+                          "rollout_file": args.save_rollout or None, "timings": timing,
+                          "settings": st}, allow_nan=False))
         return 0
     for i, s in enumerate(samples):
         if args.num_samples > 1:
             print(f"# sample {i}")
         print(s["completion"])
         print(f"# {len(s['tokens'])} tokens, mean exit loop {s['mean_exit_loop']:.2f} of "
-              f"{cfg.total_ut_steps} (kv_policy={args.kv_policy}, {depth})")
+              f"{cfg.total_ut_steps} (kv_policy={st['kv_policy']}, {depth}, "
+              f"dtype={st['dtype']}, kernels={st['kernels']})")
         for t, k, lp in zip(s["tokens"], s["exit_loops"], s["logprobs"]):
-            print(f"{tok.decode([t])!r:>12}  exit_loop={k}  logprob={lp:.4f}")
+            print(f"{shown_token(tok, t):>12}  exit_loop={k}  logprob={lp:.4f}")
     if args.save_rollout:
         print(f"# rollout saved to {args.save_rollout}")
     return 0

@@ -17,6 +17,7 @@ import sys
 import time
 import typing
 
+import looprl
 from looprl import determinism
 from looprl.config import KVPolicy
 from looprl.config.sections import KERNELS
@@ -106,10 +107,13 @@ def _add_generate(sub):
     p.add_argument("--prompt-style", default=None,
                    choices=["chatml", "thinking", "compact", "raw"])
     p.add_argument("--exit-threshold", type=float, default=None, metavar="Q",
-                   help="q of the Q-exit rule, in (0, 1] (default 1.0: always loop T)")
+                   help="q of the Q-exit rule, in (0, 1] (default: the run's, else 1.0: "
+                        "always loop T)")
     p.add_argument("--fixed-depth", type=int, default=None, metavar="D",
                    help="exit every token at loop D (1..T); not with --exit-threshold")
-    p.add_argument("--kv-policy", default="dense", choices=typing.get_args(KVPolicy))
+    # defaults None: a run's checkpoint records its evaluation settings (cli/generate.py)
+    p.add_argument("--kv-policy", default=None, choices=typing.get_args(KVPolicy),
+                   help="default: the run's, else dense")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -119,10 +123,12 @@ def _add_generate(sub):
     p.add_argument("--ignore-eos", action="store_true",
                    help="decode all --max-new-tokens (no stop ids), e.g. for a rollout that "
                         "`looprl verify --rollout` accepts (>= 512 sampled tokens)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kernels", default="invariant", choices=KERNELS,
-                   help="invariant (default): replayable by the learner's dense pass; stock: "
-                        "plain matmuls, faster at small batch, replayed by forced re-run")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: the run's, else float32")
+    p.add_argument("--kernels", default=None, choices=KERNELS,
+                   help="invariant (default, or the run's): replayable by the learner's dense "
+                        "pass; stock: plain matmuls, faster at small batch, replayed by forced "
+                        "re-run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--save-rollout", metavar="FILE.npz", help="save the RolloutBatch")
@@ -185,8 +191,19 @@ def _command_module(command: str):
     return module
 
 
+class _Version(argparse.Action):
+    """`looprl --version`: `looprl.version_lines()` (imports jax only when asked), exit 0."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("\n".join(looprl.version_lines()))
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="looprl", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print looprl's version, git commit, jax version and kernel "
+                             "version, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     parser.train_parser = _add_train(sub)
     _add_generate(sub)

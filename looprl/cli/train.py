@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from pathlib import Path
 
 from looprl.config import (apply_overrides, config_key_lines, load_experiment_module, load_json,
                            resolve_key)
 from looprl.distributed.multihost import init_distributed, is_main_process
+from looprl.train.console import no_learning_line
+from looprl.train.resume import resume_command
 from looprl.train.run import train
 from looprl.train.variants import HEADLINE_KEYS, train_variants
 
@@ -45,9 +48,11 @@ def run(args) -> int:
     try:
         summary = train(cfg, t_start=getattr(args, "t_start", None))
     except KeyboardInterrupt:  # Ctrl-C outside the GRPO loop (warm start, evaluations)
+        out = Path(cfg.run.out_dir)
+        how = (resume_command(out) if (out / "config.json").is_file()
+               else f"looprl train {args.config} (nothing of the run was written yet)")
         print(f"\nlooprl train: interrupted (Ctrl-C); the checkpoints written so far are "
-              f"complete; continue with: looprl train {args.config} resume={cfg.run.out_dir}",
-              file=sys.stderr, flush=True)
+              f"complete; continue with: {how}", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     if "preempted_at_step" in summary:
         if is_main_process():
@@ -76,6 +81,12 @@ def print_summary_table(summary: dict, out_dir: str) -> None:
         table.add_row("replay exact", f"{exact}/{summary['grpo_steps']} GRPO steps bit for bit")
     else:
         table.add_row("GRPO steps", str(summary["grpo_steps"]))
+    nothing = no_learning_line(summary.get("params_changed", True),
+                               summary.get("steps_with_zero_grad"), summary["grpo_steps"])
+    if nothing:
+        table.add_row("learning", nothing)
+    if summary.get("already_finished"):
+        table.add_row("resume", "the run had finished: nothing ran, nothing changed")
     table.add_row("wall time", f"{summary['wall_s']:.0f} s")
     table.add_row("outputs", f"{out_dir}/summary.json, metrics.jsonl, checkpoint/ "
                   f"(plots: looprl plot {out_dir})")

@@ -136,13 +136,13 @@ def check_out_dir(out: Path) -> None:
 
 
 def run(args) -> int:
-    """`looprl verify`: run the matrix (or re-verify `--rollout`), write the report, return the
-    exit status (0 only if every replay cell is exact and every negative control mismatches
-    within 1e-4 in fp32, and every cell met its size requirements; when requirements are unmet
-    the console and report.md say which). Raises ConfigError when `--out` is a file or
-    `--config` is given with `--rollout`, ScheduleError for an
-    unreadable rollout or one sampled with other parameters, CheckpointError for a bad
-    `--checkpoint`."""
+    """`looprl verify`: run the matrix (or re-verify `--rollout`), write the report, print the
+    verdict line on stderr and stdout, return the exit status (0 only if every replay cell is
+    exact and every negative control mismatches within 1e-4 in fp32, and every cell met its
+    size requirements; when requirements are unmet the console and report.md say which).
+    Raises ConfigError when `--out` is a file or `--config` is given with `--rollout`,
+    ScheduleError for an unreadable rollout or one sampled with other parameters,
+    CheckpointError for a bad `--checkpoint`."""
     determinism.configure_xla(pin_threads=True)  # one intra-op thread + looprl's required flags
 
     t_start = time.time()
@@ -194,8 +194,11 @@ def run(args) -> int:
         log("looprl verify: FAIL: requirements not met: "
             + "; ".join(summary["requirements_unmet"])
             + " (cells of such a rollout fail whatever their bits; see report.md)")
-    log(f"looprl verify: {'PASS' if summary['passed'] else 'FAIL'} "
-        f"({summary['replay_exact_cells']}/{summary['replay_cells']} replay cells exact, "
-        f"{summary['negative_control_mismatching']}/{summary['negative_control_cells']} negative "
-        f"controls mismatching) in {report['wall_s']}s -> {out / 'report.json'}")
+    verdict = (f"looprl verify: {'PASS' if summary['passed'] else 'FAIL'} "
+               f"({summary['replay_exact_cells']}/{summary['replay_cells']} replay cells exact, "
+               f"{summary['negative_control_mismatching']}/{summary['negative_control_cells']} "
+               f"negative controls mismatching) in {report['wall_s']}s -> "
+               f"{out / 'report.json'}")
+    log(verdict)
+    print(verdict, flush=True)  # stdout too: the verdict of a run whose stderr is a log file
     return 0 if summary["passed"] else 1

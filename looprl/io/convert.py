@@ -14,7 +14,8 @@ from tokenizers import Tokenizer
 
 from looprl.errors import CheckpointError
 from looprl.io.checkpoint import load_model_checkpoint, save_model_checkpoint
-from looprl.io.hf import read_hf, save_hf
+from looprl.io.hf import check_not_run_directory, read_hf, save_hf
+from looprl.tokenizer import coverage_note
 
 
 def _read_tokenizer(path: str | Path) -> str:
@@ -41,7 +42,8 @@ def _n_params(params) -> int:
 
 def hf_to_checkpoint(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None = None
                      ) -> dict:
-    """Convert an HF Ouro directory into a looprl checkpoint; returns a summary dict."""
+    """Convert an HF Ouro directory into a looprl checkpoint; returns a summary dict (its
+    `tokenizer_note`: `looprl.tokenizer.coverage_note` of the stored tokenizer, or None)."""
     ckpt = read_hf(hf_dir)
     tok = _read_tokenizer(tokenizer) if tokenizer else ckpt.tokenizer_json
     if tok is not None and not tokenizer:
@@ -52,13 +54,16 @@ def hf_to_checkpoint(hf_dir: str | Path, out: str | Path, tokenizer: str | Path 
     save_model_checkpoint(out, ckpt.params, ckpt.cfg, tok, extra_meta=meta)
     return {"direction": "hf->looprl", "source": str(hf_dir), "out": str(out),
             "source_dtype": ckpt.source_dtype, "params": _n_params(ckpt.params),
-            "tokenizer": tok is not None, "cfg": ckpt.cfg}
+            "tokenizer": tok is not None, "cfg": ckpt.cfg,
+            "tokenizer_note": tok and coverage_note(tok, ckpt.cfg.vocab_size)}
 
 
 def checkpoint_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
                      tokenizer: str | Path | None = None) -> dict:
     """Export a looprl checkpoint to an HF directory; `dtype` None = the recorded source dtype
-    (per tensor for a mixed source; fp32 when none is recorded). Returns a summary dict."""
+    (per tensor for a mixed source; fp32 when none is recorded). Returns a summary dict (with
+    `tokenizer_note`, as `hf_to_checkpoint`'s)."""
+    check_not_run_directory(checkpoint)
     params, cfg, tok, meta = load_model_checkpoint(checkpoint)
     if tokenizer:
         tok = _read_tokenizer(tokenizer)
@@ -70,7 +75,7 @@ def checkpoint_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str | N
     shown = dtype_arg if isinstance(dtype_arg, str) else "mixed (as the source)"
     return {"direction": "looprl->hf", "source": str(checkpoint), "out": str(out_dir),
             "dtype": shown, "params": _n_params(params), "tokenizer": tok is not None,
-            "cfg": cfg}
+            "cfg": cfg, "tokenizer_note": tok and coverage_note(tok, cfg.vocab_size)}
 
 
 def load_any_checkpoint(path: str, leaf_fn=None):
@@ -78,8 +83,10 @@ def load_any_checkpoint(path: str, leaf_fn=None):
     an HF directory. `leaf_fn(keys, LeafSlabs) -> array` replaces each leaf as it is read, in
     fp32 slabs (`load_model_checkpoint`, `read_hf`), so the fp32 tree, and a whole fp32 layer
     stack, never exist at once. Raises
-    CheckpointError naming the path when it is neither."""
+    CheckpointError naming the path when it is neither, and naming `RUN/checkpoint` for a run
+    directory `RUN`."""
     p = Path(path)
+    check_not_run_directory(p)
     if (p / "config.json").exists() and not (p / "looprl_meta.json").exists():
         ckpt = read_hf(p, leaf_fn=leaf_fn)
         return ckpt.params, ckpt.cfg, ckpt.tokenizer_json, {"source": "hf"}

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -46,6 +47,7 @@ from looprl.io.slabs import LeafSlabs
 from looprl.model.config import OuroConfig
 from looprl.model.layers import LAYER_KEYS
 from looprl.model.looped import model_from_params
+from looprl.tokenizer import coverage_note
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -271,6 +273,16 @@ class HFCheckpoint(NamedTuple):
     tokenizer_json: str | None
 
 
+def check_not_run_directory(path: str | Path) -> None:
+    """Raise CheckpointError "RUN is a run directory; its checkpoint is RUN/checkpoint" when
+    `path` is a `looprl train` run directory (a `checkpoint/` holding a looprl checkpoint)
+    rather than a checkpoint: its config.json is the experiment's, not a model's."""
+    path = Path(path)
+    ckpt = path / "checkpoint"
+    if (ckpt / "looprl_meta.json").is_file() and not (path / "looprl_meta.json").exists():
+        raise CheckpointError(f"{path} is a run directory; its checkpoint is {ckpt}")
+
+
 def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None,
             leaf_fn=None) -> HFCheckpoint:
     """Read `config.json` + safetensors (single or sharded) of an HF Ouro directory.
@@ -278,11 +290,13 @@ def read_hf(hf_dir: str | Path, token_ids: dict[str, int] | None = None,
     `token_ids` overrides the config's bos/eos/pad ids (see `OuroConfig.from_hf_config`);
     `leaf_fn(keys, LeafSlabs)` replaces each fp32 leaf (`params_from_hf_state`).
     Raises: CheckpointError (unknown `model_type`, missing/extra/misshapen tensor, truncated
-      file, missing shard, ...), naming the file or tensor.
+      file, missing shard, a run directory given for its checkpoint, ...), naming the file or
+      tensor.
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir}: not a directory (expected an HF model directory)")
+    check_not_run_directory(hf_dir)
     cfg_path = hf_dir / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{cfg_path}: missing (an HF directory needs config.json)")
@@ -304,10 +318,14 @@ def load_hf(path: str | Path, dtype="float32", token_ids: dict[str, int] | None 
 
     `model(tokens_BxS)` (int32 `[B, S]`) returns `.logits` `[T, B, S, V]` fp32 and
     `.exit_lambda` `[T, B, S]` fp32. The returned module carries `source_dtype` (the HF
-    tensors' dtype name) so that an export defaults to it. Raises CheckpointError (see
-    `read_hf`).
+    tensors' dtype name) so that an export defaults to it. A `tokenizer.json` whose id count
+    differs from the model's vocabulary gives a UserWarning naming both
+    (`looprl.tokenizer.coverage_note`). Raises CheckpointError (see `read_hf`).
     """
     ckpt = read_hf(path, token_ids=token_ids)
+    note = ckpt.tokenizer_json and coverage_note(ckpt.tokenizer_json, ckpt.cfg.vocab_size)
+    if note:
+        warnings.warn(f"{path}: {note}", stacklevel=2)
     model = model_from_params(ckpt.params, ckpt.cfg, dtype)
     model.source_dtype = ckpt.source_dtype
     return model

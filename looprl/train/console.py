@@ -1,5 +1,6 @@
-"""What `looprl train` shows while it runs: progress bars (tqdm, on stderr, as GRPO's) for the
-warm start and the evaluations, and their figures as short rounded lines."""
+"""What `looprl train` shows while it runs: progress bars on stderr (tqdm on a terminal, plain
+lines otherwise) for the warm start, GRPO and the evaluations, their figures as short rounded
+lines, and the warnings of an inexact replay or a run that learned nothing."""
 from __future__ import annotations
 
 import json
@@ -10,12 +11,51 @@ from typing import Any
 from looprl.rl.evaluation import evaluate
 
 
-def progress_bar(show: bool, total: int, desc: str, unit: str):
-    """A tqdm bar on stderr (GRPO's kind), or None when bars are off."""
+class LineProgress:
+    """A progress bar as plain lines on stderr, for a stderr that is not a terminal (a log
+    file): `desc: n/total unit` at every tenth of `total` and at `close()`, with the postfix;
+    no carriage returns. The part of tqdm's interface looprl uses."""
+
+    def __init__(self, total: int, desc: str, unit: str, initial: int = 0):
+        self.total, self.desc, self.unit, self.n = total, desc, unit, initial
+        self._postfix = ""
+        self._shown = initial
+
+    def _line(self) -> None:
+        print(f"{self.desc}: {self.n}/{self.total} {self.unit}{self._postfix}", file=sys.stderr,
+              flush=True)
+        self._shown = self.n
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        step = max(1, (self.total or 0) // 10)
+        if self.n // step > self._shown // step:
+            self._line()
+
+    def set_postfix(self, **kw) -> None:
+        self._postfix = " (" + ", ".join(f"{k}={v}" for k, v in kw.items()) + ")"
+
+    def write(self, line: str, file=None) -> None:
+        print(line, file=file or sys.stderr, flush=True)
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.n != self._shown:
+            self._line()
+
+
+def progress_bar(show: bool, total: int, desc: str, unit: str, initial: int = 0,
+                 leave: bool = False):
+    """A tqdm bar on stderr when stderr is a terminal, else a `LineProgress` (plain lines);
+    None when bars are off."""
     if not show:
         return None
+    if not sys.stderr.isatty():
+        return LineProgress(total, desc, unit, initial)
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, file=sys.stderr)
 
 
 def evaluate_and_say(label: str, show_bar: bool, say, *args, ctrl_c=None,
@@ -75,6 +115,44 @@ def replay_exact_steps(metrics_path: Path, n_steps: int) -> int:
         return 0
     rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
     return sum(1 for r in rows if r["step"] < n_steps and r.get("replay_exact_fraction") == 1.0)
+
+
+def steps_with_zero_grad(metrics_path: Path, n_steps: int) -> int:
+    """How many of the GRPO steps 0..n_steps-1 in metrics.jsonl had gradient norm 0 (every
+    group's rewards equal: nothing to learn from)."""
+    n = 0
+    if metrics_path.exists():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                n += r["step"] < n_steps and float(r["grad_norm"]) == 0.0
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+    return n
+
+
+def no_learning_line(params_changed: bool, zero_grad: int | None, n_steps: int) -> str | None:
+    """The console's warning for a run that learned nothing: parameters equal to the
+    reference policy's, or every GRPO step with gradient norm 0; None otherwise."""
+    if n_steps == 0:
+        return None
+    if zero_grad == n_steps:
+        why = (f"every one of the {n_steps} GRPO steps had gradient norm 0 (each group's rewards "
+               f"were equal: nothing to learn from)")
+    elif not params_changed:
+        why = f"{zero_grad} of {n_steps} GRPO steps had gradient norm 0"
+    else:
+        return None
+    changed = "changed" if params_changed else "did not change (params_sha256 equals the " \
+        "reference policy's)"
+    return f"the run learned nothing: {why}; the parameters {changed}"
+
+
+def warn_no_learning(params_changed: bool, zero_grad: int | None, n_steps: int) -> None:
+    """Print `no_learning_line` on stderr when there is one."""
+    line = no_learning_line(params_changed, zero_grad, n_steps)
+    if line:
+        print(f"looprl train: warning: {line}", file=sys.stderr, flush=True)
 
 
 def warn_inexact(m: dict[str, Any], bar) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,31 @@ RESUMABLE_KEYS = ("run.out_dir", "run.resume", "run.stop_after", "run.checkpoint
 # its deferred rollouts were batched (a run started before the automatic pending bound became
 # the default keeps its `rollout.deferred_max_pending`, 4: the same tokens, another schedule)
 INHERITED_KEYS = ("rollout.noise_keying", "learner.seq_bucket", "rollout.deferred_max_pending")
+
+
+def resume_command(run_dir: str | Path) -> str:
+    """The command that continues run `run_dir`, as printed and recorded in `preempted.json`:
+    `looprl train RUN_DIR/config.json resume=RUN_DIR` (the run's own resolved config, so the
+    overrides it was started with need not be given again)."""
+    run_dir = Path(run_dir)
+    return (f"looprl train {shlex.quote(str(run_dir / 'config.json'))} "
+            f"resume={shlex.quote(str(run_dir))}")
+
+
+def finished_summary(run_dir: Path, newest_step: int, n_steps: int) -> dict[str, Any] | None:
+    """The `summary.json` of run `run_dir` when it finished at the requested end: its newest
+    training checkpoint is at step `n_steps` and its summary records those `grpo_steps`. None
+    otherwise (a run stopped by `stop_after` or a signal, or one asked to go further)."""
+    path = run_dir / "summary.json"
+    if newest_step != n_steps or not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(summary, dict) or summary.get("grpo_steps") != n_steps:
+        return None
+    return summary
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -225,7 +251,7 @@ def load_reference(out: Path):
     """The reference (pre-GRPO) policy of a run being resumed: its `warm_start/` checkpoint, or
     the model checkpoint `reference.json` points at (runs without a warm start), checked
     against the SHA-256 recorded when the run started. Returns (params, cfg, tokenizer_json,
-    dir). Raises CheckpointError if that checkpoint is gone or changed."""
+    dir, params_sha256). Raises CheckpointError if that checkpoint is gone or changed."""
     if (out / "warm_start").is_dir():
         params, mcfg, tok, meta = load_model_checkpoint(out / "warm_start")
         # runs that predate the recorded SHA-256 have nothing to compare against
@@ -234,12 +260,12 @@ def load_reference(out: Path):
         ref = json.loads((out / REFERENCE_FILE).read_text())
         params, mcfg, tok, _ = load_model_checkpoint(ref["checkpoint"])
     recorded = ref["params_sha256"]
-    sha = None if recorded is None else params_sha256(params)
-    if sha != recorded:
+    sha = params_sha256(params)
+    if recorded is not None and sha != recorded:
         raise CheckpointError(f"{ref['checkpoint']}: the run's reference checkpoint changed since "
                               f"the run started (params_sha256 {sha[:12]}..., recorded "
                               f"{recorded[:12]}... at the start)")
-    return params, mcfg, tok, Path(ref["checkpoint"])
+    return params, mcfg, tok, Path(ref["checkpoint"]), sha
 
 
 def resume_candidates(out: Path, say) -> list[tuple[int, Path]]:
@@ -275,8 +301,8 @@ def prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
 
     Raises:
       ConfigError: out_dir differs from the resumed directory, the resumed directory has no
-        config.json, a fresh run's out_dir is a file or not empty, or it cannot be created (the
-        OS error named: no permission, a parent that is a file).
+        config.json, a fresh run's out_dir is a file, holds a finished run or is not empty, or
+        it cannot be created (the OS error named: no permission, a parent that is a file).
     """
     out = Path(exp_cfg.run.out_dir)
     if exp_cfg.run.resume is not None:
@@ -292,6 +318,11 @@ def prepare_out_dir(exp_cfg: ExperimentConfig) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is a file; a run needs an "
                           f"empty or new directory")
+    if (out / "summary.json").is_file():
+        raise ConfigError(f"config key 'run.out_dir': {str(out)!r} holds a finished run "
+                          f"(summary.json); a fresh run needs an empty or new directory "
+                          f"(resume= continues a run only past its last step: pass a larger "
+                          f"grpo_steps)")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"config key 'run.out_dir': {str(out)!r} is not empty; a fresh run "
                           f"needs an empty or new directory (or resume={str(out)!r})")

@@ -17,8 +17,10 @@ The run directory (`run.out_dir`) receives:
   checkpoint/            final looprl checkpoint (params + model_config.json + tokenizer.json)
   summary.json           eval_accuracy_before/after, eval_problems, grpo_steps,
                          resumed_from_step, params_sha256, wall_s,
-                         replay_exact_fraction_min, inexact_replay_steps,
-                         model_config (the model's actual shape), num_params, ...
+                         replay_exact_fraction_min, inexact_replay_steps, params_changed,
+                         steps_with_zero_grad, model_config (the model's actual shape),
+                         num_params, environment (`determinism.environment()` and
+                         kernel_version), ...
   failure.json           only when a step failed (non-finite loss/gradient): the diagnostic
   preempted.json         only when SIGTERM or Ctrl-C stopped the run: the step, the signal and
                          the checkpoint to resume
@@ -26,11 +28,13 @@ The run directory (`run.out_dir`) receives:
 A fresh run into a non-empty out_dir is a ConfigError. `resume=RUN_DIR` (out_dir = RUN_DIR, set
 from it when not given on the command line) continues from the newest complete training
 checkpoint, skipping the warm start and the evaluation before GRPO, and gives the same
-parameters, batches and samples as an uninterrupted run. `stop_after=k` stops once k GRPO steps
+parameters, batches and samples as an uninterrupted run; of a run that finished at the requested
+end it says so and changes nothing. The printed and recorded resume command is
+`looprl train RUN_DIR/config.json resume=RUN_DIR`. `stop_after=k` stops once k GRPO steps
 (counted from the start of the run) are done, with a checkpoint at step k. SIGTERM during GRPO
-and a first SIGINT (Ctrl-C) finish the current step, save a checkpoint and return
-`{"preempted_at_step": k, "signal", "exit_status", ...}` (exit status 143 or 130 from the CLI); a
-second SIGINT aborts at once (130). A run interrupted before its first training checkpoint (in
+and a first SIGINT (Ctrl-C) finish the current step (the last one too), save a checkpoint and
+return `{"preempted_at_step": k, "signal", "exit_status", ...}` (exit status 143 or 130 from the
+CLI); a second SIGINT aborts at once (130). A run interrupted before its first training checkpoint (in
 the warm start or the evaluation before GRPO) resumes by running its start again: its partial
 outputs are removed and the warm start runs from its first step (same config, same bits).
 """
@@ -50,21 +54,25 @@ import jax
 import numpy as np
 
 from looprl.config import ExperimentConfig, load_json, save_json
+from looprl.determinism import environment
 from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process, sync
 from looprl.errors import CheckpointError, ConfigError, TrainingError
 from looprl.io.checkpoint import load_model_checkpoint, params_sha256, save_model_checkpoint
+from looprl.io.hf import check_not_run_directory
+from looprl.kernels import kernel_version
 from looprl.model.config import from_model_section, shape_note
 from looprl.model.looped import init_params
 from looprl.rl.evaluation import evaluate
 from looprl.rl.learner import GRPOLearner
 from looprl.train.resume import (REFERENCE_FILE, without_run_control, check_resume_config,
-                                 prepare_out_dir,
+                                 finished_summary, prepare_out_dir, resume_command,
                                  checkpoint_candidates, load_reference, load_resume_point,
                                  restore_training_checkpoint, resume_candidates,
                                  save_training_checkpoint)
 from looprl.train.console import (evaluate_and_say, progress_bar, replay_exact_steps, replay_record,
-                                  warm_start_bar_cut, warm_start_logger, warn_inexact)
+                                  steps_with_zero_grad, warm_start_bar_cut, warm_start_logger,
+                                  warn_inexact, warn_no_learning)
 from looprl.train.interrupts import CtrlC, DeferredSignals
 from looprl.train.setup import build_tasks, checkpoint_task_meta, run_tokenizer
 from looprl.train.warm_start import warm_start
@@ -89,6 +97,7 @@ class _Start:
     warm_start_report: dict[str, Any]
     before: dict[str, Any]
     before_q1: dict[str, Any] | None
+    params_sha256: str  # of `params`: a run whose final parameters have it learned nothing
 
 
 def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main: bool,
@@ -98,6 +107,7 @@ def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main
     after every warm-start step and evaluation batch (`ctrl_c`)."""
     ckpt_tokenizer = None
     if exp_cfg.model.checkpoint:
+        check_not_run_directory(exp_cfg.model.checkpoint)
         params, model_cfg, ckpt_tokenizer, _ = load_model_checkpoint(
             Path(exp_cfg.model.checkpoint).resolve())
         say(f"loaded {exp_cfg.model.checkpoint}")
@@ -137,14 +147,15 @@ def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main
     if main:
         (out / "warm_start_curve.json").write_text(json.dumps(report, indent=2) + "\n")
     params = jax.tree.map(np.asarray, params)
+    ref_sha = params_sha256(params)
     if ws.enabled or not exp_cfg.model.checkpoint:
         save_model_checkpoint(out / "warm_start", params, model_cfg, tokenizer.to_json(),
-                              extra_meta={"stage": "warm_start",
-                                          "params_sha256": params_sha256(params), **ckpt_meta})
+                              extra_meta={"stage": "warm_start", "params_sha256": ref_sha,
+                                          **ckpt_meta})
     elif main:  # the reference policy is the given checkpoint: point at it, do not copy GBs
         (out / REFERENCE_FILE).write_text(json.dumps(
             {"checkpoint": str(Path(exp_cfg.model.checkpoint).resolve()),
-             "params_sha256": params_sha256(params)}, indent=2) + "\n")
+             "params_sha256": ref_sha}, indent=2) + "\n")
 
     ctrl_c.check()
     before = evaluate_and_say("eval before GRPO", bars, say, model_cfg, params, warm_task,
@@ -157,18 +168,18 @@ def _fresh_start(exp_cfg: ExperimentConfig, out: Path, warm_task, eval_set, main
     if main:
         (out / EVAL_BEFORE_FILE).write_text(json.dumps(
             {"eval_before": before, "eval_before_q1": before_q1}, indent=2) + "\n")
-    return _Start(params, model_cfg, tokenizer, report, before, before_q1)
+    return _Start(params, model_cfg, tokenizer, report, before, before_q1, ref_sha)
 
 
 def _resumed_start(out: Path, warm_task) -> _Start:
     """A resumed run: the reference params, warm-start report and first evaluation are on
     disk."""
-    params, model_cfg, ckpt_tokenizer, ref_dir = load_reference(out)
+    params, model_cfg, ckpt_tokenizer, ref_dir, ref_sha = load_reference(out)
     tokenizer = run_tokenizer(warm_task, ckpt_tokenizer, str(ref_dir))
     report = json.loads((out / "warm_start_curve.json").read_text())
     saved_eval = json.loads((out / EVAL_BEFORE_FILE).read_text())
     return _Start(params, model_cfg, tokenizer, report, saved_eval["eval_before"],
-                  saved_eval["eval_before_q1"])
+                  saved_eval["eval_before_q1"], ref_sha)
 
 
 def _restore(learner, resume_from: list[tuple[int, Path]], out: Path, say):
@@ -198,7 +209,8 @@ def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_jso
     also carries `eval_accuracy` (held-out, greedy: `eval_fn(params)`). After step 0,
     `mismatch_step0.npy` holds that step's per-token |learner - sampler| log-prob differences
     (fp32 nats, the emitting tokens in row order). Returns the preemption record when SIGTERM
-    stopped the loop early, else None. A Ctrl-C dropped before the loop's own handler took
+    or a first Ctrl-C stopped the loop (after the step it arrived in, the last one included),
+    else None. A Ctrl-C dropped before the loop's own handler took
     over (`ctrl_c.pending`) raises KeyboardInterrupt before the first step."""
     metrics_path = out / "metrics.jsonl" if main else Path(os.devnull)
     if resumed and main:  # drop rows of steps after the checkpoint (rerun)
@@ -208,10 +220,8 @@ def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_jso
     if exp_cfg.run.tensorboard and main:
         from tensorboardX import SummaryWriter
         writer = SummaryWriter(str(out / "tb"), purge_step=start if start else None)
-    bar = None
-    if exp_cfg.run.progress_bar and not quiet and main:
-        from tqdm import tqdm
-        bar = tqdm(total=n_steps, initial=start, desc="GRPO", unit="step")
+    bar = progress_bar(exp_cfg.run.progress_bar and not quiet and main, n_steps, "GRPO", "step",
+                       initial=start, leave=True)
     preempted = None
     try:
         with metrics_path.open("a" if resumed else "w") as f, DeferredSignals() as sigterm:
@@ -248,11 +258,11 @@ def _grpo_loop(exp_cfg: ExperimentConfig, out: Path, learner, model_cfg, tok_jso
                         or sigterm.received):
                     path, _ = save_training_checkpoint(out, done, learner, model_cfg, tok_json,
                                                        exp_cfg, extra_meta=ckpt_meta)
-                if sigterm.received and done < n_steps:
+                if sigterm.received:  # also after the last step: the run stops here
                     preempted = {"preempted_at_step": done, "checkpoint": str(path),
                                  "signal": signal.Signals(sigterm.received).name,
                                  "exit_status": 128 + sigterm.received,
-                                 "resume": f"looprl train CONFIG resume={out}"}
+                                 "resume": resume_command(out)}
                     if main:
                         (out / "preempted.json").write_text(json.dumps(preempted, indent=2)
                                                             + "\n")
@@ -289,6 +299,15 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
     elif exp_cfg.run.resume is not None:
         resume_from = resume_candidates(out, say)
         exp_cfg = load_resume_point(resume_from[0][1], exp_cfg, say)
+        run = exp_cfg.run
+        n_end = run.grpo_steps if run.stop_after is None else min(run.grpo_steps, run.stop_after)
+        finished = finished_summary(out, resume_from[0][0], n_end)
+        if finished is not None:  # nothing to run: the record stays as it is
+            if main:
+                print(f"looprl train: {out} finished at GRPO step {n_end} (summary.json); "
+                      f"nothing to run and nothing changed (a larger grpo_steps continues it)",
+                      file=sys.stderr, flush=True)
+            return {**finished, "already_finished": True}
     sync("looprl-out-dir")  # every process checked out_dir before process 0 writes into it
     if not resume_from and main:
         save_json(without_run_control(exp_cfg), out / "config.json")
@@ -301,6 +320,7 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
                                ctrl_c=ctrl_c))
     ctrl_c.check()
     model_cfg, tokenizer, before = begin.model_cfg, begin.tokenizer, begin.before
+    ref_sha = begin.params_sha256
 
     learner = GRPOLearner(exp_cfg, model_cfg, begin.params, rl_task, tokenizer)
     begin.params = None  # the learner holds its own copy and the reference: free the host tree
@@ -325,8 +345,7 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
                                                       eval_set)["accuracy"])
     if preempted is not None:
         say(f"{preempted['signal']}: stopped after GRPO step {preempted['preempted_at_step']}, "
-            f"checkpoint {preempted['checkpoint']}; continue with: looprl train CONFIG "
-            f"resume={out}")
+            f"checkpoint {preempted['checkpoint']}; continue with: {resume_command(out)}")
         return preempted
     if main:
         (out / "preempted.json").unlink(missing_ok=True)
@@ -349,13 +368,18 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
     save_model_checkpoint(out / "checkpoint", params, model_cfg, tok_json,
                           extra_meta={"stage": "grpo", "grpo_steps": n_steps, **ckpt_meta},
                           overwrite=True)
+    final_sha = params_sha256(params)
+    zero_grad = steps_with_zero_grad(out / "metrics.jsonl", n_steps) if main else None
+    if main and n_steps > 0:
+        warn_no_learning(final_sha != ref_sha, zero_grad, n_steps)
     report = begin.warm_start_report
     summary = {"eval_accuracy_before": before["accuracy"],
                "eval_accuracy_after": after["accuracy"],
                "eval_problems": len(eval_set), "grpo_steps": n_steps,
                "resumed_from_step": None if resume_at is None else start,
                "complete": n_steps == exp_cfg.run.grpo_steps, "stop_after": exp_cfg.run.stop_after,
-               "params_sha256": params_sha256(params),
+               "params_sha256": final_sha, "params_changed": final_sha != ref_sha,
+               "steps_with_zero_grad": zero_grad,
                "replay_exact_steps": replay_exact_steps(out / "metrics.jsonl", n_steps)
                if main else None,
                "wall_s": time.time() - t_start,
@@ -366,7 +390,8 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
                "seed": exp_cfg.run.seed,
                "replay_exact_fraction_min": replay.get("replay_exact_fraction_min"),
                "inexact_replay_steps": replay.get("inexact_replay_steps"),
-               "model_config": model_cfg.to_dict(), "num_params": model_cfg.num_params}
+               "model_config": model_cfg.to_dict(), "num_params": model_cfg.num_params,
+               "environment": {**environment(), "kernel_version": kernel_version()}}
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

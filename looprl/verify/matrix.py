@@ -62,7 +62,7 @@ from looprl.logprobs import METHODS as LEARNER_METHODS
 from looprl.logprobs import (SCHEDULE_UNAWARE, batch_logprobs, forced_replay_logprobs,
                              sequence_logprobs)
 from looprl.logprobs.mismatch import compare_logprobs
-from looprl.kernels import KERNEL_VERSION, kernel_version
+from looprl.kernels import KERNEL_VERSION, KERNEL_VERSION_ORDERED, kernel_version
 from looprl.programs import release_programs_near_map_limit
 from looprl.sampling.kv_policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
@@ -351,15 +351,33 @@ def run_matrix(cfg, weight_sets: dict[str, Any], prompts: list[list[int]], opts:
     return cells
 
 
+def isa_free_match(theirs: str, here: str) -> bool:
+    """True when kernel versions `theirs` and `here` name the ordered CPU kernel and differ at
+    most in the `/<isa>` suffix: the ordered kernel's bits do not depend on the ISA
+    (`looprl.kernels.cpu_kernel_version`), so such a rollout is verified here and its cells
+    compare the bits."""
+    return theirs.split("/")[0] == here.split("/")[0] == KERNEL_VERSION_ORDERED
+
+
 def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpoint", log=print,
                    notes: list[str] | None = None):
-    """The cells of one saved rollout (re-verification). Raises ScheduleError when `params` are
-    not the ones the rollout was sampled with (fingerprint mismatch), or when it was sampled
-    with another version of the invariant kernels (its bits are another function's)."""
+    """The cells of one saved rollout (re-verification). A rollout of the ordered CPU kernel
+    sampled on another ISA is verified (`isa_free_match`, with a note). Raises ScheduleError
+    when `params` are not the ones the rollout was sampled with (fingerprint mismatch), or
+    when it was sampled with another version of the invariant kernels (its bits are another
+    function's)."""
     here = kernel_version()
-    if rb.schedule.kernels == "invariant" and rb.schedule.kernel_version != here:
-        theirs = rb.schedule.kernel_version
-        base = theirs.split("/")[0]
+    theirs = rb.schedule.kernel_version
+    if (rb.schedule.kernels == "invariant" and theirs != here and theirs
+            and isa_free_match(theirs, here)):
+        line = (f"the rollout was sampled with kernel version {theirs}, this machine has "
+                f"{here}: the ordered kernel's bits do not depend on the ISA, so it is verified "
+                f"here")
+        log(f"    note: {line}")
+        if notes is not None:
+            notes.append(line)
+    elif rb.schedule.kernels == "invariant" and theirs != here:
+        base = (theirs or "").split("/")[0]
         if base == here.split("/")[0]:  # this CPU form, sampled on another sgemm ISA
             fix = ("verify it on a machine whose CPU runs the same sgemm kernels (the report's "
                    "env.cpu_isa), or sample it again here")
@@ -370,7 +388,7 @@ def verify_rollout(cfg, params, rb, opts: VerifyOptions, weights: str = "checkpo
         else:
             fix = "sample it again with this version"
         raise ScheduleError(f"rollout was sampled with kernel version "
-                            f"{theirs or '(none recorded: before 2026-12-01)'}"
+                            f"{theirs or '(none recorded)'}"
                             f", this looprl has {here}: its bits come from other "
                             f"kernels; {fix}")
     fp = params_fingerprint(params)

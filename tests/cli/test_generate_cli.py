@@ -171,3 +171,44 @@ def test_num_samples_writes_a_rollout_that_verify_accepts(tmp_path, capsys):
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["summary"]["requirements_met"] and report["summary"]["passed"]
     assert {c["rollout_rows"] for c in report["cells"]} == {3}
+
+
+def test_a_prompt_beyond_the_models_positions_is_an_error_naming_the_counts(tmp_path, capsys):
+    cfg = preset("tiny", max_position_embeddings=32)
+    path = tmp_path / "short"
+    save_model_checkpoint(path, init_params(cfg, 0), cfg, build_char_tokenizer().to_json())
+    rc = main(["generate", "--checkpoint", str(path), "--prompt", "1 + 2 + 3 + 4 + 5 + 6",
+               "--prompt-style", "raw", "--max-new-tokens", "30"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "the prompt has 21 tokens and --max-new-tokens is 30: 51 positions, more than the " \
+           "32" in err
+
+
+def test_generate_takes_the_sampling_settings_the_checkpoint_records(tmp_path, capsys):
+    """As `looprl eval` does: a run's checkpoint records its evaluation's q, KV policy, dtype
+    and kernels; flags still win, and a --fixed-depth drops the recorded threshold."""
+    cfg = preset("tiny")
+    path = tmp_path / "run_ckpt"
+    save_model_checkpoint(path, init_params(cfg, 0), cfg, build_char_tokenizer().to_json(),
+                          extra_meta={"eval": {"exit_threshold": 0.5, "fixed_depth": None,
+                                               "kv_policy": "deferred",
+                                               "compute_dtype": "float32",
+                                               "kernels": "invariant"}})
+
+    def settings(*extra):
+        assert _gen(path, "--json", *extra) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["settings"]
+
+    assert settings() == {"exit_threshold": 0.5, "fixed_depth": None, "kv_policy": "deferred",
+                          "dtype": "float32", "kernels": "invariant"}
+    s = settings("--kv-policy", "copy", "--fixed-depth", "2")
+    assert (s["kv_policy"], s["fixed_depth"], s["exit_threshold"]) == ("copy", 2, 1.0)
+
+
+def test_generate_shows_ids_the_tokenizer_cannot_decode(capsys):
+    from looprl.cli.generate import shown_token
+    tok = build_char_tokenizer()
+    assert shown_token(tok, tok.vocab_size + 3) == f"<id {tok.vocab_size + 3}: not in the " \
+                                                   f"tokenizer>"
+    assert shown_token(tok, tok.encode("7")[0]) == "'7'"

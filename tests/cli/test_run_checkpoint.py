@@ -71,3 +71,28 @@ def test_eval_arithmetic_reproduces_the_runs_eval_after(run, tmp_path, capsys):
     assert res0["task"] == "arithmetic"
     assert res0["thresholds"][0]["pass_at_1"] == summary["eval_accuracy_before"]
     assert res0["thresholds"][0]["mean_exit_loop"] == summary["eval_before"]["mean_exit_loop"]
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "1+2"],
+                                     ["eval", "--out", "EVAL_OUT"],
+                                     ["convert", "--to-hf", "HF_OUT"]])
+def test_a_run_directory_given_as_checkpoint_names_its_checkpoint(run, tmp_path, capsys,
+                                                                  command):
+    """The run directory's config.json is the experiment's: it was read as a model's
+    ("model_type must be 'ouro'"; `eval` first asked for --task)."""
+    argv = [a.replace("EVAL_OUT", str(tmp_path / "ev")).replace("HF_OUT", str(tmp_path / "hf"))
+            for a in command]
+    assert main([argv[0], "--checkpoint", str(run), *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} is a run directory; its checkpoint is {run / 'checkpoint'}" in err
+
+
+def test_generate_on_a_runs_checkpoint_takes_its_evaluation_settings(run, capsys):
+    assert main(["generate", "--checkpoint", str(run / "checkpoint"), "--prompt", "5-7+3+1",
+                 "--json"]) == 0
+    settings = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["settings"]
+    rec = read_checkpoint_meta(run / "checkpoint")["eval"]
+    assert settings == {"exit_threshold": rec["exit_threshold"], "fixed_depth": None,
+                        "kv_policy": rec["kv_policy"], "dtype": rec["compute_dtype"],
+                        "kernels": rec["kernels"]}
+    assert settings["exit_threshold"] == 0.6 and settings["kv_policy"] == "deferred"

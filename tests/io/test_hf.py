@@ -321,3 +321,32 @@ def test_tensor_entry_reads_its_own_bytes_and_names_a_short_read(tmp_path):
         f.truncate(e.offset + 10)
     with pytest.raises(CheckpointError, match="short read"):
         e.read()
+
+
+def test_a_tokenizer_that_does_not_cover_the_vocabulary_is_warned_of(tmp_path, capsys):
+    """convert and load_hf name both counts (the tiny tokenizer: 4 ids, the model 64 rows);
+    a tokenizer of exactly the vocabulary's size gives no warning."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    src = hf.save_hf(random_params(CFG), CFG, tmp_path / "src", "float32",
+                     tokenizer_json=tiny_tokenizer_json())
+    assert main(["convert", "--hf", str(src), "--out", str(tmp_path / "ckpt")]) == 0
+    assert ("looprl convert: warning: the tokenizer covers 4 ids, the model's vocabulary has "
+            f"{CFG.vocab_size}: ids 4..{CFG.vocab_size - 1} cannot be decoded"
+            in capsys.readouterr().err)
+    with pytest.warns(UserWarning, match=f"the tokenizer covers 4 ids, the model's vocabulary "
+                                         f"has {CFG.vocab_size}"):
+        hf.load_hf(src)
+    full = Tokenizer(WordLevel({f"t{i}": i for i in range(CFG.vocab_size + 2)},
+                               unk_token="t0")).to_str()
+    big = hf.save_hf(random_params(CFG), CFG, tmp_path / "big", "float32", tokenizer_json=full)
+    with pytest.warns(UserWarning, match=f"has {CFG.vocab_size + 2} ids, the model's vocabulary "
+                                         f"only {CFG.vocab_size}"):
+        hf.load_hf(big)
+    exact = Tokenizer(WordLevel({f"t{i}": i for i in range(CFG.vocab_size)},
+                                unk_token="t0")).to_str()
+    ok = hf.save_hf(random_params(CFG), CFG, tmp_path / "ok", "float32", tokenizer_json=exact)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.load_hf(ok)

@@ -1,6 +1,7 @@
 """Ctrl-C and SIGTERM handling of `looprl train` (`looprl.train.interrupts`); the whole-run
 cases (Ctrl-C in the warm start and in GRPO, then `resume=`) are in test_resume.py."""
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -117,3 +118,40 @@ def test_a_dropped_ctrl_c_ends_any_command_with_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_command_module", lambda command: types.SimpleNamespace(run=run))
     assert cli.main(["plot", "some_run_dir"]) == 130
     assert capsys.readouterr().err.strip() == "looprl plot: interrupted (Ctrl-C)"
+
+
+class _SigintAtStepLearner:
+    """A learner whose step `at` receives a SIGINT (a Ctrl-C) while it runs."""
+    last_token_abs_delta = None
+
+    def __init__(self, at):
+        self.at = at
+
+    def step(self, step):
+        if step == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return {"step": step, "replay_exact_fraction": 1.0, "reward_mean": 0.5,
+                "mean_exit_loop": 2.0}
+
+
+def test_a_ctrl_c_in_the_last_grpo_step_stops_the_run_after_it(tmp_path, monkeypatch, capsys):
+    """The Ctrl-C is acknowledged ("finishing this GRPO step"), so it is acted on: the loop
+    returns the preemption record with the checkpoint of the last step and the command that
+    continues the run (which then runs the final evaluation), instead of going on as if none
+    had come."""
+    from looprl.train import run as run_module
+    saved = []
+    monkeypatch.setattr(run_module, "save_training_checkpoint",
+                        lambda out, done, *a, **k: (saved.append(done) or (out / f"s{done}",
+                                                                           "sha")))
+    cfg = apply_overrides(load_experiment(ROOT / "experiments" / "tiny_arith_smoke.py"),
+                          ["tensorboard=false", "progress_bar=false",
+                           "checkpoint_every_steps=100"])
+    with CtrlC() as ctrl_c:
+        pre = _grpo_loop(cfg, tmp_path, _SigintAtStepLearner(2), None, "", 0, 3, False, True,
+                         True, {}, ctrl_c)
+    assert "finishing this GRPO step" in capsys.readouterr().err
+    assert pre is not None and pre["preempted_at_step"] == 3 and pre["signal"] == "SIGINT"
+    assert pre["exit_status"] == 130 and saved == [3]
+    assert pre["resume"] == f"looprl train {tmp_path}/config.json resume={tmp_path}"
+    assert json.loads((tmp_path / "preempted.json").read_text()) == pre

@@ -11,6 +11,8 @@ ran after a restore. The SIGTERM test continues a copy of A in this process.
 """
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -172,9 +174,12 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_exactly(runs, tmp_path
     assert signal.getsignal(signal.SIGTERM) is before
     pre = json.loads((c / "preempted.json").read_text())
     assert pre["preempted_at_step"] == 4 and latest_checkpoint(c)[0] == 4
-    assert "resume=" in capsys.readouterr().out
+    printed = re.search(r"continue with: (.+)$", capsys.readouterr().out, re.M).group(1)
+    assert printed == pre["resume"]  # printed and recorded alike
     assert [r["step"] for r in read_jsonl(c / "metrics.jsonl")] == [0, 1, 2, 3]
-    assert main(["train", str(c / "config.json"), f"resume={c}"]) == 0  # a run's config.json
+    # the command as printed (the run's config.json: the overrides need not be given again)
+    argv = shlex.split(printed)
+    assert argv[0] == "looprl" and main(argv[1:]) == 0
     assert not (c / "preempted.json").exists()
     sc = json.loads((c / "summary.json").read_text())
     sa = json.loads((runs["A"] / "summary.json").read_text())
@@ -183,6 +188,37 @@ def test_sigterm_saves_after_the_step_and_the_run_resumes_exactly(runs, tmp_path
         read_jsonl(runs["A"] / "metrics.jsonl"))
     assert_trees_bit_equal(load_train_state(step_dir(c, N_STEPS)),
                            load_train_state(step_dir(runs["A"], N_STEPS)))
+
+
+def test_resume_of_a_finished_run_changes_nothing(runs, tmp_path, capsys):
+    """`resume=` of a run that reached its grpo_steps says so and exits 0 without running the
+    final evaluation again or rewriting summary.json; a fresh run into it names the finished
+    run."""
+    from looprl.cli import main
+    f = tmp_path / "F"
+    shutil.copytree(runs["A"], f)
+    before = {p.relative_to(f): p.read_bytes() for p in f.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", str(f / "config.json"), f"resume={f}"]) == 0
+    err = capsys.readouterr().err
+    assert f"{f} finished at GRPO step {N_STEPS} (summary.json); nothing to run" in err
+    after = {p.relative_to(f): p.read_bytes() for p in f.rglob("*") if p.is_file()}
+    assert after == before
+    assert main(["train", str(f / "config.json"), f"out_dir={f}"]) == 2
+    assert "holds a finished run (summary.json)" in capsys.readouterr().err
+
+
+def test_summary_records_learning_and_the_environment(runs):
+    """summary.json says whether the parameters moved and how many steps had zero gradient,
+    and records the environment (`determinism.environment()`) with the kernel version."""
+    from looprl.kernels import kernel_version
+    s = json.loads((runs["A"] / "summary.json").read_text())
+    rows = read_jsonl(runs["A"] / "metrics.jsonl")
+    assert s["params_changed"] is True
+    assert s["steps_with_zero_grad"] == sum(r["grad_norm"] == 0 for r in rows)
+    env = s["environment"]
+    assert env["kernel_version"] == kernel_version()
+    assert {"jax", "cpu_isa", "git_commit"} <= set(env)
 
 
 # --- no training below ---------------------------------------------------------------------
@@ -337,8 +373,8 @@ def test_ctrl_c_during_grpo_finishes_the_step_checkpoints_and_resumes_exactly(ru
     assert pre["signal"] == "SIGINT" and 1 <= k < N_STEPS
     assert [s for s, _ in complete_checkpoints(d)] == [k]          # written because of Ctrl-C
     assert [r["step"] for r in read_jsonl(metrics)] == list(range(k))
-    assert f"continue with: looprl train CONFIG resume={d}" in out
-    assert main(["train", str(SMOKE), *SHRINK, f"resume={d}"]) == 0
+    assert f"continue with: looprl train {d}/config.json resume={d}" in out
+    assert main(["train", str(d / "config.json"), f"resume={d}"]) == 0
     sa = json.loads((runs["A"] / "summary.json").read_text())
     assert json.loads((d / "summary.json").read_text())["params_sha256"] == sa["params_sha256"]
 
@@ -354,7 +390,8 @@ def test_ctrl_c_during_the_warm_start_leaves_a_run_that_resume_restarts(runs, tm
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out[-3000:]
-    assert "Traceback" not in out and f"resume={e}" in out
+    assert "Traceback" not in out
+    assert f"continue with: looprl train {e}/config.json resume={e}" in out
     assert not complete_checkpoints(e)
     assert main(["train", str(SMOKE), *SHRINK, f"resume={e}", "stop_after=2"]) == 0
     ia = {r["step"]: r["params_sha256"] for r in read_jsonl(runs["A"] / "checkpoints"

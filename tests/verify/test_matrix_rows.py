@@ -1,7 +1,9 @@
 """The matrix's small decode batches (rollouts of 1, 3, 5 rows; cells record `rollout_rows`) and
-the kernel version a rollout records (`verify --rollout` refuses another version's rollout)."""
+the kernel version a rollout records (`verify --rollout` refuses another version's rollout, and
+accepts the ordered CPU kernel's from a machine of another ISA)."""
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
@@ -9,12 +11,15 @@ from looprl.cli import main
 from looprl.errors import ScheduleError
 from looprl.io.checkpoint import save_model_checkpoint
 from looprl.model import init_params, preset
-from looprl.kernels import KERNEL_VERSION, cpu_kernel_version
+from looprl.determinism import cpu_isa
+from looprl.kernels import KERNEL_VERSION, KERNEL_VERSION_ORDERED, cpu_kernel_version
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.sampling.schedule import RolloutBatch
 from looprl.tokenizer import build_char_tokenizer
-from looprl.verify.matrix import VerifyOptions, run_matrix, verify_rollout
+from looprl.verify import matrix
+from looprl.verify.matrix import VerifyOptions, isa_free_match, run_matrix, verify_rollout
 
+ROOT = Path(__file__).resolve().parents[2]
 CFG = preset("tiny", vocab_size=64, num_layers=1)
 PROMPTS = [[1, 5, 6, 7, 2, 1], [1, 9, 2, 1], [1, 8, 8, 9, 10, 2, 1]]
 
@@ -41,14 +46,14 @@ def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
     old = dataclasses.replace(rb, schedule=dataclasses.replace(rb.schedule, kernel_version=""))
     with pytest.raises(ScheduleError, match=f"none recorded.*{re.escape(here)}"):
         verify_rollout(CFG, params, old, VerifyOptions())
-    # a rollout of a machine with another sgemm ISA (its bits are other kernels')
+    # the ordered kernel sampled on another ISA: its bits do not depend on the ISA, so the
+    # version check passes it on (here to the parameter check, as these params are others')
     base = here.split("/")[0]
     other = f"{base}/avx2" if here == base else base
     alien = dataclasses.replace(rb, schedule=dataclasses.replace(rb.schedule,
                                                                  kernel_version=other))
-    with pytest.raises(ScheduleError, match=f"{re.escape(other)}, this looprl has "
-                                            f"{re.escape(here)}.*same sgemm kernels"):
-        verify_rollout(CFG, params, alien, VerifyOptions())
+    with pytest.raises(ScheduleError, match="pass the sampler's --checkpoint"):
+        verify_rollout(CFG, init_params(CFG, 1), alien, VerifyOptions())
     # a rollout of the CPU matmul's XLA form (kernel version KERNEL_VERSION) names the switch
     xla_form = dataclasses.replace(rb, schedule=dataclasses.replace(
         rb.schedule, kernel_version=here.replace(base, KERNEL_VERSION)))
@@ -61,6 +66,35 @@ def test_a_rollout_of_another_kernel_version_is_refused(tmp_path):
     save_model_checkpoint(ckpt, params, CFG, build_char_tokenizer().to_json())
     assert main(["verify", "--rollout", str(path), "--checkpoint", str(ckpt),
                  "--out", str(tmp_path / "rep")]) == 2
+
+
+def test_only_the_ordered_kernel_is_accepted_across_isas(monkeypatch):
+    o = KERNEL_VERSION_ORDERED
+    assert isa_free_match(f"{o}/avx2", o) and isa_free_match(o, f"{o}/avx2")
+    assert not isa_free_match(f"{KERNEL_VERSION}/avx2", KERNEL_VERSION)  # oneDNN's sgemm
+    assert not isa_free_match("2026-12-01/avx2", o) and not isa_free_match("", o)
+    # the XLA matmul form on another ISA is still refused
+    params = init_params(CFG, 0)
+    rb = generate(CFG, params, PROMPTS[:1], SamplingConfig(max_new_tokens=4, exit_threshold=0.5))
+    monkeypatch.setattr(matrix, "kernel_version", lambda: KERNEL_VERSION)
+    xla_avx2 = dataclasses.replace(rb, schedule=dataclasses.replace(
+        rb.schedule, kernel_version=f"{KERNEL_VERSION}/avx2"))
+    with pytest.raises(ScheduleError, match="same sgemm kernels"):
+        verify_rollout(CFG, params, xla_avx2, VerifyOptions())
+
+
+@pytest.mark.parametrize("machine", ["cpu", "cpu_avx2"])
+def test_committed_rollouts_verify_on_either_isa(machine, tmp_path, capsys):
+    """reproducibility/cpu (sampled on AVX-512) and cpu_avx2 (on AVX2): a rollout of each
+    verifies here, whichever of the two ISAs this machine has (the ordered kernel's bits do
+    not depend on it); the verdict is on stdout."""
+    if cpu_isa() not in ("avx512_core", "avx2"):
+        pytest.skip(f"the committed rollouts are of AVX-512 and AVX2 machines, not {cpu_isa()}")
+    rollout = ROOT / "reproducibility" / machine / "rollouts" / "trained_float32_dense_rows1.npz"
+    assert main(["verify", "--rollout", str(rollout), "--quick", "--out",
+                 str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("looprl verify: PASS (2/2 replay cells exact")
 
 
 def test_verify_compares_the_learner_methods_but_hybrid_and_the_schedule_unaware_ones():
