@@ -1,18 +1,16 @@
-"""Where a decode step's attention spends its time: a profile, per XLA op (issue 18).
+"""Where a decode step's attention spends its time: a profile, per XLA op.
 
 `flax_vs_torch_decode_b16` / `_b128` (benchmarks/rollout.py) are missed, and a decode layer of
-the tiny preset at 128 rows spends most of its time in attention (2026-12-03, AVX2 host: 15.6 ms
-of ~17.5 ms per layer and loop; the seven matmuls ~1.7 ms). This script shows what inside the
+the tiny preset at 128 rows spends most of its time in attention (docs/LOG.md). This script shows what inside the
 attention costs it, from a `jax.profiler` trace rather than by guessing: one decode step's
 `kernels.attention` (one query per row, C = 1) at the tiny preset's widths (4 heads of 32) over a
 64-slot cache, for `invariant` and `stock` kernels, each jitted in a `fori_loop` of REPEATS
 calls and traced once, on one XLA thread. Per XLA op (thunk) of the compiled program it
 reports microseconds per call, summed over the trace, largest first (a loop's ops are counted
 themselves, the loop container not; an op XLA hoisted out of the loop is still divided by
-REPEATS); the op names are XLA's (with the CPU's default ordered kernels, since the evening of
-2026-12-03: `ffi_call.N`, the ordered attention kernels, scores and values, reading K/V from
-the cache in place, and the softmax's `rowsum`; before that, the score and value dots batched
-over (row, head), fed by K/V block gathers; with `LOOPRL_KERNELS=cpu-xla`: `dot_general.N`, the same dots as XLA's;
+REPEATS); the op names are XLA's (with the CPU's default ordered kernels: `ffi_call.N`, the
+ordered attention kernels, scores and values, reading K/V from the cache in place, and the
+softmax's `rowsum`; with `LOOPRL_KERNELS=cpu-xla`: `dot_general.N`, the same dots as XLA's;
 `transpose_copy_fusion*`: the rotated K/V block gathers into head-major order;
 `bitcast_pad_fusion*`: the query and probability padding and the masked scores). The dots' share
 counts every op named `dot*` or `ffi_call*`.
@@ -28,8 +26,7 @@ invariant op time and `padded_dots_floor_us`.
 
 Run: `python benchmarks/attention_profile.py` (no arguments; under a minute on 2 CPU cores).
 Last line: JSON. Trace times carry the profiler's small cost per op, and the ratios vary
-between runs on a shared machine (b16 7.4x and 13.8x in two runs of 2026-12-03, before the
-three programs were interleaved): compare the rows of one run, and run it more than once.
+between runs on a shared machine: compare the rows of one run, and run it more than once.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Flax greedy decode vs the PyTorch reference, at one layer of Ouro-1.4B width (issue 18).
+"""Flax greedy decode vs the PyTorch reference, at one layer of Ouro-1.4B width.
 
 `rollout.py`'s `flax_vs_torch_decode_b{1,16,128}` compare the two on the tiny preset (4 heads of
 32, hidden 128), where a decode step is a few hundred small dots and per-call overhead decides
@@ -29,8 +29,8 @@ Eigen threading as in the decode (`benchmarks/kernels.py` pins one thread), and 
 
 `flax_vs_torch(...)` is the one comparison, shared with `rollout.py`.
 
-Run: `python benchmarks/decode_vs_torch.py` (no arguments; budget 400 s on 2 CPU cores: 415 s on
-the slow AVX2 host of 2026-12-03). Last line: JSON.
+Run: `python benchmarks/decode_vs_torch.py` (no arguments; budget 400 s on 2 CPU cores). Last
+line: JSON.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where postponing loops pays: `deferred` over `dense` by rows per device.
 
-The measurement behind `looprl.sampling.policies.auto_max_pending`'s rule (a pending window of 0,
+The measurement behind `looprl.sampling.kv_policies.auto_max_pending`'s rule (a pending window of 0,
 dense's execution, from AUTO_DENSE_ROWS = 16 rows per device on). For each model and row count,
 in one process, side by side (`rollout._measure_group`: one warm-up call each, then REPEATS
 interleaved rounds, medians of the decode seconds): `dense`, `deferred` with a postponing

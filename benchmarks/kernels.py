@@ -11,9 +11,7 @@ call is ~10 s on one core); its 4096-row memory is still measured. Peak memory =
 bytes of `compile().memory_analysis()`. XLA runs with looprl's flags and one intra-op thread
 (`--xla_cpu_multi_thread_eigen=false`, recorded).
 
-Run: `python benchmarks/kernels.py` (no arguments; 12-13 minutes on the 2-core AVX2 host of
-2026-12-04 with 1 pair above 300 rows, over its 600 s budget, and 253-296 s on a 2-core AVX-512
-AMD EPYC the same day, 259-271 s with 5 pairs:
+Run: `python benchmarks/kernels.py` (no arguments; its run times per host are in docs/LOG.md;
 `section_seconds` gives the wall seconds of the matmul, attention, sampler and learner parts). The
 last line is a JSON object with `matmul_vs_stock_large_1p4b` (worst ratio at M >= 256),
 `matmul_vs_stock_small_1p4b` (worst at M <= 16) and `matmul_peak_mem_vs_stock_1p4b` (worst memory
@@ -30,7 +28,7 @@ same arguments (the sampler's stock path too attends over the whole masked cache
 interleaved pairs; `attention_decode_vs_stock_1p4b` is the worst. The invariant form runs only
 the 128-key blocks that hold a live key, so its cost follows `live`; stock's follows the cache.
 
-Two whole-program figures (issue 14), on one layer of Ouro-1.4B width (`preset("ouro-1.4b",
+Two whole-program figures, on one layer of Ouro-1.4B width (`preset("ouro-1.4b",
 num_layers=1)`: hidden 2048, 16 heads x 128, MLP 5632, the full 49152 vocabulary, T = 4) with
 random weights (`init_params(cfg, 0)`, exit-gate bias 0; at q = 0.5 the sampled tokens exit at
 loops 1/2/3/4 about 35/47/13/5%, mean exit loop ~1.9), both invariant / stock, lower is better:
@@ -40,8 +38,8 @@ loops 1/2/3/4 about 35/47/13/5%, mean exit loop ~1.9), both invariant / stock, l
   `dense`, fp32 compute, q = 0.5, temperature 1, row compaction on (the defaults). Under `dense`
   every live row runs all T loops at every step (the exits only pick the hidden state the
   lm_head reads), so both calls do the same work. Whole calls (prefill + 63 decode steps), one
-  warm-up (compile) call each, then SAMPLER_REPEATS = 2 interleaved pairs (3 until 2026-12-04:
-  a pair is ~70 s of the budget); `sampler_invariant_s`, `sampler_stock_s` are the medians.
+  warm-up (compile) call each, then SAMPLER_REPEATS = 2 interleaved pairs (a pair is a large
+  share of the budget); `sampler_invariant_s`, `sampler_stock_s` are the medians.
   fp32 only: a bf16 pair would not fit the 600 s budget.
 - `hybrid_vs_stock_step_1p4b`: one learner step, the jitted `jax.value_and_grad` of the sum of
   the learner's log-probs (`looprl.logprobs.methods.sequence_logprobs`, KV policy `dense`, fp32,
@@ -103,10 +101,8 @@ def _repeats(name: str, m: int) -> int:
     than the lm_head: with 5, q/k/v/o fp32 at 2 rows read 0.83-0.92 in three runs and 1.87 in a
     fourth whose stock median was 1.4 ms against 2.3-4.0), 5 for the lm_head's, 3 up to 300
     rows and 5 above (1 for the lm_head at 1000 rows, a ~5 s pair). The large-M figure is the
-    worst of 30 ratios, so one noisy median decides it: with 3 pairs above 300 rows, down bf16
-    at 4096 rows read 1.27 in one run (2026-12-04, every other large ratio <= 1.16) and 1.10 /
-    1.12 in two runs of its own beside it; with 1 pair (until 2026-12-04 morning) the figure
-    was a single ratio."""
+    worst of 30 ratios, so one noisy median decides it: more pairs there keep one noisy run from
+    deciding it (docs/LOG.md)."""
     if m <= 16:
         return 5 if name == "lm_head" else 15
     if name == "lm_head" and m > 300:

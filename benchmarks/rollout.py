@@ -61,7 +61,7 @@ WIDE_ROWS, WIDE_NEW, WIDE_GATE_BIAS = 64, 8, -1.0  # one ouro-1.4b-width layer
 THRESHOLDS = (0.9,)  # the b1/b16 sweep (q = 0.5: the 256-row RL batch, `_rl_batch`)
 B1_Q = 0.9  # mean exit loop <= 2.0 with the trained gate (`b1_mean_exit_at_most_2`)
 POLICIES = ("dense", "deferred", "copy")
-# the sampler's default pending bound (policies.auto_max_pending): 0 from 16 rows per device,
+# the sampler's default pending bound (kv_policies.auto_max_pending): 0 from 16 rows per device,
 # dense's execution, as postponing loops costs more than it saves at these sizes on a CPU
 MAX_PENDING = None
 RL_MAX_PENDING = 4  # an explicit bound of 4, reported at b1 (`deferred_mp4`)

@@ -1,4 +1,4 @@
-"""GRPO on GSM8K for the released Ouro-1.4B (a GPU/TPU job; see README "Running the real Ouro
+"""GRPO on GSM8K for the released Ouro-1.4B (a GPU/TPU job; see docs/GUIDE.md "Running the real Ouro
 configs"). Nothing here has been run at this scale yet: no figures are claimed.
 
 Needs a converted checkpoint (the weights are not downloadable from this repository):

@@ -49,8 +49,8 @@ def recorded_prompt_style(meta: dict, checkpoint) -> str:
     if meta.get("prompt_style"):
         return meta["prompt_style"]
     if meta.get("stage"):
-        print(f"looprl generate: warning: {checkpoint} records no prompt style (written before "
-              f"2026-12-01); framing the prompt as ChatML, pass --prompt-style (compact for "
+        print(f"looprl generate: warning: {checkpoint} records no prompt style (an older "
+              f"checkpoint); framing the prompt as ChatML, pass --prompt-style (compact for "
               f"the arithmetic task)", file=sys.stderr, flush=True)
     return "chatml"
 
@@ -106,7 +106,7 @@ def check_finite_logprobs(lps, toks, checkpoint) -> None:
 def generation_timings(timings: dict, n_tokens: int) -> dict:
     """{prefill_s, decode_s (wall seconds, compilation included), decode_tokens_per_s,
     kv_cache_bytes}: the tokens after the first (prefill emits the first) over the decode
-    seconds, 0.0 when no decode step ran; the KV cache's bytes (`policies.kv_cache_bytes`)."""
+    seconds, 0.0 when no decode step ran; the KV cache's bytes (`state.kv_cache_bytes`)."""
     decode_s = float(timings.get("decode_s", 0.0))
     rate = (n_tokens - 1) / decode_s if decode_s > 0 and n_tokens > 1 else 0.0
     return {"prefill_s": float(timings["prefill_s"]), "decode_s": decode_s,

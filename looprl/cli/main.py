@@ -74,7 +74,7 @@ def _add_train(sub):
                    help="print every config key of CONFIG with its value and type, then exit")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. out_dir=runs/x seed=1 stop_after=4")
-    d = p.add_argument_group("multi-host (jax.distributed; see README 'Multi-device and "
+    d = p.add_argument_group("multi-host (jax.distributed; see docs/GUIDE.md 'Multi-device and "
                              "multi-host')")
     d.add_argument("--coordinator", metavar="HOST:PORT", default=None,
                    help="process 0's address (default: $LOOPRL_COORDINATOR)")

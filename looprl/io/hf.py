@@ -12,7 +12,7 @@ looprl convention (`looprl.model.looped.param_dict`): `embed_tokens` `[V, D]`,
 `early_exit_gate.kernel` `[D, 1]`, `.bias` `[1]`, `lm_head` `[D, V]`.
 
 Safetensors files are read and written by `looprl.io.safetensors_file`. Both directions
-stream (issue 19): a tensor is read from its byte range when it is converted and dropped after,
+stream: a tensor is read from its byte range when it is converted and dropped after,
 straight into the preallocated fp32 leaf it belongs to, and an export writes the header (known
 from the shapes) and then one tensor at a time. Peak host memory is the fp32 tree plus one
 tensor, never two trees. F32, BF16 and F16 tensors are read; widening to fp32 is exact, so

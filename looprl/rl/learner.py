@@ -3,12 +3,11 @@
 1. rollout (`_rollout`): G completions for each of N train problems, sampled with the learner's
    parameters, the schedule recorded;
 2. rewards (`completion_rewards`) and group advantages (`_advantages`);
-3. replay check and measurements at the sampler's parameters (`_at_sampler`): the replay's
-   raw-bit match with the recorded log-probs (`replay_exact_fraction`; with
-   `learner.require_exact` an inexact step raises TrainingError before any update),
-   `stock_max_abs_diff`, the k3 KL to the frozen reference, the learner's own mismatch;
-4. updates (`_updates`): `ppo_epochs` x `minibatches` optax updates, each on its microbatches'
-   summed gradients (split-invariant: `looprl.rl.grpo.aggregate_loss`);
+3. replay check at the sampler's parameters (`_at_sampler`): `replay_exact_fraction` (with
+   `learner.require_exact`, an inexact step raises TrainingError before any update),
+   `stock_max_abs_diff`, the k3 KL to the frozen reference, the learner's mismatch;
+4. updates (`_updates`): `ppo_epochs` x `minibatches` optax updates on summed microbatch
+   gradients (split-invariant: `looprl.rl.grpo.aggregate_loss`);
 5. metrics (`_metrics`): one flat row, with `rollout_sha256` of what was sampled.
 The learner's log-probs are `hybrid` by default, so the first update's ratio is exactly 1. A
 non-finite loss or gradient raises TrainingError naming the step before anything is written.
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
+from looprl import kernels as kn
 from looprl.config import ExperimentConfig
 from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
@@ -39,25 +39,27 @@ from looprl.sampling.sampler import generate
 from looprl.sampling.schedule import params_fingerprint
 
 
+def _exact_by_construction(backend: str | None) -> bool:
+    """A CPU kernel form is in force (`docs/NUMERICS.md`); `backend` ("cpu", "gpu") overrides."""
+    return backend == "cpu" if backend is not None else kn.current_form().cpu
+
+
 def resolve_replay_impl(exp_cfg: ExperimentConfig, backend: str | None = None) -> str:
-    """`learner.replay_impl` with "auto" resolved: "invariant" on XLA CPU with invariant sampler
-    kernels (where the dense pass reproduces the sampler bit for bit), "forced" otherwise."""
-    impl = exp_cfg.learner.replay_impl
-    if impl != "auto":
-        return impl
-    backend = backend or jax.default_backend()
-    return "invariant" if backend == "cpu" and exp_cfg.rollout.kernels == "invariant" else "forced"
+    """`learner.replay_impl` with "auto" resolved: "invariant" under a CPU kernel form with
+    invariant sampler kernels (the dense pass reproduces the sampler), "forced" otherwise."""
+    if exp_cfg.learner.replay_impl != "auto":
+        return exp_cfg.learner.replay_impl
+    exact = _exact_by_construction(backend) and exp_cfg.rollout.kernels == "invariant"
+    return "invariant" if exact else "forced"
 
 
 def resolve_require_exact(exp_cfg: ExperimentConfig, replay_impl: str,
                           backend: str | None = None) -> bool:
-    """`learner.require_exact` with none (auto) resolved: true where the README claims exact
-    replay (XLA CPU, `rollout.kernels=invariant`, `replay_impl` resolved to "invariant"), false
-    elsewhere (forced replay and GPU/TPU, where exactness is measured rather than claimed)."""
+    """`learner.require_exact` with none (auto) resolved: true where exact replay is claimed (a
+    CPU form, invariant kernels, invariant replay), false where it is measured, not claimed."""
     if exp_cfg.learner.require_exact is not None:
         return bool(exp_cfg.learner.require_exact)
-    backend = backend or jax.default_backend()
-    return (backend == "cpu" and exp_cfg.rollout.kernels == "invariant"
+    return (_exact_by_construction(backend) and exp_cfg.rollout.kernels == "invariant"
             and replay_impl == "invariant")
 
 
@@ -234,8 +236,7 @@ class GRPOLearner:
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any]:
-        """Run GRPO step `step`: rollout, rewards, the replay check and measurements at the
-        sampler's parameters, the optimizer updates, and the step's metrics (returned)."""
+        """Run GRPO step `step` in its five phases (module doc); returns the metrics row."""
         t0 = time.perf_counter()
         problems, batch = self._rollout(step)
         rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch,

@@ -51,7 +51,7 @@ RESUMABLE_KEYS = ("run.out_dir", "run.resume", "run.stop_after", "run.checkpoint
                   "run.keep_checkpoints", "run.tensorboard", "run.progress_bar",
                   "run.grpo_steps",
                   # the device layout: a run continues on another mesh or device count
-                  # (checkpoints restore on any; issue 7)
+                  # (checkpoints restore on any)
                   "mesh.data", "mesh.fsdp", "mesh.tensor")
 
 

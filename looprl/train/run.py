@@ -291,7 +291,7 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
            ctrl_c: CtrlC) -> dict[str, Any]:
     t_start = time.time() if t_start is None else t_start
     out = prepare_out_dir(exp_cfg)
-    main = is_main_process()  # only process 0 writes logs, metrics and reports (issue 7)
+    main = is_main_process()  # only process 0 writes logs, metrics and reports
     say = (lambda *a: None) if quiet or not main else (lambda *a: print(*a, flush=True))
     resume_from: list[tuple[int, Path]] = []  # complete training checkpoints, newest first
     if exp_cfg.run.resume is not None and not checkpoint_candidates(out):
