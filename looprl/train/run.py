@@ -1,42 +1,17 @@
-"""`looprl train CONFIG [key=value ...]`: warm start, evaluation, GRPO, evaluation (DESIGN.md §6).
+"""`looprl train CONFIG [key=value ...]`: warm start, evaluation, GRPO, evaluation
+(docs/DESIGN.md §6).
 
-The run directory (`run.out_dir`) receives:
-  config.json            the resolved experiment config
-  warm_start_curve.json  the warm start's report (stage-I curve with held-out accuracy, stage II)
-  warm_start/            looprl checkpoint of the warm-started params (the GRPO reference);
-                         with the warm start off and `model.checkpoint` given, instead
-  reference.json         {"checkpoint": that directory, "params_sha256"} (no multi-GB copy;
-                         a resume checks the SHA-256)
-  eval_before.json       the held-out evaluation of the warm-started model (reused on resume)
-  metrics.jsonl          one object per GRPO step (`looprl.rl.learner.GRPOLearner.step`)
-  tb/                    TensorBoard events (tensorboardX) of the same scalars
-  checkpoints/           training checkpoints `step_{N:08d}/` every `run.checkpoint_every_steps`
-                         steps, at the last step run and on SIGTERM; the newest
-                         `run.keep_checkpoints` are kept; `index.jsonl` lists step and
-                         params_sha256 of each (`looprl.train.resume`)
-  checkpoint/            final looprl checkpoint (params + model_config.json + tokenizer.json)
-  summary.json           eval_accuracy_before/after, eval_problems, grpo_steps,
-                         resumed_from_step, params_sha256, wall_s,
-                         replay_exact_fraction_min, inexact_replay_steps, params_changed,
-                         steps_with_zero_grad, model_config (the model's actual shape),
-                         num_params, environment (`determinism.environment()` and
-                         kernel_version), ...
-  failure.json           only when a step failed (non-finite loss/gradient): the diagnostic
-  preempted.json         only when SIGTERM or Ctrl-C stopped the run: the step, the signal and
-                         the checkpoint to resume
+The run directory (`run.out_dir`): config.json, warm_start_curve.json, warm_start/ (or
+reference.json naming a given checkpoint), eval_before.json, metrics.jsonl, tb/, checkpoints/,
+checkpoint/, summary.json, and failure.json / preempted.json when a step failed or a signal
+stopped the run (each file described in docs/GUIDE.md, "What a run leaves").
 
-A fresh run into a non-empty out_dir is a ConfigError. `resume=RUN_DIR` (out_dir = RUN_DIR, set
-from it when not given on the command line) continues from the newest complete training
-checkpoint, skipping the warm start and the evaluation before GRPO, and gives the same
-parameters, batches and samples as an uninterrupted run; of a run that finished at the requested
-end it says so and changes nothing. The printed and recorded resume command is
-`looprl train RUN_DIR/config.json resume=RUN_DIR`. `stop_after=k` stops once k GRPO steps
-(counted from the start of the run) are done, with a checkpoint at step k. SIGTERM during GRPO
-and a first SIGINT (Ctrl-C) finish the current step (the last one too), save a checkpoint and
-return `{"preempted_at_step": k, "signal", "exit_status", ...}` (exit status 143 or 130 from the
-CLI); a second SIGINT aborts at once (130). A run interrupted before its first training checkpoint (in
-the warm start or the evaluation before GRPO) resumes by running its start again: its partial
-outputs are removed and the warm start runs from its first step (same config, same bits).
+A fresh run into a non-empty out_dir is a ConfigError. `resume=RUN_DIR` continues from the
+newest complete training checkpoint with the same bits as an uninterrupted run (a finished run
+is left unchanged); the printed resume command is `looprl train RUN_DIR/config.json
+resume=RUN_DIR`. `stop_after=k` stops after GRPO step k with a checkpoint. SIGTERM and a first
+Ctrl-C finish the current step and checkpoint (exit 143 / 130); a second Ctrl-C aborts. A run
+stopped before its first training checkpoint resumes by running its start again.
 """
 from __future__ import annotations
 

@@ -1,47 +1,18 @@
-"""The reproducibility matrix of DESIGN.md §5 (`looprl verify`, `looprl.cli.verify`; the report
-is `looprl.verify.report`).
+"""The reproducibility matrix of docs/DESIGN.md §5 (`looprl verify`; the report is
+`looprl.verify.report`).
 
-Cells: compute dtype {float32, bfloat16} x KV policy {dense, deferred, copy} x weights {random,
-trained} x learner batching {same, different} x parameters {sampler, updated} (x devices {1, N}
-when N > 1 devices are visible), each with the methods `replay`, `dense` and `stock`.
-
-- One rollout per (weights, dtype, policy) at q < 1, temperature 1, untruncated, stop ids off
-  (every row decodes `max_new_tokens`, so each cell holds rows x max_new_tokens >= 512 sampled
-  tokens; EOS handling is covered by tests/sampling). The rollout is reused by every batching,
-  parameter set and method of its cells.
-- `same` batching: the learner sees the rollout's rows in order, as one batch. `different`: a
-  random permutation of the rows in minibatches of half the rollout's size.
-- `sampler` params: compared with the rollout's recorded log-probs. `updated`: params one AdamW
-  step (a policy-gradient loss on hybrid log-probs with random +-1 advantages) away; the learner
-  runs on the rollout with its log-probs removed (`without_logprobs`) and is compared with the
-  sampler re-run in forced mode at the updated params.
-- devices N (when N > 1 devices are visible): the rollout sampled again with its rows split
-  across N devices, and its learner on the same split (`looprl.distributed.mesh`: every device
-  runs the one-device program on its rows, parameters all-gathered), `same` batching; these
-  cells also report `exact_fraction_vs_one_device_sampler` (informative).
-
-Per cell: `exact_fraction` (raw bits equal, as uint32), `max_abs_diff`, `mean_abs_diff`, `k3_kl`
-(mean over sampled tokens of the k3 estimate of KL(learner || sampler)). A `replay` cell passes
-only at exact fraction 1.0; `negative_control` lists the `stock` cells, each of which must show
-mismatches (exact < 1) while staying within 1e-4 of the sampler in fp32. `replay_impl` says how
-a replay cell was computed: `invariant` (the learner's dense pass under stop_gradient, the
-default) or `forced` (the sampler re-run in forced mode on the whole recorded batch,
-`looprl.logprobs.methods.forced_replay_logprobs`; only with `--replay-impl auto`, for cells
-whose invariant replay is not exact, and then the invariant result stays in the report as
-`invariant_exact_fraction`; and always for a rollout sampled with `kernels="stock"`, which
-`batch_logprobs` replays by the forced re-run since no invariant pass reproduces it).
-
-Requirements (per cell `requirements_unmet`, a list of reasons; `requirements_met` is its
-emptiness): at least `min_tokens` (512) sampled tokens, the Q-exit rule with q < 1 (not a fixed
-depth), and at least `min_early_exit_fraction` (20%) of tokens exiting before loop T. A cell whose
-rollout misses them fails whatever its bits; the console and report.md say which. With batch
-size 1 the `different` batching is the `same` one (a permutation of one row), so its cells are
-skipped and `notes` in the report says so.
-
-Bits hold for one jax/jaxlib build, backend, CPU model / device kind and thread count; the
-report's `env` records them. The CLI pins XLA CPU to one intra-op thread by appending
-`--xla_cpu_multi_thread_eigen=false` to XLA_FLAGS (with looprl's required
-`--xla_cpu_use_fusion_emitters=false`, see `looprl.determinism`) unless the user set them.
+Cells: dtype {float32, bfloat16} x KV policy {dense, deferred, copy} x weights {random, trained}
+x learner batching {same: the rows in order; different: permuted, in half-size minibatches} x
+parameters {sampler; updated: one AdamW step away, compared with the sampler re-run in forced
+mode} (x devices {1, N} when N > 1 are visible), each with the methods `replay`, `dense` and
+`stock`. One rollout per (weights, dtype, policy): q < 1, temperature 1, untruncated, stop ids
+off, so every cell holds >= 512 sampled tokens. A `replay` cell passes only at exact fraction
+1.0 (raw bits, as uint32); each `stock` cell is a negative control that must mismatch while
+staying within 1e-4 in fp32. `replay_impl` is `invariant` (the learner's dense pass) or `forced`
+(`--replay-impl auto` where the invariant pass is inexact; always for a stock-sampled rollout).
+A cell whose rollout misses the requirements (`min_tokens`, q < 1, `min_early_exit_fraction`)
+fails whatever its bits. Bits hold for one jax build, backend, CPU model and thread count (the
+report's `env`); the CLI pins XLA CPU to one intra-op thread unless the user set it.
 """
 from __future__ import annotations
 
