@@ -93,7 +93,8 @@ def _data_kwargs(args, name: str, task_kwargs: dict[str, Any]) -> None:
             task_kwargs[key] = given or task_kwargs.get(key) or options[key]
         elif given is not None:
             readers = [n for n in task_names() if key in task_class(n).data_options]
-            raise ConfigError(f"{flag}: only the {' and '.join(readers)} task reads data files, "
+            raise ConfigError(f"{flag}: only the {' and '.join(readers)} "
+                              f"task{'s read' if len(readers) > 1 else ' reads'} {key}, "
                               f"found --task {name}")
 
 

@@ -105,6 +105,15 @@ class TaskConfig(_Section):
     # eval.eval_problems), train stream = train.jsonl in seeded epochs (seed data_seed)
     data_dir: str = "../shared/data/gsm8k"  # relative: to the working directory, else the repo root
     source: TaskSource = "jsonl"          # 'hub': openai/gsm8k through the `datasets` package
+    # math knobs (looprl.tasks.math_jsonl; data_dir as above): file names (none: train.jsonl,
+    # test.jsonl), record field names, inclusive level bounds (none: no bound)
+    train_file: Optional[str] = None
+    eval_file: Optional[str] = None
+    problem_key: str = "problem"
+    answer_key: str = "answer"
+    level_key: str = "level"
+    min_level: Optional[float] = None
+    max_level: Optional[float] = None
 
     def _validate(self):
         self._require(len(self.train_datasets) > 0, "train_datasets", "at least one dataset")
@@ -120,6 +129,8 @@ class TaskConfig(_Section):
         self._require(self.solution_style in (None, "steps", "answer"), "solution_style",
                       "'steps', 'answer' or none")
         self._require(len(self.data_dir) > 0, "data_dir", "a non-empty path")
+        self._require(self.min_level is None or self.max_level is None
+                      or self.min_level <= self.max_level, "min_level", "<= max_level")
 
 
 @dataclasses.dataclass(frozen=True)
