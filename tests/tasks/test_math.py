@@ -25,6 +25,13 @@ def test_shipped_files_load_with_levels_and_symbolic_golds():
     train = [task.train_problem(i).prompt for i in range(9)]
     assert len(set(train)) == 9 and held[0].prompt not in train
     assert task.train_problem(9).prompt in train  # epoch 2 starts
+    # the recorded config rebuilds the same task (`looprl eval` on a run's checkpoint)
+    again = get_task("math", **task.config())
+    assert again.fingerprint() == task.fingerprint()
+    assert [again.train_problem(i).prompt for i in range(9)] == train
+    other = get_task("math", data_dir=str(DATA), seed=1)
+    reseeded = [other.train_problem(i).prompt for i in range(9)]
+    assert reseeded != train and sorted(reseeded) == sorted(train)  # another order, same set
 
 
 def test_level_bounds_filter_and_drop_records_without_a_level():
