@@ -184,7 +184,7 @@ def candidate_value(candidate: str, words: bool = True, latex: bool = False) -> 
       * numbers joined by operators (`144/2`, `144 \\div 2`, `48 + 24`, `5 x 3`, `5 × 3`, `2^{10}`)
         go to math-verify (only the arithmetic prefix: `$10/hour` is the number 10, not a
         division), except the scientific forms `a \\times 10^{n}` / `10^{n}` (braces optional),
-        which are their exact decimal (`3.5 \\times 10^{2}` -> 350, `10^{3}` -> 1000);
+        which are their exact decimal (`3.5 \\times 10^{2}` -> 350, `10^{3}` -> 1000; |n| <= 100);
       * otherwise its first number (sign kept; `18.00` stays `18.00`).
     """
     c = _collapse_signed_parens(_clean(candidate))
@@ -205,9 +205,10 @@ def candidate_value(candidate: str, words: bool = True, latex: bool = False) -> 
     m = _ARITHMETIC_RE.match(c)  # numbers joined by operators: `144/2`, `10^8`; not `10/hour`
     if m:
         sci = _SCI_RE.fullmatch(m.group(0).strip())
-        if sci:  # `3.5 * 10^2`, `10^3`: the exact decimal
+        exponent = int(sci.group(2) or sci.group(3)) if sci else None
+        if sci and abs(exponent) <= 100:  # `3.5 * 10^2`, `10^3`: the exact decimal
             mantissa = (sci.group(1) or "1").replace(" ", "")
-            return _decimal_string(Decimal(mantissa).scaleb(int(sci.group(2) or sci.group(3))))
+            return _decimal_string(Decimal(mantissa).scaleb(exponent))
         return m.group(0).strip()
     m = _NUM_RE.search(c)
     if m is None:

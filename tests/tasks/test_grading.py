@@ -216,3 +216,8 @@ def test_forms_grade_by_value_never_by_first_number(completion, value, right, wr
 def test_near_misses_keep_their_number(completion, value):
     assert extract_answer(completion) == value
     assert grade_answer(completion, value) == 1.0
+
+
+def test_a_huge_exponent_is_not_written_out():
+    assert extract_answer("\\boxed{10^{100}}") == "1" + "0" * 100
+    assert extract_answer("\\boxed{10^{999999999}}") == "10^999999999"  # math-verify's, as is
