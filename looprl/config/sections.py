@@ -267,6 +267,8 @@ class GRPOConfig(_Section):
     adv_std_floor: float = 1e-6
     mask_truncated: bool = False          # completions cut by the length limit leave the loss
     skip_zero_advantage_steps: bool = True  # no signal: params and optimizer state untouched
+    dynamic_sampling: bool = False        # DAPO: equal-reward groups dropped, batch refilled
+    dynamic_sampling_max_batches: int = 3  # rounds of prompts_per_step prompts at most
     token_entropy: bool = True            # metric token_entropy: one more pass per step
     kl_beta: float = 0.0                  # k3 KL to the frozen reference (warm-started) policy
     tis_cap: Optional[float] = None       # truncated importance sampling cap C; none = off
@@ -274,6 +276,8 @@ class GRPOConfig(_Section):
     loop_credit_alpha: float = 1.0        # exponent of `progressive`
 
     def _validate(self):
+        self._require(self.dynamic_sampling_max_batches >= 1, "dynamic_sampling_max_batches",
+                      "an int >= 1")
         self._require(self.cispo_clip_high > 0, "cispo_clip_high", "a float > 0")
         self._require(self.cispo_clip_low is None or 0 <= self.cispo_clip_low
                       < self.cispo_clip_high, "cispo_clip_low",

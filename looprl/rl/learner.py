@@ -32,6 +32,7 @@ from looprl.logprobs import batch_logprobs, forced_replay_logprobs, live_seq_len
 from looprl.logprobs.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
+from looprl.rl.dynamic_sampling import dynamic_rollout
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
 from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
 from looprl.rl.rollout import completion_rewards, sampling_config
@@ -242,7 +243,11 @@ class GRPOLearner:
     def step(self, step: int) -> dict[str, Any]:
         """Run GRPO step `step` in its five phases (module doc); returns the metrics row."""
         t0 = time.perf_counter()
-        problems, batch = self._rollout(step)
+        ds = {}
+        if self.exp_cfg.grpo.dynamic_sampling:
+            problems, batch, ds = dynamic_rollout(self, step)
+        else:
+            problems, batch = self._rollout(step)
         rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch,
                                         self.exp_cfg.rollout.group_size)
         rollout_s = time.perf_counter() - t0
@@ -256,8 +261,9 @@ class GRPOLearner:
         keep = ~truncated if g.mask_truncated else np.ones_like(truncated)
         if g.mask_truncated:
             arrays["keep"] = keep.astype(np.int32)
-        extra = {"truncated_fraction": float(truncated.mean()),
-                 "token_entropy": token_entropy(self.params, arrays, self.spec, self.mesh)
+        extra = {**ds, "truncated_fraction": float(truncated.mean()),
+                 "token_entropy": token_entropy(self.params, arrays, self.spec, self.mesh,
+                                                self.exp_cfg.learner.microbatch_size)
                  if g.token_entropy else None}
         # no signal: the policy term's gradient is exactly 0 and no other term is on
         skip = (g.skip_zero_advantage_steps and g.kl_beta == 0 and not self.spec.train_gate

@@ -43,16 +43,24 @@ def _entropy_BxS(params, tokens, pad, exit_loop, kv_depth, *, spec):
     return (jnp.where(exit_loop > 0, ent.reshape(B, S), 0.0),)
 
 
-def token_entropy(params, arrays: dict[str, np.ndarray], spec, mesh=None) -> float:
+def token_entropy(params, arrays: dict[str, np.ndarray], spec, mesh=None,
+                  rows_per_call: int = 0) -> float:
     """Mean entropy (nats) of the sampled distribution over the emitting positions of the
-    learner's arrays (`tokens`, `pad`, `exit_loop`, `kv_depth`, `[B, S]`); 0.0 with none."""
-    args = tuple(arrays[k] for k in ("tokens", "pad", "exit_loop", "kv_depth"))
-    if mesh is not None:
-        (ent,) = row_sharded_call(_entropy_BxS, mesh, (params,), args, static={"spec": spec})
-    else:
-        (ent,) = _entropy_BxS(params, *map(jnp.asarray, args), spec=spec)
+    learner's arrays (`tokens`, `pad`, `exit_loop`, `kv_depth`, `[B, S]`); 0.0 with none.
+    `rows_per_call` rows at a time (0: all), as the loss takes microbatches: the logits of a
+    call are `[rows, S, V]` fp32."""
     emit = arrays["exit_loop"] > 0
-    return float(np.asarray(ent, np.float64)[emit].mean()) if emit.any() else 0.0
+    B = emit.shape[0]
+    step = rows_per_call or B
+    parts = []
+    for u in range(0, B, step):
+        args = tuple(arrays[k][u:u + step] for k in ("tokens", "pad", "exit_loop", "kv_depth"))
+        if mesh is not None:
+            (ent,) = row_sharded_call(_entropy_BxS, mesh, (params,), args, static={"spec": spec})
+        else:
+            (ent,) = _entropy_BxS(params, *map(jnp.asarray, args), spec=spec)
+        parts.append(np.asarray(ent, np.float64))
+    return float(np.concatenate(parts)[emit].mean()) if emit.any() else 0.0
 
 
 def is_weight_metrics(own_lp, recorded, emit, tis_cap: float | None, measured: bool
@@ -77,13 +85,13 @@ def is_weight_metrics(own_lp, recorded, emit, tis_cap: float | None, measured: b
 def step_metrics(learner, step: int, batch, rewards, adv, at, upd, extra: dict[str, Any],
                  rollout_s: float, learner_s: float) -> dict[str, Any]:
     """The step's metrics row: `learner` a `GRPOLearner`, `at` its `_AtSampler`, `upd` its
-    `_Updates` (empty on a skipped step: grad_norm and loss 0.0, the ratios NaN), `extra` the
+    `_Updates` (empty on a skipped step: grad_norm and loss 0.0, the ratios None), `extra` the
     figures computed elsewhere (`token_entropy`, `truncated_fraction`, `update_skipped`)."""
     wmean = upd.weighted_mean
     emit, recorded = at.emit, at.recorded
     comp = np.asarray(batch.completion_len_B)
     ran = bool(upd.grad_norms)
-    nan = float("nan")
+    none = None  # a skipped step has no ratios
     out = {"step": step, "reward_mean": float(rewards.mean()),
            "reward_std": float(rewards.std()), "accuracy": float(np.mean(rewards == 1.0)),
            "response_length": float(comp.mean()), "mean_exit_loop": mean_exit_loop(batch),
@@ -93,10 +101,10 @@ def step_metrics(learner, step: int, batch, rewards, adv, at, upd, extra: dict[s
            "loss": float(np.mean(upd.losses)) if ran else 0.0,
            "replay_exact_fraction": at.replay_exact, "replay_impl": learner.replay_impl,
            "stock_max_abs_diff": at.stock_diff,
-           "ratio_mean": wmean("ratio_mean") if ran else nan,
-           "ratio_min": min(v for v, _ in upd.stats["ratio_min"]) if ran else nan,
-           "ratio_max": max(v for v, _ in upd.stats["ratio_max"]) if ran else nan,
-           "approx_kl_old": wmean("approx_kl") if ran else nan,
+           "ratio_mean": wmean("ratio_mean") if ran else none,
+           "ratio_min": min(v for v, _ in upd.stats["ratio_min"]) if ran else none,
+           "ratio_max": max(v for v, _ in upd.stats["ratio_max"]) if ran else none,
+           "approx_kl_old": wmean("approx_kl") if ran else none,
            "degenerate_groups": int(adv.num_degenerate),
            "zero_std_fraction": zero_std_fraction(adv.degenerate_N),
            **at.mismatch,

@@ -78,7 +78,7 @@ def test_a_step_without_signal_leaves_params_and_both_adam_moments_bit_identical
         states[skip] = (before, (_bits(learner.params), _bits(learner.opt_state)), m)
     (p0, o0), (p1, o1), m = states[True]
     assert p0 == p1 and o0 == o1
-    assert m["update_skipped"] is True and m["grad_norm"] == 0.0 and math.isnan(m["ratio_mean"])
+    assert m["update_skipped"] is True and m["grad_norm"] == 0.0 and m["ratio_mean"] is None
     (p0, o0), (p1, o1), m = states[False]
     assert p0 != p1 and o0 != o1 and m["update_skipped"] is False and m["grad_norm"] == 0.0
 
@@ -146,3 +146,32 @@ def test_grpo_config_rejects_bad_new_fields():
         apply_overrides(cfg, ["grpo.cispo_clip_low=6.0"])
     with pytest.raises(ConfigError, match="grpo.scale_adv_by_std"):
         apply_overrides(cfg, ["grpo.scale_rewards=batch", "grpo.scale_adv_by_std=false"])
+
+
+def _half_flat_reward(problem, text):
+    """Equal rewards (no signal) for problems with an even id; varying ones for odd ids."""
+    return 1.0 if problem.id % 2 == 0 else _crc_reward(problem, text)
+
+
+def test_dynamic_sampling_refills_dropped_groups_and_resumes_bit_identically():
+    ds = ["grpo.dynamic_sampling=true", "grpo.dynamic_sampling_max_batches=4"]
+    run = _learner(*ds, reward=_half_flat_reward)
+    m0 = run.step(0)
+    assert m0["dynamic_sampling_rounds"] >= 2 and m0["dynamic_sampling_kept"] == 2
+    assert m0["dynamic_sampling_resampled"] is True  # the kept rows, sampled again: no drop
+    assert m0["degenerate_groups"] == 0 and m0["zero_std_fraction"] == 0.0
+    assert run.data_position == 2 * m0["dynamic_sampling_rounds"]
+    # interrupted after step 0: a fresh learner restores params and train state, then step 1
+    state = {k: v for k, v in run.train_state(1).items()}
+    params = jax.tree.map(np.array, run.params)
+    state = jax.tree.map(lambda x: np.array(x) if not jax.dtypes.issubdtype(
+        getattr(x, "dtype", None), jax.dtypes.prng_key) else x, state)
+    resumed = _learner(*ds, reward=_half_flat_reward)
+    assert resumed.restore_train_state(params, state) == 1
+    m1 = run.step(1)
+    r1 = resumed.step(1)
+    assert m1["rollout_sha256"] == r1["rollout_sha256"] and m1["grad_norm"] > 0
+    assert _bits(run.params) == _bits(resumed.params)
+    assert _bits(run.opt_state) == _bits(resumed.opt_state)
+    # without dynamic sampling the same first step keeps its no-signal group
+    assert _learner(reward=_half_flat_reward).step(0)["degenerate_groups"] >= 1
