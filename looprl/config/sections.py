@@ -259,21 +259,42 @@ class LearnerConfig(_Section):
         self._require(self.gate_loss_coef >= 0, "gate_loss_coef", "a float >= 0")
 
 
+GRPOLoss = Literal["ppo-clip", "cispo", "gspo", "gspo-token"]
+ScaleRewards = Literal["group", "batch", "none"]
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(_Section):
-    """The objective (`looprl.rl.grpo`)."""
+    """The objective (`looprl.rl.grpo`, `looprl.rl.losses`, `looprl.rl.signal`)."""
     SECTION = "grpo"
+    loss: GRPOLoss = "ppo-clip"           # the policy loss (looprl.rl.losses)
     eps_low: float = 0.2                  # ratio clipped to [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
+    cispo_clip_low: Optional[float] = None  # cispo: importance weight >= this; none = no bound
+    cispo_clip_high: float = 5.0          # cispo: importance weight <= this
     loss_agg: LossAgg = "token-mean"
-    scale_adv_by_std: bool = True         # false with loss_agg dr-grpo = Dr.GRPO
+    scale_rewards: ScaleRewards = "group"  # advantage divided by the group's std, batch's, none
+    scale_adv_by_std: bool = True         # false = scale_rewards none (Dr.GRPO with dr-grpo)
     adv_std_floor: float = 1e-6
+    mask_truncated: bool = False          # completions cut by the length limit leave the loss
+    skip_zero_advantage_steps: bool = True  # no signal: params and optimizer state untouched
+    dynamic_sampling: bool = False        # DAPO: equal-reward groups dropped, batch refilled
+    dynamic_sampling_max_batches: int = 3  # rounds of prompts_per_step prompts at most
+    token_entropy: bool = True            # metric token_entropy: one more pass per step
     kl_beta: float = 0.0                  # k3 KL to the frozen reference (warm-started) policy
     tis_cap: Optional[float] = None       # truncated importance sampling cap C; none = off
     loop_credit: LoopCredit = "none"      # RLTT loop credit
     loop_credit_alpha: float = 1.0        # exponent of `progressive`
 
     def _validate(self):
+        self._require(self.dynamic_sampling_max_batches >= 1, "dynamic_sampling_max_batches",
+                      "an int >= 1")
+        self._require(self.cispo_clip_high > 0, "cispo_clip_high", "a float > 0")
+        self._require(self.cispo_clip_low is None or 0 <= self.cispo_clip_low
+                      < self.cispo_clip_high, "cispo_clip_low",
+                      "none or a float in [0, cispo_clip_high)")
+        self._require(self.scale_adv_by_std or self.scale_rewards == "group", "scale_adv_by_std",
+                      "true unless scale_rewards is group (false means scale_rewards none)")
         self._require(0 <= self.eps_low < 1, "eps_low", "a float in [0, 1)")
         self._require(self.eps_high >= 0, "eps_high", "a float >= 0")
         self._require(self.adv_std_floor >= 0, "adv_std_floor", "a float >= 0")
