@@ -188,6 +188,14 @@ class RolloutConfig(_Section):
                                           # completion ("layout": by padded position, the keying
                                           # of older runs; a config file without this key means
                                           # "layout", and a resumed run keeps its own)
+    # the thinking budget (looprl/sampling/thinking.py; none: off): completion tokens before the
+    # forced answer, one int or lo,hi (one budget per step drawn in [lo, hi] from the run seed);
+    # a completion that has not emitted think_close_text by then gets forced_answer_text
+    # teacher-forced, then at most answer_budget sampled tokens
+    thinking_budget: Optional[tuple[int, ...]] = None
+    answer_budget: int = 32
+    forced_answer_text: str = "\n</think>\n\nThe final answer is "
+    think_close_text: str = "</think>"
 
     @property
     def sequences_per_step(self) -> int:
@@ -204,6 +212,12 @@ class RolloutConfig(_Section):
         self._require(0 < self.exit_threshold <= 1, "exit_threshold", "a float in (0, 1]")
         self._require(self.fixed_depth is None or self.fixed_depth >= 1,
                       "fixed_depth", "an int >= 1 or none")
+        tb = self.thinking_budget
+        self._require(tb is None or (len(tb) in (1, 2) and 1 <= tb[0] <= tb[-1]),
+                      "thinking_budget", "none, an int >= 1, or lo,hi with 1 <= lo <= hi")
+        self._require(tb is None or (self.answer_budget >= 1 and self.forced_answer_text != ""
+                                     and self.think_close_text != ""), "answer_budget",
+                      "an int >= 1, with non-empty forced_answer_text and think_close_text")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from looprl.rl import grpo
 from looprl.rl.dynamic_sampling import dynamic_rollout
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
 from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
-from looprl.rl.rollout import completion_rewards, sampling_config
+from looprl.rl.rollout import (completion_rewards, loss_exit_loops, rollout_sha256, sampling_config)
 from looprl.rl.signal import has_signal, step_advantages, truncated_rows
 from looprl.rl.step_metrics import step_metrics, token_entropy
 from looprl.sampling.sampler import generate
@@ -134,7 +134,7 @@ class GRPOLearner:
         self.data_position = 0
         self.last_token_abs_delta = None  # per-token |learner - sampler| of the last step
         self.rng_key = jax.random.key(exp_cfg.run.seed)
-        self.scfg = sampling_config(exp_cfg)
+        self.scfg = sampling_config(exp_cfg, tokenizer=tokenizer)
         r, g, lc = exp_cfg.rollout, exp_cfg.grpo, exp_cfg.learner
         self.replay_impl = resolve_replay_impl(exp_cfg)
         self.require_exact = resolve_require_exact(exp_cfg, self.replay_impl)
@@ -332,7 +332,7 @@ class GRPOLearner:
         the replay check, `stock_max_abs_diff`, the k3 KL to the reference, and the learner's
         own log-probs with their mismatch to the sampler."""
         exp_cfg = self.exp_cfg
-        emit = np.asarray(batch.exit_loop_BxS) > 0
+        emit = batch.sampled_mask_BxS  # forced tokens (thinking budget) claim nothing
         recorded = np.asarray(batch.logprob_BxS)
         # every pass below runs on the batch's live prefix (same bits: `live_seq_len`)
         live = live_seq_len(batch, exp_cfg.learner.seq_bucket)
@@ -368,7 +368,7 @@ class GRPOLearner:
         adv_B = np.asarray(adv.advantages_NxG).reshape(-1)
         arrays = {"tokens": np.asarray(batch.tokens_BxS, np.int32),
                   "pad": np.asarray(batch.pad_B, np.int32),
-                  "exit_loop": np.asarray(batch.exit_loop_BxS, np.int32),
+                  "exit_loop": loss_exit_loops(batch),
                   "kv_depth": batch.kv_depth_BxS(), "adv": adv_B.astype(np.float32),
                   "old_lp": self._old_logprobs(batch, at.own_lp, at.own_lpp),
                   "sampler_lp": at.recorded.astype(np.float32),
