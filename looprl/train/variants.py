@@ -7,10 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from looprl.config import ExperimentConfig, apply_overrides
+from looprl.config import ExperimentConfig, apply_overrides, resolve_key
 from looprl.errors import ConfigError
 from looprl.programs import release_programs_near_map_limit
 from looprl.train.plots import plot_runs
+from looprl.train.resume import finished_summary
 from looprl.train.run import train
 
 HEADLINE_KEYS = ("eval_accuracy_before", "eval_accuracy_after", "eval_problems", "grpo_steps",
@@ -28,7 +29,7 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
     sweep: the result then carries `preempted` (that variant's name and preemption record) and
     no variants.json is written.
 
-    With `run.resume` equal to `out_dir` the sweep continues in place (`resume_sweep`): a
+    With `run.resume` equal to `out_dir` the sweep continues in place (`check_sweep_resume`): a
     finished warm start or variant is kept, a started one resumes from its newest checkpoint
     (bit for bit, as a single run does), the others run. The command line's overrides must be
     the first run's (each run checks its config against its `config.json`).
@@ -56,7 +57,8 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
         say(f"== shared warm start -> {ws_dir}")
         ws_cfg = cfg.replace(run=cfg.run.replace(out_dir=str(ws_dir), grpo_steps=0,
                                                  stop_after=None))
-        ws_summary = _finished(ws_dir) if resuming else None
+        # a finished warm-start run has no training checkpoint: its end is step 0 of 0
+        ws_summary = finished_summary(ws_dir, 0, 0) if resuming else None
         if ws_summary is None:
             ws_summary = train(_resume_if_started(ws_cfg, ws_dir, resuming), quiet=quiet)
         common = [f"model.checkpoint={ws_dir / 'warm_start'}", "warm_start.enabled=false"]
@@ -94,16 +96,7 @@ def check_sweep_resume(cfg: ExperimentConfig, parent: Path) -> None:
 
 
 def _is_resume(override: str) -> bool:
-    return override.partition("=")[0].strip() in ("resume", "run.resume")
-
-
-def _finished(run_dir: Path) -> dict[str, Any] | None:
-    """The summary of a finished run in `run_dir`, or None."""
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        return None
-    summary = json.loads(path.read_text())
-    return summary if summary.get("complete") else None
+    return resolve_key(ExperimentConfig, override.partition("=")[0].strip()) == ("run", "resume")
 
 
 def _resume_if_started(run_cfg: ExperimentConfig, run_dir: Path,
