@@ -433,8 +433,7 @@ class GRPOLearner:
                "entropy": float(-recorded[emit].mean()) if emit.any() else 0.0,
                "grad_norm": float(np.mean(upd.grad_norms)), "loss": float(np.mean(upd.losses)),
                "replay_exact_fraction": at.replay_exact, "replay_impl": self.replay_impl,
-               "stock_max_abs_diff": at.stock_diff,
-               "ratio_mean": wmean("ratio_mean"),
+               "stock_max_abs_diff": at.stock_diff, "ratio_mean": wmean("ratio_mean"),
                "ratio_min": min(v for v, _ in upd.stats["ratio_min"]),
                "ratio_max": max(v for v, _ in upd.stats["ratio_max"]),
                "approx_kl_old": wmean("approx_kl"),
@@ -442,7 +441,8 @@ class GRPOLearner:
                **at.mismatch,
                "tokens": int(emit.sum()), "learner_seq_len": at.live,
                "rollout_s": rollout_s, "learner_s": learner_s,
-               "rollout_sha256": rollout_sha256(batch)}
+               "rollout_sha256": rollout_sha256(batch),
+               "params_fingerprint": params_fingerprint(self.params)}  # after the updates
         if "gate_loss" in upd.stats:
             out["gate_loss"] = wmean("gate_loss")
         if "tis_weight_mean" in upd.stats:
