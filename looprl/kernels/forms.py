@@ -65,11 +65,11 @@ class Form:
         return self.layer_matmul is not None
 
     def kernel_version(self) -> str:
-        """The numerics a rollout is sampled with (`Schedule.kernel_version`). The `cpu-xla`
+        """The numerics a rollout is sampled with (`Schedule.kernel_version`). A CPU form's
         version is followed by `/<isa>` (`/avx2`, `/avx`, `/sse41`, `/other`) except where
-        oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`): XLA's dots are the
-        ISA's. `cpu-ordered` has none: no bit of its run depends on the ISA."""
-        if self.cpu and CPU_ISA != "avx512_core" and self.name != "cpu-ordered":
+        oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`): XLA's dots and
+        elementwise code are the ISA's."""
+        if self.cpu and CPU_ISA != "avx512_core":
             return f"{self.version}/{CPU_ISA}"
         return self.version
 
