@@ -7,9 +7,9 @@
 Prints `reproduced` (exit 0) when the warm start's parameters, every GRPO step's parameters
 (`params_fingerprint` in metrics.jsonl) and the final `params_sha256` equal the documented ones
 (`reproducibility/cpu/main_job.json`), else the first stage whose parameters differ (exit 1).
-On the ordered CPU form no dot, reduction or update of the run depends on the instruction set
-(docs/NUMERICS.md, "The whole CPU run"): any x86-64 CPU with AVX2 and FMA should print
-`reproduced`.
+The recorded run is the AVX-512 host's native one. Its warm start and first rollout are
+also those of AVX2 emulation; the GRPO updates are not yet (docs/NUMERICS.md, "The whole CPU
+run"), so another ISA prints the first GRPO step whose parameters differ.
 """
 from __future__ import annotations
 
