@@ -5,7 +5,8 @@ today's format, so the rest of the package reads only today's. A leaf that impor
 looprl, so `config`, `io` and `sampling` all call it.
 
 - Schedule files (`looprl.sampling.schedule`): version 1 has no row compaction, version 2 no
-  window widths; a key added since means what `SCHEDULE_KEYS_ABSENT` says (`schedule_dict`).
+  window widths, version 3 no thinking budget (today's writer still writes 3 for a rollout
+  without one); a key added since means what `SCHEDULE_KEYS_ABSENT` says (`schedule_dict`).
 - Config files and overrides: old key names (`RENAMED`), and keys whose absence means another
   value than their default (`CONFIG_KEYS_ABSENT`).
 - The sampling noise of a file that names no keying is keyed by layout position ("layout").
@@ -17,7 +18,10 @@ from typing import Any
 
 # --- schedule files -----------------------------------------------------------------------------
 
-OLD_SCHEDULE_VERSIONS = (1, 2)  # format versions read and upgraded here (the writer's is 3)
+OLD_SCHEDULE_VERSIONS = (1, 2, 3)  # format versions read and upgraded here (the writer's is 4)
+
+# the thinking budget's keys (version 4); a schedule without a budget leaves them out
+THINKING_KEYS = ("thinking_budget", "answer_budget", "forced_answer_ids", "think_close_ids")
 
 # what a schedule file without the key means: {key: value}
 SCHEDULE_KEYS_ABSENT: dict[str, Any] = {
@@ -31,6 +35,10 @@ SCHEDULE_KEYS_ABSENT: dict[str, Any] = {
     "kernel_version": "",  # the scanned-rule kernels, before versions were recorded
     "row_menu": [],  # every loop ran the whole batch (version 1: no compaction)
     "window_widths": [],
+    "thinking_budget": None,  # no thinking budget (versions 1-3, and version 3 as still written)
+    "answer_budget": 0,
+    "forced_answer_ids": [],
+    "think_close_ids": [],
 }
 
 

@@ -1,4 +1,5 @@
-"""`looprl eval`: pass@1 of a checkpoint on a task's held-out set, at one or more exit thresholds.
+"""`looprl eval`: pass@1 (or mean@N and pass@k) of a checkpoint on a task's held-out set, at one or
+more exit thresholds.
 
 Each setting comes from its flag, else from what the checkpoint records (a run's checkpoints
 record the evaluated task with its config, the prompt style, the stop ids and the evaluation's
@@ -7,11 +8,13 @@ settings: `looprl.train.setup.checkpoint_task_meta`), else from `DEFAULTS`; so
 A checkpoint without that record (a converted model, an HF directory) needs `--task`.
 
 The task comes from the registry (`looprl.tasks`); the first `--limit` problems of its held-out
-set are decoded (greedy unless `--temperature` > 0) up to `<|im_end|>` or `--max-new-tokens`.
-Per q (the Q-exit rule, docs/DESIGN.md §1) the command prints one table row and writes
-DIR/results.json, DIR/problems.jsonl and, with several q, DIR/accuracy_vs_depth.png
-(`write_results`). Errors (CheckpointError, ConfigError, TaskError naming `file:line`) are
-printed by `looprl.cli` as one line with exit status 2.
+set are decoded (greedy unless `--temperature` > 0; `--num-samples N` completions each) up to
+`<|im_end|>` or `--max-new-tokens`; with N > 1 each q reports mean@N and the unbiased pass@k for
+k = 1, 2, 4, ..., N (`looprl.rl.evaluation.pass_at_k`, arXiv 2107.03374). Per q (the Q-exit
+rule, docs/DESIGN.md §1) the command prints one table row (`--json`: results.json's object
+instead) and writes DIR/results.json, DIR/problems.jsonl and, with several q,
+DIR/accuracy_vs_depth.png (`write_results`). Errors (CheckpointError, ConfigError, TaskError
+naming `file:line`) are printed by `looprl.cli` as one line with exit status 2.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from looprl.errors import CheckpointError, ConfigError, create_dir
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
 from looprl.io.hf import check_not_run_directory
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
+from looprl.rl.evaluation import pass_at_k_summary
 from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig
 from looprl.tasks import get_task, task_class, task_names
@@ -93,7 +97,8 @@ def _data_kwargs(args, name: str, task_kwargs: dict[str, Any]) -> None:
             task_kwargs[key] = given or task_kwargs.get(key) or options[key]
         elif given is not None:
             readers = [n for n in task_names() if key in task_class(n).data_options]
-            raise ConfigError(f"{flag}: only the {' and '.join(readers)} task reads data files, "
+            raise ConfigError(f"{flag}: only the {' and '.join(readers)} "
+                              f"task{'s read' if len(readers) > 1 else ' reads'} {key}, "
                               f"found --task {name}")
 
 
@@ -137,6 +142,11 @@ def _check_args(args) -> None:
             raise ConfigError(f"{flag}: expected a positive int, found {value}")
     if args.temperature < 0:
         raise ConfigError(f"--temperature: expected >= 0 (0 = greedy), found {args.temperature}")
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples: expected a positive int, found {args.num_samples}")
+    if args.num_samples > 1 and args.temperature == 0:
+        raise ConfigError(f"--num-samples {args.num_samples}: greedy decoding gives one completion "
+                          f"{args.num_samples} times; set --temperature > 0")
     if args.task is not None:
         check_task_name(args.task)
     if args.exit_threshold is not None:
@@ -174,26 +184,36 @@ def _load(checkpoint: str, dtype: str):
 
 
 def evaluate_problems(model_cfg, params, task, tokenizer, problems, scfg, *, batch_size: int,
-                      seed: int = 0, progress=None, master_fingerprint: str | None = None
-                      ) -> list[dict[str, Any]]:
-    """`looprl.rl.evaluation.evaluate_problems` (one greedy completion per problem, graded), each
-    row with `extracted`, the final answer `looprl.tasks.grading.extract_answer` finds (or
-    None), after its completion; the task's raw reward is left out (`correct` says it)."""
+                      seed: int = 0, progress=None, master_fingerprint: str | None = None,
+                      num_samples: int = 1) -> list[dict[str, Any]]:
+    """`looprl.rl.evaluation.evaluate_problems` (`num_samples` completions per problem, graded;
+    problem i's sample s is row i * num_samples + s), each row with `extracted`, the final answer
+    `looprl.tasks.grading.extract_answer` finds (or None), after its completion; the task's raw
+    reward is left out (`correct` says it)."""
     return [{"completion": r["completion"], "extracted": extract_answer(r["completion"]),
              **{k: r[k] for k in ("correct", "tokens", "truncated", "exit_loops",
                                   "kv_cache_bytes")}}
             for r in generate_and_grade(model_cfg, params, task, tokenizer, problems, scfg,
                                         batch_size=batch_size, seed=seed, progress=progress,
-                                        master_fingerprint=master_fingerprint)]
+                                        master_fingerprint=master_fingerprint,
+                                        num_samples=num_samples)]
 
 
-def summarize(q: float, rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """One threshold's summary: pass@1, the token-weighted mean exit loop, token counts, and the
-    largest batch's KV cache bytes."""
+def summarize(q: float, rows: list[dict[str, Any]], wall_s: float,
+              num_samples: int = 1) -> dict[str, Any]:
+    """One threshold's summary over `rows` (`num_samples` consecutive rows per problem):
+    pass_at_1 (the fraction of correct completions: mean@N, which is the unbiased pass@1),
+    correct (completions), problems, num_samples, pass_at_k (`pass_at_k_summary`: mean@N,
+    pass@1, 2, 4, ..., N), the token-weighted mean exit loop, token counts, and the largest
+    batch's KV cache bytes."""
     exits = [k for r in rows for k in r["exit_loops"]]
     correct = sum(r["correct"] for r in rows)
+    n = num_samples
+    per_problem = [sum(r["correct"] for r in rows[i:i + n]) for i in range(0, len(rows), n)]
     return {"exit_threshold": q, "pass_at_1": correct / len(rows), "correct": correct,
-            "problems": len(rows), "mean_exit_loop": float(np.mean(exits)) if exits else 0.0,
+            "problems": len(per_problem), "num_samples": n,
+            "pass_at_k": pass_at_k_summary(per_problem, n),
+            "mean_exit_loop": float(np.mean(exits)) if exits else 0.0,
             "tokens": len(exits), "truncated": sum(r["truncated"] for r in rows),
             "wall_s": wall_s, "kv_cache_bytes": max(r["kv_cache_bytes"] for r in rows)}
 
@@ -225,43 +245,53 @@ def _print_table(summaries, title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("q", "pass@1", "correct", "mean exit loop", "tokens", "truncated", "wall s"):
+    extra = [k for k in summaries[0]["pass_at_k"] if k != "pass@1"]  # mean@N, pass@2, ...
+    extra = extra if summaries[0]["num_samples"] > 1 else []
+    for col in ("q", "pass@1", *extra, "correct", "mean exit loop", "tokens", "truncated",
+                "wall s"):
         table.add_column(col, justify="right")
     for s in summaries:
         table.add_row(f"{s['exit_threshold']:g}", f"{s['pass_at_1']:.4f}",
-                      f"{s['correct']}/{s['problems']}", f"{s['mean_exit_loop']:.3f}",
-                      str(s["tokens"]), str(s["truncated"]), f"{s['wall_s']:.1f}")
+                      *(f"{s['pass_at_k'][k]:.4f}" for k in extra),
+                      f"{s['correct']}/{s['problems'] * s['num_samples']}",
+                      f"{s['mean_exit_loop']:.3f}", str(s["tokens"]), str(s["truncated"]),
+                      f"{s['wall_s']:.1f}")
     Console(width=120).print(table)
 
 
 def write_results(out: Path, args, st: dict[str, Any], task, total_loops: int, problems,
                   per_q: dict[float, list[dict[str, Any]]], summaries: list[dict[str, Any]]
-                  ) -> None:
-    """Write the evaluation's files into `out`:
+                  ) -> dict[str, Any]:
+    """Write the evaluation's files into `out` and return results.json's object:
 
       results.json          {"checkpoint", "task", "settings" (with "data_dir": the absolute data
                             directory read, None for none; "task_config" keeps --data-dir as
                             typed), "thresholds" (`summarize` per q), "env"}
       problems.jsonl        one object per problem: id, question, gold, and "by_threshold" (key:
                             q as text): completion, extracted, correct, tokens, truncated,
-                            mean_exit_loop
+                            mean_exit_loop; with --num-samples N > 1: {"num_correct", "samples":
+                            N such objects}
       accuracy_vs_depth.png pass@1 against mean exit loop, one point per q (with several q)
     """
     with (out / "problems.jsonl").open("w") as f:
         for i, p in enumerate(problems):
             by_q = {}
+            n = args.num_samples
             for q, rows in per_q.items():
-                r = rows[i]
-                by_q[f"{q:g}"] = {"completion": r["completion"], "extracted": r["extracted"],
-                                  "correct": r["correct"], "tokens": r["tokens"],
-                                  "truncated": r["truncated"],
-                                  "mean_exit_loop": (float(np.mean(r["exit_loops"]))
-                                                     if r["exit_loops"] else 0.0)}
+                samples = [{"completion": r["completion"], "extracted": r["extracted"],
+                            "correct": r["correct"], "tokens": r["tokens"],
+                            "truncated": r["truncated"],
+                            "mean_exit_loop": (float(np.mean(r["exit_loops"]))
+                                               if r["exit_loops"] else 0.0)}
+                           for r in rows[i * n:(i + 1) * n]]
+                by_q[f"{q:g}"] = samples[0] if n == 1 else {
+                    "num_correct": sum(s["correct"] for s in samples), "samples": samples}
             f.write(json.dumps({"id": p.id, "question": p.prompt, "gold": p.answer,
                                 "by_threshold": by_q}) + "\n")
     settings = {"limit": st["limit"], "problems": len(problems), "kv_policy": st["kv_policy"],
                 "compute_dtype": st["compute_dtype"], "max_new_tokens": st["max_new_tokens"],
                 "batch_size": st["batch_size"], "temperature": args.temperature,
+                "num_samples": args.num_samples,
                 "prompt_len_multiple": st["prompt_len_multiple"],
                 "seed": st["seed"], "total_ut_steps": total_loops,
                 "data_dir": (None if getattr(task, "resolved_dir", None) is None
@@ -272,6 +302,7 @@ def write_results(out: Path, args, st: dict[str, Any], task, total_loops: int, p
     (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
     if len(summaries) > 1:
         plot_accuracy_vs_depth(summaries, total_loops, out / "accuracy_vs_depth.png")
+    return results
 
 
 def run(args) -> int:
@@ -303,14 +334,19 @@ def run(args) -> int:
             rows = evaluate_problems(cfg, params, task, tok, problems, scfg,
                                      batch_size=st["batch_size"], seed=st["seed"],
                                      progress=args.ctrl_c.tick(bar),
-                                     master_fingerprint=fingerprint)
+                                     master_fingerprint=fingerprint,
+                                     num_samples=args.num_samples)
         finally:
             bar.close()
         per_q[q] = rows
-        summaries.append(summarize(q, rows, time.time() - t0))
+        summaries.append(summarize(q, rows, time.time() - t0, args.num_samples))
 
-    write_results(out, args, st, task, cfg.total_ut_steps, problems, per_q, summaries)
-    _print_table(summaries, f"{st['task']}: {len(problems)} held-out problems, "
+    results = write_results(out, args, st, task, cfg.total_ut_steps, problems, per_q, summaries)
+    if args.json:
+        print(json.dumps(results, allow_nan=False))
+        return 0
+    samples = f", {args.num_samples} samples each" if args.num_samples > 1 else ""
+    _print_table(summaries, f"{st['task']}: {len(problems)} held-out problems{samples}, "
                             f"{args.checkpoint}")
     print(f"wrote {out / 'results.json'} and {out / 'problems.jsonl'}")
     return 0

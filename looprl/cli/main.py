@@ -156,8 +156,9 @@ def _add_eval(sub):
     p.add_argument("--batch-size", type=int, default=None,
                    help="problems per sampler call (default: the run's, else 32)")
     p.add_argument("--data-dir", default=None,
-                   help="GSM8K: directory of train.jsonl/test.jsonl (relative: to the working "
-                        "directory, else to the repository root; default ../shared/data/gsm8k)")
+                   help="GSM8K and math: directory of train.jsonl/test.jsonl (relative: to the "
+                        "working directory, else to the repository root; GSM8K's default "
+                        "../shared/data/gsm8k)")
     p.add_argument("--source", default=None, choices=["jsonl", "hub"],
                    help="GSM8K: read the JSONL files (default), or openai/gsm8k through "
                         "`datasets`")
@@ -171,6 +172,10 @@ def _add_eval(sub):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling noise (with --temperature > 0; default: the run's, else 0)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="completions per problem (N > 1 needs --temperature > 0): mean@N and "
+                        "pass@k for k = 1, 2, 4, ..., N (unbiased estimator)")
+    p.add_argument("--json", action="store_true", help="print results.json's object, no table")
 
 
 def _command_module(command: str):

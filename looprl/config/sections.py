@@ -105,6 +105,15 @@ class TaskConfig(_Section):
     # eval.eval_problems), train stream = train.jsonl in seeded epochs (seed data_seed)
     data_dir: str = "../shared/data/gsm8k"  # relative: to the working directory, else the repo root
     source: TaskSource = "jsonl"          # 'hub': openai/gsm8k through the `datasets` package
+    # math knobs (looprl.tasks.math_jsonl; data_dir as above): file names (none: train.jsonl,
+    # test.jsonl), record field names, inclusive level bounds (none: no bound)
+    train_file: Optional[str] = None
+    eval_file: Optional[str] = None
+    problem_key: str = "problem"
+    answer_key: str = "answer"
+    level_key: str = "level"
+    min_level: Optional[float] = None
+    max_level: Optional[float] = None
 
     def _validate(self):
         self._require(len(self.train_datasets) > 0, "train_datasets", "at least one dataset")
@@ -120,6 +129,8 @@ class TaskConfig(_Section):
         self._require(self.solution_style in (None, "steps", "answer"), "solution_style",
                       "'steps', 'answer' or none")
         self._require(len(self.data_dir) > 0, "data_dir", "a non-empty path")
+        self._require(self.min_level is None or self.max_level is None
+                      or self.min_level <= self.max_level, "min_level", "<= max_level")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +188,14 @@ class RolloutConfig(_Section):
                                           # completion ("layout": by padded position, the keying
                                           # of older runs; a config file without this key means
                                           # "layout", and a resumed run keeps its own)
+    # the thinking budget (looprl/sampling/thinking.py; none: off): completion tokens before the
+    # forced answer, one int or lo,hi (one budget per step drawn in [lo, hi] from the run seed);
+    # a completion that has not emitted think_close_text by then gets forced_answer_text
+    # teacher-forced, then at most answer_budget sampled tokens
+    thinking_budget: Optional[tuple[int, ...]] = None
+    answer_budget: int = 32
+    forced_answer_text: str = "\n</think>\n\nThe final answer is "
+    think_close_text: str = "</think>"
 
     @property
     def sequences_per_step(self) -> int:
@@ -193,6 +212,12 @@ class RolloutConfig(_Section):
         self._require(0 < self.exit_threshold <= 1, "exit_threshold", "a float in (0, 1]")
         self._require(self.fixed_depth is None or self.fixed_depth >= 1,
                       "fixed_depth", "an int >= 1 or none")
+        tb = self.thinking_budget
+        self._require(tb is None or (len(tb) in (1, 2) and 1 <= tb[0] <= tb[-1]),
+                      "thinking_budget", "none, an int >= 1, or lo,hi with 1 <= lo <= hi")
+        self._require(tb is None or (self.answer_budget >= 1 and self.forced_answer_text != ""
+                                     and self.think_close_text != ""), "answer_budget",
+                      "an int >= 1, with non-empty forced_answer_text and think_close_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,21 +273,42 @@ class LearnerConfig(_Section):
         self._require(self.gate_loss_coef >= 0, "gate_loss_coef", "a float >= 0")
 
 
+GRPOLoss = Literal["ppo-clip", "cispo", "gspo", "gspo-token"]
+ScaleRewards = Literal["group", "batch", "none"]
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(_Section):
-    """The objective (`looprl.rl.grpo`)."""
+    """The objective (`looprl.rl.grpo`, `looprl.rl.losses`, `looprl.rl.signal`)."""
     SECTION = "grpo"
+    loss: GRPOLoss = "ppo-clip"           # the policy loss (looprl.rl.losses)
     eps_low: float = 0.2                  # ratio clipped to [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
+    cispo_clip_low: Optional[float] = None  # cispo: importance weight >= this; none = no bound
+    cispo_clip_high: float = 5.0          # cispo: importance weight <= this
     loss_agg: LossAgg = "token-mean"
-    scale_adv_by_std: bool = True         # false with loss_agg dr-grpo = Dr.GRPO
+    scale_rewards: ScaleRewards = "group"  # advantage divided by the group's std, batch's, none
+    scale_adv_by_std: bool = True         # false = scale_rewards none (Dr.GRPO with dr-grpo)
     adv_std_floor: float = 1e-6
+    mask_truncated: bool = False          # completions cut by the length limit leave the loss
+    skip_zero_advantage_steps: bool = True  # no signal: params and optimizer state untouched
+    dynamic_sampling: bool = False        # DAPO: equal-reward groups dropped, batch refilled
+    dynamic_sampling_max_batches: int = 3  # rounds of prompts_per_step prompts at most
+    token_entropy: bool = True            # metric token_entropy: one more pass per step
     kl_beta: float = 0.0                  # k3 KL to the frozen reference (warm-started) policy
     tis_cap: Optional[float] = None       # truncated importance sampling cap C; none = off
     loop_credit: LoopCredit = "none"      # RLTT loop credit
     loop_credit_alpha: float = 1.0        # exponent of `progressive`
 
     def _validate(self):
+        self._require(self.dynamic_sampling_max_batches >= 1, "dynamic_sampling_max_batches",
+                      "an int >= 1")
+        self._require(self.cispo_clip_high > 0, "cispo_clip_high", "a float > 0")
+        self._require(self.cispo_clip_low is None or 0 <= self.cispo_clip_low
+                      < self.cispo_clip_high, "cispo_clip_low",
+                      "none or a float in [0, cispo_clip_high)")
+        self._require(self.scale_adv_by_std or self.scale_rewards == "group", "scale_adv_by_std",
+                      "true unless scale_rewards is group (false means scale_rewards none)")
         self._require(0 <= self.eps_low < 1, "eps_low", "a float in [0, 1)")
         self._require(self.eps_high >= 0, "eps_high", "a float >= 0")
         self._require(self.adv_std_floor >= 0, "adv_std_floor", "a float >= 0")

@@ -7,8 +7,9 @@
    `learner.require_exact`, an inexact step raises TrainingError before any update),
    `stock_max_abs_diff`, the k3 KL to the frozen reference, the learner's mismatch;
 4. updates (`_updates`): `ppo_epochs` x `minibatches` optax updates on summed microbatch
-   gradients (split-invariant: `looprl.rl.grpo.aggregate_loss`);
-5. metrics (`_metrics`): one flat row, with `rollout_sha256` of what was sampled.
+   gradients (split-invariant: `looprl.rl.grpo.aggregate_loss`), none when the step has no
+   signal (`grpo.skip_zero_advantage_steps`, `looprl.rl.signal`);
+5. metrics (`looprl.rl.step_metrics`): one flat row, with `rollout_sha256` of what was sampled.
 The learner's log-probs are `hybrid` by default, so the first update's ratio is exactly 1. A
 non-finite loss or gradient raises TrainingError naming the step before anything is written.
 """
@@ -31,10 +32,12 @@ from looprl.logprobs import batch_logprobs, forced_replay_logprobs, live_seq_len
 from looprl.logprobs.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
+from looprl.rl.dynamic_sampling import dynamic_rollout
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
 from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
-from looprl.rl.rollout import (completion_rewards, mean_exit_loop, rollout_sha256,
-                               sampling_config)
+from looprl.rl.rollout import (completion_rewards, loss_exit_loops, rollout_sha256, sampling_config)
+from looprl.rl.signal import has_signal, step_advantages, truncated_rows
+from looprl.rl.step_metrics import step_metrics, token_entropy
 from looprl.sampling.sampler import generate
 from looprl.sampling.schedule import params_fingerprint
 
@@ -131,7 +134,7 @@ class GRPOLearner:
         self.data_position = 0
         self.last_token_abs_delta = None  # per-token |learner - sampler| of the last step
         self.rng_key = jax.random.key(exp_cfg.run.seed)
-        self.scfg = sampling_config(exp_cfg)
+        self.scfg = sampling_config(exp_cfg, tokenizer=tokenizer)
         r, g, lc = exp_cfg.rollout, exp_cfg.grpo, exp_cfg.learner
         self.replay_impl = resolve_replay_impl(exp_cfg)
         self.require_exact = resolve_require_exact(exp_cfg, self.replay_impl)
@@ -142,7 +145,9 @@ class GRPOLearner:
             loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens, kl_beta=g.kl_beta,
             tis_cap=g.tis_cap, loop_credit=g.loop_credit, loop_credit_alpha=g.loop_credit_alpha,
             train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef,
-            forced_replay=self.replay_impl == "forced")
+            forced_replay=self.replay_impl == "forced", loss=g.loss,
+            cispo_clip_low=g.cispo_clip_low, cispo_clip_high=g.cispo_clip_high,
+            mask_truncated=g.mask_truncated)
         # hybrid's value is the sampler re-run in forced mode (at every update's parameters)
         self.hybrid_forced = self.replay_impl == "forced" and self.spec.method == "hybrid"
 
@@ -238,7 +243,11 @@ class GRPOLearner:
     def step(self, step: int) -> dict[str, Any]:
         """Run GRPO step `step` in its five phases (module doc); returns the metrics row."""
         t0 = time.perf_counter()
-        problems, batch = self._rollout(step)
+        ds = {}
+        if self.exp_cfg.grpo.dynamic_sampling:
+            problems, batch, ds = dynamic_rollout(self, step)
+        else:
+            problems, batch = self._rollout(step)
         rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch,
                                         self.exp_cfg.rollout.group_size)
         rollout_s = time.perf_counter() - t0
@@ -247,10 +256,24 @@ class GRPOLearner:
         adv = self._advantages(rewards)
         at = self._at_sampler(batch, step)
         arrays = self._loss_arrays(batch, adv, at)
-        upd = self._updates(batch, arrays, at.live, step)
+        g = self.exp_cfg.grpo
+        truncated = truncated_rows(batch)
+        keep = ~truncated if g.mask_truncated else np.ones_like(truncated)
+        if g.mask_truncated:
+            arrays["keep"] = keep.astype(np.int32)
+        extra = {**ds, "truncated_fraction": float(truncated.mean()),
+                 "token_entropy": token_entropy(self.params, arrays, self.spec, self.mesh,
+                                                self.exp_cfg.learner.microbatch_size)
+                 if g.token_entropy else None}
+        # no signal: the policy term's gradient is exactly 0 and no other term is on
+        skip = (g.skip_zero_advantage_steps and g.kl_beta == 0 and not self.spec.train_gate
+                and not has_signal(arrays["adv"], keep))
+        upd = _Updates() if skip else self._updates(batch, arrays, at.live, step)
+        extra["update_skipped"] = skip
         jax.block_until_ready(self.params)
         learner_s = time.perf_counter() - t1
-        return self._metrics(step, batch, rewards, adv, at, upd, rollout_s, learner_s)
+        return step_metrics(self, step, batch, rewards, adv, at, upd, extra, rollout_s,
+                            learner_s)
 
     def _rollout(self, step: int):
         """(problems, RolloutBatch): the next `prompts_per_step` train problems, G samples each
@@ -267,11 +290,11 @@ class GRPOLearner:
         return problems, batch
 
     def _advantages(self, rewards_B) -> grpo.GroupAdvantages:
-        """`group_advantages` of the rewards, one group of G rows per prompt."""
+        """`step_advantages` of the rewards, one group of G rows per prompt."""
         g = self.exp_cfg.grpo
         N, G = self.exp_cfg.rollout.prompts_per_step, self.exp_cfg.rollout.group_size
-        return grpo.group_advantages(jnp.asarray(rewards_B.reshape(N, G)),
-                                     scale_by_std=g.scale_adv_by_std, std_floor=g.adv_std_floor)
+        return step_advantages(jnp.asarray(rewards_B.reshape(N, G)),
+                               g.scale_rewards if g.scale_adv_by_std else "none", g.adv_std_floor)
 
     def _replay(self, batch, step: int, recorded, emit, live: int):
         """(replay_lp, replay_lpp, replay_exact): the replay value `[B, S]` fp32 at the sampler's
@@ -309,7 +332,7 @@ class GRPOLearner:
         the replay check, `stock_max_abs_diff`, the k3 KL to the reference, and the learner's
         own log-probs with their mismatch to the sampler."""
         exp_cfg = self.exp_cfg
-        emit = np.asarray(batch.exit_loop_BxS) > 0
+        emit = batch.sampled_mask_BxS  # forced tokens (thinking budget) claim nothing
         recorded = np.asarray(batch.logprob_BxS)
         # every pass below runs on the batch's live prefix (same bits: `live_seq_len`)
         live = live_seq_len(batch, exp_cfg.learner.seq_bucket)
@@ -345,7 +368,7 @@ class GRPOLearner:
         adv_B = np.asarray(adv.advantages_NxG).reshape(-1)
         arrays = {"tokens": np.asarray(batch.tokens_BxS, np.int32),
                   "pad": np.asarray(batch.pad_B, np.int32),
-                  "exit_loop": np.asarray(batch.exit_loop_BxS, np.int32),
+                  "exit_loop": loss_exit_loops(batch),
                   "kv_depth": batch.kv_depth_BxS(), "adv": adv_B.astype(np.float32),
                   "old_lp": self._old_logprobs(batch, at.own_lp, at.own_lpp),
                   "sampler_lp": at.recorded.astype(np.float32),
@@ -402,6 +425,8 @@ class GRPOLearner:
         the loss normalisers are the whole minibatch's. Appends each microbatch's stats to
         `stats_acc` as (value, weight) pairs."""
         mask = arrays["exit_loop"][rows] > 0
+        if "keep" in arrays:  # grpo.mask_truncated: truncated rows leave the normalisers too
+            mask = mask & (arrays["keep"][rows] > 0)[:, None]
         norm = grpo.loss_normalizer(jnp.asarray(mask), self.exp_cfg.grpo.loss_agg,
                                     self.exp_cfg.rollout.max_new_tokens)
         gate_norm = jnp.float32(max(1, int(mask.sum()) * (self.model_cfg.T - 1)))
@@ -419,32 +444,3 @@ class GRPOLearner:
             for k in ("ratio_min", "ratio_max"):
                 stats_acc.setdefault(k, []).append((float(stats[k]), 1.0))
         return grads_sum, loss_sum
-
-    def _metrics(self, step: int, batch, rewards, adv, at: _AtSampler, upd: _Updates,
-                 rollout_s: float, learner_s: float) -> dict[str, Any]:
-        """The step's metrics row (`metrics.jsonl`; docs/DESIGN.md §6 names the required keys)."""
-        wmean = upd.weighted_mean
-        emit, recorded = at.emit, at.recorded
-        comp = np.asarray(batch.completion_len_B)
-        out = {"step": step, "reward_mean": float(rewards.mean()),
-               "reward_std": float(rewards.std()), "accuracy": float(np.mean(rewards == 1.0)),
-               "response_length": float(comp.mean()), "mean_exit_loop": mean_exit_loop(batch),
-               "kl": at.kl_ref, "clip_frac": wmean("clip_frac"),
-               "entropy": float(-recorded[emit].mean()) if emit.any() else 0.0,
-               "grad_norm": float(np.mean(upd.grad_norms)), "loss": float(np.mean(upd.losses)),
-               "replay_exact_fraction": at.replay_exact, "replay_impl": self.replay_impl,
-               "stock_max_abs_diff": at.stock_diff, "ratio_mean": wmean("ratio_mean"),
-               "ratio_min": min(v for v, _ in upd.stats["ratio_min"]),
-               "ratio_max": max(v for v, _ in upd.stats["ratio_max"]),
-               "approx_kl_old": wmean("approx_kl"),
-               "degenerate_groups": int(adv.num_degenerate),
-               **at.mismatch,
-               "tokens": int(emit.sum()), "learner_seq_len": at.live,
-               "rollout_s": rollout_s, "learner_s": learner_s,
-               "rollout_sha256": rollout_sha256(batch),
-               "params_fingerprint": params_fingerprint(self.params)}  # after the updates
-        if "gate_loss" in upd.stats:
-            out["gate_loss"] = wmean("gate_loss")
-        if "tis_weight_mean" in upd.stats:
-            out["tis_weight_mean"] = wmean("tis_weight_mean")
-        return out

@@ -1,6 +1,7 @@
-"""The GRPO learner's jitted loss and gradient: one microbatch's PPO-clip loss on the learner's
-log-probs (`looprl.logprobs.methods`), with the optional KL, TIS, loop credit and gate terms
-(`looprl.rl.grpo`), on one device or per device on a mesh (`shard_map`).
+"""The GRPO learner's jitted loss and gradient: one microbatch's policy loss (`grpo.loss`: PPO-clip,
+CISPO, GSPO, `looprl.rl.losses`) on the learner's log-probs (`looprl.logprobs.methods`), with the
+optional KL, TIS, loop credit and gate terms (`looprl.rl.grpo`), on one device or per device on a
+mesh (`shard_map`). With `mask_truncated`, rows where `mb["keep"]` is 0 leave the loss.
 
 `LossSpec` holds every static setting, so one compiled program serves every microbatch of a
 run. The hybrid log-prob (docs/DESIGN.md §4) takes its value from replay and its gradient from the
@@ -21,6 +22,7 @@ from looprl.logprobs import loop_logprobs, sequence_logprobs
 from looprl.model.config import OuroConfig
 from looprl.model.looped import exit_distribution
 from looprl.rl import grpo
+from looprl.rl.losses import policy_token_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,10 @@ class LossSpec:
     train_gate: bool
     gate_loss_coef: float
     forced_replay: bool = False  # hybrid's value from mb["replay_lp"/"replay_lpp"] (forced re-run)
+    loss: str = "ppo-clip"       # `looprl.rl.losses.LOSSES`
+    cispo_clip_low: float | None = None
+    cispo_clip_high: float = 5.0
+    mask_truncated: bool = False  # rows with mb["keep"] == 0 leave the loss
 
     @property
     def truncated(self) -> bool:
@@ -54,6 +60,8 @@ def policy_loss(params, mb, normalizer, gate_normalizer, spec: LossSpec):
     """Scalar loss of one microbatch (its share of the minibatch loss) and fp32 stats."""
     tokens, pad, exit_loop, kv_depth = mb["tokens"], mb["pad"], mb["exit_loop"], mb["kv_depth"]
     mask = exit_loop > 0
+    if spec.mask_truncated:
+        mask = mask & (mb["keep"] > 0)[:, None]
     hybrid_forced = spec.forced_replay and spec.method == "hybrid"
     lp, lpp = sequence_logprobs(spec.cfg, params, tokens, pad, exit_loop, kv_depth,
                                 kv_policy=spec.kv_policy, compute_dtype=spec.compute_dtype,
@@ -80,8 +88,9 @@ def policy_loss(params, mb, normalizer, gate_normalizer, spec: LossSpec):
     tis = {}
     if spec.tis_cap is not None:
         tis = dict(sampler_logprobs_BxS=mb["sampler_lp"], tis_cap=spec.tis_cap)
-    loss_bs, stats = grpo.ppo_clip_loss(cur, old, mb["adv"], mask, eps_low=spec.eps_low,
-                                        eps_high=spec.eps_high, **tis)
+    loss_bs, stats = policy_token_loss(spec.loss, cur, old, mb["adv"], mask, eps_low=spec.eps_low,
+                                       eps_high=spec.eps_high, cispo_clip_low=spec.cispo_clip_low,
+                                       cispo_clip_high=spec.cispo_clip_high, **tis)
     if spec.kl_beta > 0:
         loss_bs = loss_bs + spec.kl_beta * grpo.k3_kl(lp, mb["ref_lp"], mask)
     loss = grpo.aggregate_loss(loss_bs, mask, spec.loss_agg, normalizer)

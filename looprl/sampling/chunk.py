@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from looprl.errors import SamplingError
 from looprl.model.looped import (Layout, exit_lambda, exit_state_init, exit_state_update,
                                  lm_logits, q_exit_decision)
+from looprl.sampling import thinking
 from looprl.sampling.compaction import block_pass, compact_pass, loop_pass, record_rows
 from looprl.sampling.processing import noise_position, process_logits, row_keys, sample_tokens
 from looprl.sampling.state import DecodeState, RowInfo, Static
@@ -113,6 +114,9 @@ def run_chunk(st: Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: int,
         keys = row_keys(st.seed, step, rows.prompt_index_B, rows.sample_index_B,
                         noise_position(scfg.noise_keying, emit_p, st.P))
         token = sample_tokens(keys, processed, greedy=scfg.temperature == 0)
+    thinking_on = scfg.thinking_budget is not None and not st.forced
+    if thinking_on:  # an interrupted row's forced answer replaces the drawn token
+        token, s = thinking.force_token(scfg, s, rows.think_budget_B, token, emitting, emit_p)
     lp = jnp.take_along_axis(full, token[:, None], axis=1)[:, 0]
     lpp = jnp.take_along_axis(processed, token[:, None], axis=1)[:, 0]
     token = jnp.where(emitting, token, 0)
@@ -130,6 +134,8 @@ def run_chunk(st: Static, w, s: DecodeState, rows: RowInfo, step, *, w0, C: int,
         completion_len_B=s.completion_len_B + emitting.astype(jnp.int32),
         done_B=s.done_B | (emitting & stop),
     )
+    if thinking_on:
+        s = thinking.after_emit(scfg, s, emitting, emit_p)
     if st.forced:  # a recorded rollout that ended by length stops where the recording stopped
         n_forced = jnp.sum(rows.forced_exit_BxS > 0, axis=1)
         s = s._replace(done_B=s.done_B | (s.completion_len_B >= n_forced))

@@ -35,6 +35,13 @@ class SamplingConfig:
     row_compaction: bool = True  # each decode loop runs only the rows that need it, gathered
     #                              into a sub-batch of a size from `compaction.row_menu` or, for
     #                              a deferred window, in blocks of rows
+    # the thinking budget (`looprl.sampling.thinking`; None: off): (lo, hi) completion tokens,
+    # one budget per step drawn in [lo, hi]; then the forced answer's ids, teacher-forced, and
+    # at most `answer_budget` sampled tokens; the close's ids end the thinking
+    thinking_budget: tuple[int, int] | None = None
+    answer_budget: int = 0
+    forced_answer_ids: tuple[int, ...] = ()
+    think_close_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_rollout_config(cls, rollout, compute_dtype: str, *, greedy: bool = False,
@@ -69,6 +76,11 @@ class SamplingConfig:
                   stop_ids=tuple(schedule.stop_ids), compute_dtype=schedule.compute_dtype,
                   max_seq_len=schedule.seq_len, kernels=schedule.kernels,
                   noise_keying=schedule.noise_keying)
+        if schedule.thinking_budget is not None:  # the drawn budget of the recorded step
+            kw.update(thinking_budget=(schedule.thinking_budget,) * 2,
+                      answer_budget=schedule.answer_budget,
+                      forced_answer_ids=tuple(schedule.forced_answer_ids),
+                      think_close_ids=tuple(schedule.think_close_ids))
         return cls(**{**kw, **overrides})
 
     def validate(self, T: int) -> None:
@@ -99,3 +111,25 @@ class SamplingConfig:
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise SamplingError(f"compute_dtype must be float32 or bfloat16, "
                                 f"got {self.compute_dtype!r}")
+        if self.thinking_budget is not None:
+            self._validate_thinking()
+
+    def _validate_thinking(self) -> None:
+        lo, hi = self.thinking_budget
+        F = len(self.forced_answer_ids)
+        if not 1 <= lo <= hi:
+            raise SamplingError(f"thinking_budget (lo, hi) needs 1 <= lo <= hi, got "
+                                f"{self.thinking_budget}")
+        if F == 0 or not self.think_close_ids:
+            raise SamplingError("thinking_budget needs forced_answer_ids and think_close_ids "
+                                "(the tokenised forced answer text and thinking close)")
+        if self.answer_budget < 1:
+            raise SamplingError(f"answer_budget must be >= 1 with a thinking budget, got "
+                                f"{self.answer_budget}")
+        if set(self.forced_answer_ids) & set(self.stop_ids):
+            raise SamplingError(f"forced_answer_ids {self.forced_answer_ids} hold a stop id "
+                                f"{self.stop_ids}: the forced answer would end the completion")
+        if hi + F + self.answer_budget > self.max_new_tokens:
+            raise SamplingError(f"thinking_budget {hi} + forced answer {F} + answer_budget "
+                                f"{self.answer_budget} tokens exceed max_new_tokens "
+                                f"{self.max_new_tokens}")

@@ -12,7 +12,9 @@ matmuls and attention use the batch-invariant kernels of `looprl.kernels`, so a 
 do not depend on the chunk or batch it ran in.
 
 `forced` mode re-runs a recorded rollout (its tokens, exit loops and flushes) at other
-parameters: the sampler "in forced mode" of the reproducibility matrix.
+parameters: the sampler "in forced mode" of the reproducibility matrix. With a thinking budget
+(`thinking`), a completion that runs out of it gets its forced answer written over the drawn
+tokens, recorded in `forced_BxS`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from looprl.errors import SamplingError
 from looprl.kernels import kernel_version, row_tile
 from looprl.model.config import OuroConfig
 from looprl.model.looped import cast_weights, embed
+from looprl.sampling import thinking
 from looprl.sampling.chunk import run_chunk
 from looprl.sampling.compaction import row_menu
 from looprl.sampling.config import SamplingConfig
@@ -114,6 +117,7 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         frows = (jnp.asarray(fb.tokens_BxS, jnp.int32), jnp.asarray(fb.exit_loop_BxS, jnp.int32),
                  jnp.asarray(fb.flush_BxS, bool))
         scfg = dataclasses.replace(scfg, noise_keying=sched.noise_keying)  # tokens are forced
+        budget = sched.thinking_budget  # recorded, not drawn: the tokens are forced
     else:
         G = group_size
         idx = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
@@ -123,6 +127,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         prompt_index = np.repeat(np.asarray(idx, np.int32), G)
         sample_index = np.tile(np.arange(G, dtype=np.int32), len(prompts))
         frows = (None, None, None)
+        budget = (None if scfg.thinking_budget is None else
+                  thinking.draw_budget(seed, step, *scfg.thinking_budget))
     for pr in prompts:
         bad = [t for t in pr if not (0 <= t < cfg.vocab_size)]
         if bad:
@@ -149,7 +155,8 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
             widths = recorded
     st = Static(cfg, scfg, int(P), int(S), int(seed), forced is not None, menu, widths)
     rows = RowInfo(jnp.asarray(pad), jnp.asarray(prompt_index, jnp.int32),
-                   jnp.asarray(sample_index, jnp.int32), *frows)
+                   jnp.asarray(sample_index, jnp.int32), *frows,
+                   None if budget is None else jnp.full((len(pad),), budget, jnp.int32))
     if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
         params = jax.device_put(params)  # once per call; callers should pass device arrays
     step_arr = jnp.int32(step)
@@ -193,7 +200,12 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         row_tile=row_tile() if scfg.kernels == "invariant" else 1, kernels=scfg.kernels,
         mesh=_mesh_record(mesh, params), noise_keying=scfg.noise_keying,
         kernel_version=kernel_version(), row_menu=menu,
-        window_widths=widths if menu else ())
+        window_widths=widths if menu else (), **_thinking_record(scfg, budget))
+    forced_BxS = None
+    if forced is not None:
+        forced_BxS = fb.forced_BxS
+    elif budget is not None:
+        forced_BxS = fetch(s.forced_BxS)[:B]
     return RolloutBatch(
         tokens_BxS=fetch(s.tokens_BxS)[:B], pad_B=np.asarray(pad),
         exit_loop_BxS=fetch(s.exit_loop_BxS)[:B], logprob_BxS=fetch(s.logprob_BxS)[:B],
@@ -201,7 +213,16 @@ def generate(cfg: OuroConfig, params, prompts: list[list[int]], scfg: SamplingCo
         flush_BxS=fetch(s.flush_BxS)[:B], prompt_index_B=np.asarray(prompt_index, np.int32),
         sample_index_B=np.asarray(sample_index, np.int32),
         completion_len_B=fetch(s.completion_len_B)[:B], schedule=sched,
-        loop_rows=fetch(s.loop_rows_1xSxTxW) if menu else None)
+        loop_rows=fetch(s.loop_rows_1xSxTxW) if menu else None, forced_BxS=forced_BxS)
+
+
+def _thinking_record(scfg: SamplingConfig, budget: int | None) -> dict:
+    """The schedule's thinking-budget fields: the budget this rollout used (None: off)."""
+    if budget is None:
+        return {}
+    return dict(thinking_budget=int(budget), answer_budget=int(scfg.answer_budget),
+                forced_answer_ids=tuple(scfg.forced_answer_ids),
+                think_close_ids=tuple(scfg.think_close_ids))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -221,7 +242,8 @@ def _prefill(st: Static, params, tokens_BxS, rows: RowInfo, step):
         flush_BxS=jnp.zeros((B, st.S), bool), done_B=jnp.zeros((B,), bool),
         completion_len_B=jnp.zeros((B,), jnp.int32),
         loop_rows_1xSxTxW=jnp.zeros((1, st.S, T, len(st.window_widths)), jnp.int32),
-        p=jnp.int32(st.P))
+        p=jnp.int32(st.P),
+        **(thinking.init_state(B, st.S) if _thinking(st) else {}))
     ones = jnp.ones((B,), bool)
     return run_chunk(st, w, s, rows, step, w0=0, C=st.P, emit_p=st.P - 1,
                      eligible_C=jnp.ones((st.P,), bool), force_full_B=ones, running_B=ones)
@@ -263,15 +285,21 @@ def _decode(st: Static, params, s: DecodeState, rows: RowInfo, step, n_steps: in
     return s
 
 
+def _thinking(st: Static) -> bool:
+    """Whether the programs run the thinking budget (forced re-runs take recorded tokens)."""
+    return st.scfg.thinking_budget is not None and not st.forced
+
+
 # --- on a mesh: the same programs, one per device on its rows ----------------------------------
 
 def _mesh_record(mesh, params):
     return mesh_record(mesh if mesh is not None and mesh.size > 1 else None, params)
 
 
-def _state_specs():
+def _state_specs(st: Static):
     row, kv = PS(ROW_AXES), PS(None, None, ROW_AXES)  # the caches are [T, L, B, S, Hkv, K]
-    return DecodeState(row, row, row, kv, kv, row, row, row, row, row, row, row, row)
+    extra = (row, row, row) if _thinking(st) else ()
+    return DecodeState(row, row, row, kv, kv, row, row, row, row, row, row, row, row, *extra)
 
 
 @functools.lru_cache(maxsize=32)
@@ -281,7 +309,7 @@ def _mesh_prefill(st: Static, mesh):
         return s._replace(p=s.p[None])  # each device's position: p is [devices] on the mesh
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PS(), PS(ROW_AXES), PS(ROW_AXES),
                                                              PS()),
-                                 out_specs=_state_specs(), check_vma=False))
+                                 out_specs=_state_specs(st), check_vma=False))
 
 
 @functools.lru_cache(maxsize=32)
@@ -289,9 +317,9 @@ def _mesh_decode(st: Static, mesh, n_steps: int):
     def body(params, s, rows, step):
         s = _decode(st, params, s._replace(p=s.p[0]), rows, step, n_steps)
         return s._replace(p=s.p[None])
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PS(), _state_specs(), PS(ROW_AXES),
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(PS(), _state_specs(st), PS(ROW_AXES),
                                                              PS()),
-                                 out_specs=_state_specs(), check_vma=False), donate_argnums=(1,))
+                                 out_specs=_state_specs(st), check_vma=False), donate_argnums=(1,))
 
 
 def _on_mesh(mesh, tokens, rows: RowInfo, step: int):

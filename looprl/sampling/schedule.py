@@ -35,7 +35,7 @@ import numpy as np
 from looprl import compat
 from looprl.errors import ScheduleError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # written for a rollout with a thinking budget; others are written as 3
 READABLE_VERSIONS = (*compat.OLD_SCHEDULE_VERSIONS, FORMAT_VERSION)  # older ones: looprl.compat
 
 _ARRAYS = ("tokens_BxS", "pad_B", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS",
@@ -82,13 +82,18 @@ class Schedule:
     # the width of each column of `RolloutBatch.loop_rows`: the positions a decode loop's pass
     # ran per row (the KV policy's `window_widths`); () without compaction
     window_widths: tuple[int, ...] = ()
+    # the thinking budget (`looprl.sampling.thinking`): this step's drawn budget (None: off),
+    # the answer budget, the forced answer's and the thinking close's token ids
+    thinking_budget: int | None = None
+    answer_budget: int = 0
+    forced_answer_ids: tuple[int, ...] = ()
+    think_close_ids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["stop_ids"] = list(self.stop_ids)
-        d["row_menu"] = list(self.row_menu)
-        d["window_widths"] = list(self.window_widths)
-        return d
+        """The JSON form; without a thinking budget its keys are left out (format 3's form)."""
+        d = {k: list(v) if k in _TUPLES else v for k, v in dataclasses.asdict(self).items()}
+        off = compat.THINKING_KEYS if self.thinking_budget is None else ()
+        return {k: v for k, v in d.items() if k not in off}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], version: int = FORMAT_VERSION) -> "Schedule":
@@ -100,10 +105,14 @@ class Schedule:
         if missing:
             raise ScheduleError(f"schedule meta is missing keys {missing}")
         d = {k: v for k, v in d.items() if k in known}
-        for key in ("stop_ids", "row_menu", "window_widths"):
+        for key in _TUPLES:
             if key in d:
                 d[key] = tuple(d[key])
         return cls(**d)
+
+
+_ALL = (*_ARRAYS, "loop_rows", "forced_BxS")
+_TUPLES = ("stop_ids", "row_menu", "window_widths", "forced_answer_ids", "think_close_ids")
 
 
 @dataclasses.dataclass
@@ -115,7 +124,8 @@ class RolloutBatch:
     temperature-scaled, at the exit loop), logprob_processed_BxS fp32 (after top-k/top-p; equal to
     logprob_BxS when truncation is off), flush_BxS bool (deferred: positions whose step was forced
     to run every loop), prompt_index_B / sample_index_B int32, completion_len_B int32 (tokens
-    emitted, stop token included).
+    emitted, stop token included), forced_BxS bool or None (emitting positions whose token was
+    teacher-forced by the thinking budget, `looprl.sampling.thinking`; None: none was).
     """
     tokens_BxS: Any
     pad_B: Any
@@ -128,11 +138,19 @@ class RolloutBatch:
     completion_len_B: Any
     schedule: Schedule
     loop_rows: Any = None
+    forced_BxS: Any = None
 
     @property
     def emit_mask_BxS(self):
         """True at positions that emitted a completion token (exit_loop > 0)."""
         return self.exit_loop_BxS > 0
+
+    @property
+    def sampled_mask_BxS(self):
+        """numpy bool [B, S]: emitting positions whose token was sampled, not forced: what the
+        loss and every log-prob claim count."""
+        emit = np.asarray(self.exit_loop_BxS) > 0
+        return emit if self.forced_BxS is None else emit & ~np.asarray(self.forced_BxS, bool)
 
     @property
     def completion_mask_BxS(self):
@@ -154,7 +172,8 @@ class RolloutBatch:
         rows = np.asarray(rows)
         arrays = {k: np.asarray(getattr(self, k))[rows] for k in _ARRAYS}
         sched = dataclasses.replace(self.schedule, batch_size=int(len(rows)))
-        return RolloutBatch(**arrays, schedule=sched)
+        forced = None if self.forced_BxS is None else np.asarray(self.forced_BxS)[rows]
+        return RolloutBatch(**arrays, schedule=sched, forced_BxS=forced)
 
     def without_logprobs(self) -> "RolloutBatch":
         """A copy whose recorded log-probs are NaN (so a replay cannot return stored numbers)."""
@@ -162,9 +181,8 @@ class RolloutBatch:
         return dataclasses.replace(self, logprob_BxS=nan, logprob_processed_BxS=nan.copy())
 
     def to_numpy(self) -> "RolloutBatch":
-        loop_rows = None if self.loop_rows is None else np.asarray(self.loop_rows)
-        return dataclasses.replace(self, **{k: np.asarray(getattr(self, k)) for k in _ARRAYS},
-                                   loop_rows=loop_rows)
+        return dataclasses.replace(self, **{k: None if getattr(self, k) is None else
+                                            np.asarray(getattr(self, k)) for k in _ALL})
 
     def save(self, path: str | Path) -> None:
         """Write one `.npz` (arrays + JSON meta with `format_version`); atomic via rename."""
@@ -173,7 +191,10 @@ class RolloutBatch:
         arrays = {k: np.asarray(getattr(self, k)) for k in _ARRAYS}
         if self.loop_rows is not None:
             arrays["loop_rows"] = np.asarray(self.loop_rows)
-        meta = {"format_version": FORMAT_VERSION, "schedule": self.schedule.to_dict()}
+        if self.forced_BxS is not None:
+            arrays["forced_BxS"] = np.asarray(self.forced_BxS, bool)
+        version = FORMAT_VERSION if self.schedule.thinking_budget is not None else 3  # as before
+        meta = {"format_version": version, "schedule": self.schedule.to_dict()}
         np.savez(tmp, meta=np.asarray(json.dumps(meta)), **arrays)
         tmp.replace(path)
 
@@ -199,7 +220,7 @@ class RolloutBatch:
             raise ScheduleError(f"{path}: missing arrays {missing}")
         sched = Schedule.from_dict(meta["schedule"], meta["format_version"])
         return cls(**{k: data[k] for k in _ARRAYS}, schedule=sched,
-                   loop_rows=data.get("loop_rows"))
+                   loop_rows=data.get("loop_rows"), forced_BxS=data.get("forced_BxS"))
 
 
 def params_fingerprint(params) -> str:

@@ -31,6 +31,12 @@ class DecodeState(NamedTuple):
     loop_rows_1xSxTxW: jax.Array  # rows run per (decode step, loop, pass): a menu size or a
     #                               window's blocks x their rows
     p: jax.Array  # next position to run (int32 scalar)
+    # the thinking budget (`looprl.sampling.thinking`): emitting positions whose token was
+    # teacher-forced, the completion index where the forced answer starts (`thinking.NEVER`:
+    # not interrupted), and whether the completion has closed its thinking
+    forced_BxS: jax.Array | None = None
+    force_at_B: jax.Array | None = None
+    closed_B: jax.Array | None = None
 
 
 class RowInfo(NamedTuple):
@@ -40,6 +46,7 @@ class RowInfo(NamedTuple):
     forced_tokens_BxS: jax.Array | None
     forced_exit_BxS: jax.Array | None
     forced_flush_BxS: jax.Array | None
+    think_budget_B: jax.Array | None = None  # int32: the thinking budget (None: off)
 
 
 @dataclasses.dataclass(frozen=True)

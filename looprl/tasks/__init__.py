@@ -1,4 +1,4 @@
-"""Tasks with verifiable rewards: procedural arithmetic (reasoning-gym) and GSM8K.
+"""Tasks with verifiable rewards: procedural arithmetic (reasoning-gym), GSM8K and JSONL math.
 
 `get_task(name, **config)` builds one from the registry (`task_names()`); see `looprl.tasks.base`.
 """

@@ -183,6 +183,7 @@ class ProblemIterator:
 _REGISTRY: dict[str, str | type[Task]] = {
     "arithmetic": "looprl.tasks.arithmetic:ArithmeticTask",
     "gsm8k": "looprl.tasks.gsm8k:GSM8KTask",
+    "math": "looprl.tasks.math_jsonl:MathTask",
 }
 
 

@@ -3,17 +3,18 @@
 `extract_answer` finds a completion's final answer: the last marked answer that holds a value
 (`\\boxed{...}`, a `#### N` line, `The answer is ...`, a correction `actually N`), else the last
 number; after `</think>` first. `candidate_value` reads one candidate (numbers, number words,
-LaTeX). `grade_answer` compares the value with the gold: a plain number by its `Decimal` value
-(`18.00` == `18`, `1,080` == `1080`), anything else with `math_verify.verify`.
+scientific and scale forms by value; LaTeX forms for math-verify). `grade_answer` compares the
+value with the gold: a plain number by its `Decimal` value (`18.00` == `18`, `1,080` == `1080`),
+anything else with `math_verify.verify`; `grade_symbolic` takes a symbolic gold (`\\frac{1}{2}`).
 """
 from __future__ import annotations
 
 import re
 import threading
-from decimal import Decimal, InvalidOperation, localcontext
-from fractions import Fraction
+from decimal import Decimal, InvalidOperation
 
 from looprl.errors import TaskError
+from looprl.tasks.number_words import number_words_value, ratio_string
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
 _HASH_RE = re.compile(r"####\s*([^\n]*)")
@@ -41,25 +42,18 @@ _OPERAND = r"\(?\s*[-+]?(?:\d+(?:\.\d+)?|\.\d+)\s*\)?"
 _ARITHMETIC_RE = re.compile(rf"[-+]?\s*{_OPERAND}(?:\s*[-+*/^]\s*{_OPERAND})+")
 _THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\{,\}|\\,|\\ |\\!|\u2009|\u202f|\u00a0)(?=\d{3}(?!\d))")
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)(?!\d)")
+_BRACED_EXPONENT_RE = re.compile(r"\^\s*\{\s*([-+]?\d+)\s*\}")  # `10^{3}` -> `10^3`
+_TIMES_RE = re.compile(r"(?<=[\d)])\s*[x\u00d7]\s*(?=\(?[-+]?\.?\d)")  # `5 x 3`, `5×3`
+_LEAD_NUM = r"[-+]?\s*(?:\d+(?:\.\d+)?|\.\d+)"
+_SCI_RE = re.compile(rf"({_LEAD_NUM})\s*\*\s*10\s*\^\s*([-+]?\d+)|10\s*\^\s*([-+]?\d+)")
+_SCALE_RE = re.compile(rf"({_LEAD_NUM})\s*(thousand|million|billion|trillion)\b", re.I)
+_SCALES = {"thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_LATEX_FORM_RE = re.compile(  # a number whose LaTeX form goes on: `3\frac{1}{2}`, `2\sqrt{3}`, `3\pi`
+    rf"{_LEAD_NUM}\s*(?:\\frac\s*\{{[^{{}}]*\}}\s*\{{[^{{}}]*\}}|"
+    rf"\\sqrt\s*(?:\[[^\]]*\])?\s*(?:\{{[^{{}}]*\}}|\d+)|\\pi\b)")
+_FACTORIAL_RE = re.compile(rf"{_LEAD_NUM}\s*!(?!=)")
+_LIST_RE = re.compile(rf"{_LEAD_NUM}(?:\s*,\s*{_LEAD_NUM})+(?!\.?\d)")  # `18, 20`
 _MAX_CANDIDATE_CHARS = 200
-
-# Number words (see the module docstring for the grammar).
-_UNITS = {w: i for i, w in enumerate((
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-    "nineteen"))}
-_TENS = {w: 10 * i for i, w in enumerate(
-    ("twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"), start=2)}
-_SCALES = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
-_DENOMINATORS = {"half": 2, "halves": 2, "third": 3, "thirds": 3, "quarter": 4, "quarters": 4,
-                 "fourth": 4, "fourths": 4, "fifth": 5, "fifths": 5, "sixth": 6, "sixths": 6,
-                 "seventh": 7, "sevenths": 7, "eighth": 8, "eighths": 8, "ninth": 9, "ninths": 9,
-                 "tenth": 10, "tenths": 10}
-_NUMBER_WORDS = {*_UNITS, *_TENS, *_SCALES, *_DENOMINATORS, "hundred", "dozen", "point"}
-_FILLERS = {"therefore", "thus", "hence", "so", "then", "just", "exactly", "simply", "clearly",
-            "indeed", "now", "still", "only"}
-_WORD_TOKEN_RE = re.compile(r"[a-z]+|[^\sa-z-]")  # hyphens separate words: `seventy-two`
-
 
 def _boxed_candidates(text: str) -> list[tuple[int, str]]:
     found = []
@@ -118,8 +112,9 @@ def _clean(candidate: str) -> str:
     for old, new in (("\\$", ""), ("$", ""), ("\\%", "%"), ("{,}", ""), ("\\,", ""), ("\\!", ""),
                      ("\\;", " "), ("\\ ", " "), ("~", " "), ("\\left", ""), ("\\right", ""),
                      ("**", ""), ("\u2212", "-"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
-                     ("\\cdot", "*"), ("\\times", "*"), ("\\div", "/")):
+                     ("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\u03c0", "\\pi ")):
         c = c.replace(old, new)
+    c = _TIMES_RE.sub(" * ", _BRACED_EXPONENT_RE.sub(r"^\1", c))
     c = _SPACE_THOUSANDS_RE.sub(lambda m: m.group(0).replace(" ", ""), c)
     if "=" in c and _is_equation_lhs(c.split("=", 1)[0]):
         c = c.rsplit("=", 1)[1]
@@ -143,9 +138,9 @@ def _collapse_signed_parens(c: str) -> str:
     return f"{sign}{m.group(2)} {c[m.end():]}".strip()
 
 
-def candidate_value(candidate: str, words: bool = True) -> str | None:
+def candidate_value(candidate: str, words: bool = True, latex: bool = False) -> str | None:
     """Return the value of one answer candidate: a plain number string, LaTeX for math-verify, or
-    None; number words are read only when `words`.
+    None; number words are read only when `words`; `latex` marks the content of a `\\boxed{}`.
 
     The candidate loses its LaTeX and Markdown dressing (`$`, `\\$`, `\\text{}`, `\\left`,
     `**`), thousands separators dropped (`,`, `{,}`, `\\,`, `\\ `, thin and no-break spaces between
@@ -179,21 +174,41 @@ def candidate_value(candidate: str, words: bool = True) -> str | None:
         Number words are not read in `####` lines, corrections or the last-number fallback. A
         following number word that does not continue the number makes it no value (`nineteen
         eighty-four`); `eighteenth`, `hundreds`, `half` alone or `a` alone are no number (`a total
-        of 18` is 18 by the last rule), and `one` is a number (`one of them` -> 1). Digits before a
-        scale word are the digits alone (`192 million` -> 192);
-      * a candidate that starts with `\\frac` / `\\sqrt`, or with numbers joined by operators
-        (`144/2`, `144 \\div 2`, `48 + 24`, `1.92 \\times 10^8`), is handed to math-verify (only the
-        arithmetic prefix: `$10/hour` is the number 10, not a division);
+        of 18` is 18 by the last rule), and `one` is a number (`one of them` -> 1);
+      * digits before a scale word are their value (`1.5 million` -> 1500000);
+      * a candidate that starts with `\\frac` / `\\sqrt`, or a number whose LaTeX form goes on
+        (a mixed fraction `3\\frac{1}{2}`, a radical `2\\sqrt{3}`, a multiple of pi `3\\pi` or
+        `3π`, a list `18, 20`, and a factorial `5!` inside `\\boxed{}` or `$...$`: `15!` in
+        prose is an exclamation), is handed to math-verify: a boxed candidate whole, otherwise
+        the form's own text;
+      * numbers joined by operators (`144/2`, `144 \\div 2`, `48 + 24`, `5 x 3`, `5 × 3`, `2^{10}`)
+        go to math-verify (only the arithmetic prefix: `$10/hour` is the number 10, not a
+        division), except the scientific forms `a \\times 10^{n}` / `10^{n}` (braces optional),
+        which are their exact decimal (`3.5 \\times 10^{2}` -> 350, `10^{3}` -> 1000; |n| <= 100);
       * otherwise its first number (sign kept; `18.00` stays `18.00`).
     """
     c = _collapse_signed_parens(_clean(candidate))
-    value = _number_words_value(c) if words else None
+    value = number_words_value(c) if words else None
     if value is not None:
         return value
     if _LATEX_EXPRESSION_RE.match(c):  # starts with a fraction or a root
         return c.rstrip(". ")
+    m = _SCALE_RE.match(c)  # `1.5 million`
+    if m:
+        return _decimal_string(Decimal(m.group(1).replace(" ", "")).scaleb(
+            _SCALES[m.group(2).lower()]))
+    factorial = latex or re.search(r"\d\s*!\s*(?:\$|\\\))", candidate)  # `$5!$`; `15!` is not
+    for form in (_LATEX_FORM_RE, _LIST_RE) + ((_FACTORIAL_RE,) if factorial else ()):
+        m = form.match(c)
+        if m:  # math-verify reads the whole form (boxed), or the form's own text
+            return c.rstrip(". ") if latex else m.group(0).strip()
     m = _ARITHMETIC_RE.match(c)  # numbers joined by operators: `144/2`, `10^8`; not `10/hour`
     if m:
+        sci = _SCI_RE.fullmatch(m.group(0).strip())
+        exponent = int(sci.group(2) or sci.group(3)) if sci else None
+        if sci and abs(exponent) <= 100:  # `3.5 * 10^2`, `10^3`: the exact decimal
+            mantissa = (sci.group(1) or "1").replace(" ", "")
+            return _decimal_string(Decimal(mantissa).scaleb(exponent))
         return m.group(0).strip()
     m = _NUM_RE.search(c)
     if m is None:
@@ -201,105 +216,9 @@ def candidate_value(candidate: str, words: bool = True) -> str | None:
     return m.group(0).replace(",", "").lstrip("+")
 
 
-def _words_integer(tokens: list[str], i: int) -> tuple[int, int] | None:
-    """A whole number in words from `tokens[i]`: (its value, the index after it), or None."""
-    def tok(k):
-        return tokens[k] if k < len(tokens) else None
-
-    def below_hundred(k):  # `seventy two`, `nineteen`, `five` (not zero)
-        if tok(k) in _TENS:
-            if tok(k + 1) in _UNITS and 0 < _UNITS[tok(k + 1)] < 10:
-                return _TENS[tok(k)] + _UNITS[tok(k + 1)], k + 2
-            return _TENS[tok(k)], k + 1
-        if tok(k) in _UNITS and _UNITS[tok(k)] > 0:
-            return _UNITS[tok(k)], k + 1
-        return None
-
-    def group(k):  # below a thousand, or `twelve hundred`: `a hundred`, `three hundred and five`
-        if tok(k) == "a" and tok(k + 1) == "hundred":
-            part = (1, k + 1)
-        else:
-            part = below_hundred(k)
-        if part is None or tok(part[1]) != "hundred":
-            return part
-        value, k = part[0] * 100, part[1] + 1
-        rest = below_hundred(k + 1) if tok(k) == "and" else below_hundred(k)
-        return (value + rest[0], rest[1]) if rest else (value, k)
-
-    if tok(i) == "zero":
-        return 0, i + 1
-    total, last_scale, found = 0, None, False
-    while True:
-        k = i
-        if found and tok(k) == ",":  # `one thousand, two hundred`
-            k += 1
-        if found and tok(k) == "and":  # `two thousand and five`
-            k += 1
-        if tok(k) == "a" and (tok(k + 1) in _SCALES or tok(k + 1) == "dozen"):
-            part = (1, k + 1)
-        else:
-            part = group(k)
-        if part is None:
-            break
-        value, k = part
-        if tok(k) == "dozen":  # `a dozen`, `two dozen`: nothing follows
-            return (total + 12 * value, k + 1) if not found else (total, i)
-        scale = _SCALES.get(tok(k))
-        if scale is not None and (last_scale is None or scale < last_scale):
-            total, last_scale, found, i = total + value * scale, scale, True, k + 1
-            continue
-        if last_scale is not None and value >= last_scale:  # `one thousand twelve hundred`
-            break
-        total, found, i = total + value, True, k
-        break
-    return (total, i) if found else None
-
-
-def _fraction_string(frac: Fraction) -> str:
-    """`frac` as its exact decimal (`3/4` -> `0.75`), or `p/q` for math-verify when it has none."""
-    sign = "-" if frac < 0 else ""
-    return _ratio_string(sign, abs(frac.numerator), frac.denominator)
-
-
-def _number_words_value(c: str) -> str | None:
-    """The value of a candidate that starts with number words (`eighteen eggs`, `therefore
-    seventy-two`, `minus five`, `two and a half`), or None; see the module docstring."""
-    sign = re.match(r"\s*-\s*(?=[A-Za-z])", c)  # `-five`: the hyphen is a minus sign here
-    tokens = _WORD_TOKEN_RE.findall(c[sign.end():].lower() if sign else c.lower())
-    i = 0
-    while not sign and i < len(tokens) and tokens[i] in _FILLERS:
-        i += 1
-    negative = bool(sign) or (i < len(tokens) and tokens[i] in ("minus", "negative"))
-    i += negative and not sign
-
-    def tok(k):
-        return tokens[k] if k < len(tokens) else None
-
-    whole = _words_integer(tokens, i)
-    value = None
-    if whole is None:
-        if tok(i) == "a" and tok(i + 1) in _DENOMINATORS:  # `a half`, `a quarter`
-            value, i = Fraction(1, _DENOMINATORS[tok(i + 1)]), i + 2
-    else:
-        n, i = whole
-        value = Fraction(n)
-        if tok(i) in _DENOMINATORS and n > 0:  # `three quarters`, `one half`
-            value, i = Fraction(n, _DENOMINATORS[tok(i)]), i + 1
-        elif tok(i) == "and":  # `two and a half`, `one and three quarters`
-            numerator = (1, i + 2) if tok(i + 1) == "a" else _words_integer(tokens, i + 1)
-            if numerator and numerator[0] > 0 and tok(numerator[1]) in _DENOMINATORS:
-                value += Fraction(numerator[0], _DENOMINATORS[tok(numerator[1])])
-                i = numerator[1] + 1
-        elif tok(i) == "point" and tok(i + 1) in _UNITS and _UNITS[tok(i + 1)] < 10:
-            digits = ""
-            i += 1
-            while tok(i) in _UNITS and _UNITS[tok(i)] < 10:  # `two point five`
-                digits += str(_UNITS[tok(i)])
-                i += 1
-            value += Fraction(int(digits), 10 ** len(digits))
-    if value is None or tok(i) in _NUMBER_WORDS:  # `nineteen eighty-four` is no one number
-        return None
-    return _fraction_string(-value if negative else value)
+def _decimal_string(value: Decimal) -> str:
+    """`value` in plain notation without trailing zeros (`3.5E+2` -> `350`)."""
+    return format(value.normalize(), "f") if value else "0"
 
 
 def _has_content(candidate: str) -> bool:
@@ -309,8 +228,9 @@ def _has_content(candidate: str) -> bool:
 
 def _extract(text: str) -> tuple[str | None, bool]:
     """(The answer of `text`, whether it holds a marked answer or a negated marker at all)."""
-    candidates = sorted([(pos, "marked", c) for pos, c in _boxed_candidates(text) +
-                         _phrase_candidates(text) + _correction_candidates(text)] +
+    candidates = sorted([(pos, "boxed", c) for pos, c in _boxed_candidates(text)] +
+                        [(pos, "marked", c) for pos, c in _phrase_candidates(text) +
+                         _correction_candidates(text)] +
                         [(m.start(), "hash", m.group(1)) for m in _HASH_RE.finditer(text)] +
                         [(pos, "negated", after) for pos, after in _negated_candidates(text)])
     marked_without_value = False
@@ -321,7 +241,7 @@ def _extract(text: str) -> tuple[str | None, bool]:
             return _last_number(text[candidate:]), True
         if not _has_content(candidate):
             continue
-        value = candidate_value(candidate, words=kind != "hash")
+        value = candidate_value(candidate, words=kind != "hash", latex=kind == "boxed")
         if value is not None:
             return value, True
         if kind != "hash":  # `#### Step two` is a Markdown heading, no answer
@@ -344,25 +264,7 @@ def _last_number(text: str) -> str | None:
     if last.group(1) is None:
         return last.group(0).replace(",", "").lstrip("+")
     sign = "-" if last.group(0).startswith("-") else ""
-    return _ratio_string(sign, int(last.group(1)), int(last.group(2)))
-
-
-def _ratio_string(sign: str, num: int, den: int) -> str:
-    """`sign num/den` as its exact decimal, or as `num/den` (unreduced) when it has none."""
-    if den == 0:
-        return f"{sign}{num}/{den}"
-    frac = Fraction(num, den)
-    d = frac.denominator
-    while d % 2 == 0:
-        d //= 2
-    while d % 5 == 0:
-        d //= 5
-    if d != 1:  # no terminating decimal
-        return f"{sign}{num}/{den}"
-    with localcontext() as ctx:
-        ctx.prec = 2 * len(str(frac.denominator)) + len(str(frac.numerator)) + 2  # exact
-        value = Decimal(frac.numerator) / Decimal(frac.denominator)
-    return sign + format(value.normalize(), "f") if value else "0"
+    return ratio_string(sign, int(last.group(1)), int(last.group(2)))
 
 
 def extract_answer(completion: str) -> str | None:
@@ -434,3 +336,42 @@ def grade_answer(completion: str, gold: str) -> float:
         return 1.0 if Decimal(value) == gold_value else 0.0
     except InvalidOperation:
         return 1.0 if _math_verify_equal(gold.replace(",", ""), value) else 0.0
+
+
+def is_plain_number(gold: str) -> bool:
+    """True for a gold answer `grade_answer` takes: a number once thousands separators go."""
+    try:
+        return Decimal(gold.replace(",", "")).is_finite()
+    except InvalidOperation:
+        return False
+
+
+def _unwrap_text(s: str) -> str:
+    return re.sub(r"\s+", "", _TEXT_CMD_RE.sub(r"\1", s)).strip("$.")
+
+
+def grade_symbolic(completion: str, gold: str) -> float:
+    """Return 1.0 if `completion`'s final answer equals `gold`, any answer math-verify reads
+    (`\\frac{1}{2}`, `2\\sqrt{3}`, `(-\\infty, 3]`, `x^2 + 1`, `3\\pi`), else 0.0.
+
+    A plain-number gold is `grade_answer`'s. Otherwise the text after the last `</think>` (the
+    whole completion without one) is parsed by math-verify (its last `\\boxed{}` first, else its
+    last LaTeX or plain expression) and verified against the gold; failing that, the answer
+    `extract_answer` finds is. A gold math-verify cannot read (`\\text{Monday}`) is compared as
+    text with the last `\\boxed{}` content (`\\text{}`, spaces, `$` and a final `.` dropped).
+    """
+    if is_plain_number(gold):
+        return grade_answer(completion, gold)
+    from math_verify import parse, verify
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    text = completion.rsplit("</think>", 1)[1] if "</think>" in completion else completion
+    gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
+    if not gold_parsed:
+        boxed = _boxed_candidates(text) or _boxed_candidates(completion)
+        return float(bool(boxed) and _unwrap_text(boxed[-1][1]) == _unwrap_text(gold))
+    answer = parse(text, parsing_timeout=timeout)
+    if answer and verify(gold_parsed, answer, timeout_seconds=timeout):
+        return 1.0
+    value = extract_answer(completion)
+    return float(value is not None and _math_verify_equal(gold, value))

@@ -107,7 +107,8 @@ def _hub_problems(name: str, hub_split: str, split: str) -> list[Problem]:
     return [_problem(dict(row), i, split, file, i + 1) for i, row in enumerate(rows)]
 
 
-def resolve_data_dir(data_dir: str | os.PathLike, required: Iterable[str] = ()) -> Path:
+def resolve_data_dir(data_dir: str | os.PathLike, required: Iterable[str] = (),
+                     task: str = "gsm8k") -> Path:
     """Return the directory `data_dir` names: absolute as is, else under the cwd, else the repo root.
 
     Raises:
@@ -118,7 +119,7 @@ def resolve_data_dir(data_dir: str | os.PathLike, required: Iterable[str] = ()) 
     for candidate in tried:
         if candidate.is_dir() and all((candidate / f).is_file() for f in required):
             return candidate.resolve()
-    raise ConfigError(f"gsm8k data_dir {os.fspath(data_dir)!r}: no directory with "
+    raise ConfigError(f"{task} data_dir {os.fspath(data_dir)!r}: no directory with "
                       f"{list(required)} among {[os.fspath(t) for t in tried]}")
 
 

@@ -158,9 +158,11 @@ def warn_no_learning(params_changed: bool, zero_grad: int | None, n_steps: int) 
 def warn_inexact(m: dict[str, Any], bar) -> None:
     """The console line for a GRPO step whose replay was not bit-exact (stderr, also when
     quiet: it is a failure of the bit claim, not progress)."""
+    lo, hi = m.get('ratio_min'), m.get('ratio_max')  # None on a skipped (no-signal) step
+    ratio = "n/a" if lo is None or hi is None else f"{lo:.4f}..{hi:.4f}"
     line = (f"looprl train: warning: GRPO step {m['step']}: replay_exact_fraction "
-            f"{m['replay_exact_fraction']:.4f} < 1 (ratio {m['ratio_min']:.4f}.."
-            f"{m['ratio_max']:.4f}, replay_impl {m['replay_impl']}): the learner does not "
+            f"{m['replay_exact_fraction']:.4f} < 1 (ratio {ratio}, "
+            f"replay_impl {m['replay_impl']}): the learner does not "
             f"reproduce the sampler's log-probs; check this backend with `looprl verify`")
     if bar is not None:
         bar.write(line, file=sys.stderr)

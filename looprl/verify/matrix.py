@@ -190,7 +190,7 @@ def _cell_group(cfg, params, params_u, rb, *, weights: str, opts: VerifyOptions,
     sizes, not needed for replay)."""
     sch = rb.schedule
     T = sch.total_ut_steps
-    mask = np.asarray(rb.exit_loop_BxS) > 0
+    mask = rb.sampled_mask_BxS  # not the tokens a thinking budget forced
     tokens = int(mask.sum())
     early = float((np.asarray(rb.exit_loop_BxS)[mask] < T).mean()) if tokens else 0.0
     B = sch.batch_size

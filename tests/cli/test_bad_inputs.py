@@ -232,8 +232,9 @@ ARG_CASES = {
     "eval limit 0": (["eval", "--task", "arithmetic", "--limit", "0", "--out", "EV"],
                      "--limit: expected a positive int"),
     "unknown eval task": (["eval", "--task", "nosuch", "--out", "EV"], "--task: expected one of"),
-    "data dir for a task without data files": (["eval", "--task", "arithmetic", "--data-dir",
-                                                "x", "--out", "EV"], "only the gsm8k task"),
+    "data dir for a task without data files": (
+        ["eval", "--task", "arithmetic", "--data-dir", "x", "--out", "EV"],
+        "only the gsm8k and math tasks"),
     "config with a rollout": (["verify", "--rollout", "r.npz", "--config", str(SMOKE), "--out",
                                "EV"], "--config has no effect with --rollout"),
 }

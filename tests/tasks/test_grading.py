@@ -161,11 +161,63 @@ def test_negated_markers(completion, value):
     ("She sold 72 clips.\n#### Explanation\n", "72"),
     # corrections read digits only
     ("The answer is 12. Actually, thirteen.", "12"),
-    # digits followed by a scale word: the digits (as before)
-    ("The answer is 192 million.", "192"),
+    # digits followed by a scale word: their value (the digits alone are not it)
+    ("The answer is 192 million.", "192000000"),
 ])
 def test_unchanged_behaviour(completion, value):
     assert extract_answer(completion) == value
     if value is not None:
         assert grade_answer(completion, value) == 1.0
     assert grade_answer(completion, "72" if value != "72" else "73") == 0.0
+
+
+@pytest.mark.parametrize("completion, value, right, wrong", [
+    # braced exponents and `\times 10^{n}` grade by value, not by the digits before `^`
+    ("\\boxed{10^{3}}", "1000", "1000", "10"),
+    ("\\boxed{3.5 \\times 10^{2}}", "350", "350", "35"),
+    ("\\boxed{1.2 \\times 10^{-3}}", "0.0012", "0.0012", "1.2"),
+    ("The answer is $2 \\times 10^{6}$.", "2000000", "2000000", "2"),
+    ("\\boxed{2^{10}}", "2^10", "1024", "2"),  # other powers: math-verify
+    # `x` / `×` between numbers in an answer equation: the right side
+    ("The answer is 5 x 3 = 15.", "15", "15", "5"),
+    ("The answer is 5 \u00d7 3 = 15.", "15", "15", "5"),
+    ("The answer is 5\u00d73 = 15.", "15", "15", "5"),
+    ("\\boxed{5 x 3 = 15}", "15", "15", "5"),
+    ("\\boxed{5 \u00d7 3 = 15}", "15", "15", "5"),
+    ("\\boxed{5 \\times 3 = 15}", "15", "15", "5"),
+    ("The answer is 3 x 4.", "3 * 4", "12", "3"),  # a product alone: math-verify
+    # LaTeX forms whose first number is not their value: math-verify, never the first number
+    ("\\boxed{3\\frac{1}{2}}", "3\\frac{1}{2}", "3.5", "3"),
+    ("\\boxed{2\\sqrt{3}}", "2\\sqrt{3}", None, "2"),
+    ("\\boxed{3\\pi}", "3\\pi", None, "3"),
+    ("The answer is 3\u03c0.", "3\\pi", None, "3"),
+    ("\\boxed{5!}", "5!", "120", "5"),
+    ("The answer is $5!$.", "5!", "120", "5"),
+    ("\\boxed{18, 20}", "18, 20", None, "18"),
+    ("The answer is 18, 20.", "18, 20", None, "18"),
+    ("The answer is 1.5 million.", "1500000", "1500000", "1.5"),
+    ("The answer is $2 billion.", "2000000000", "2000000000", "2"),
+])
+def test_forms_grade_by_value_never_by_first_number(completion, value, right, wrong):
+    assert extract_answer(completion) == value
+    if right is not None:
+        assert grade_answer(completion, right) == 1.0
+    assert grade_answer(completion, wrong) == 0.0
+
+
+@pytest.mark.parametrize("completion, value", [
+    ("The answer is 15!", "15"),            # an exclamation in prose, not a factorial
+    ("The answer is 17, where x = 3.", "17"),
+    ("\\boxed{30^\\circ}", "30"),           # degrees
+    ("The answer is 2x = 14, so x = 7.", "7"),
+    ("\\boxed{1,080}", "1080"),             # thousands, not a list
+    ("She sold 5 x 3 = 15 clips.", "15"),
+])
+def test_near_misses_keep_their_number(completion, value):
+    assert extract_answer(completion) == value
+    assert grade_answer(completion, value) == 1.0
+
+
+def test_a_huge_exponent_is_not_written_out():
+    assert extract_answer("\\boxed{10^{100}}") == "1" + "0" * 100
+    assert extract_answer("\\boxed{10^{999999999}}") == "10^999999999"  # math-verify's, as is

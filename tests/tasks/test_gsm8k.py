@@ -107,7 +107,8 @@ CASES = [
     (0, lambda g: "\\boxed{\\frac{1}{2}}", 0.0),
     (0, lambda g: "I don't know.", 0.0),
     (0, lambda g: f"The answer is {g[0]},{g[1:]}", 0.0),  # `7,2` is no thousands separator
-    (402, lambda g: "The answer is 192 million.", 0.0),  # a scale word after digits is not read
+    (402, lambda g: "The answer is 192 million.", 1.0),  # digits and a scale word: their value
+    (402, lambda g: "The answer is 192.", 0.0),
     (6189, lambda g: f"\\boxed{{{g.lstrip('-')}}}", 0.0),  # the sign matters
     (0, lambda g: "", 0.0),
 ]

@@ -66,10 +66,14 @@ def test_a_registered_task_is_evaluated_by_looprl_eval(echo):
 
 
 def test_data_flags_go_only_to_tasks_with_data_options(echo):
-    with pytest.raises(ConfigError, match="--data-dir: only the gsm8k task reads data files"):
+    with pytest.raises(ConfigError, match="--data-dir: only the gsm8k and math tasks read data_dir"):
         resolve_settings(_eval_args(task="echo", data_dir="x"), {})
     st = resolve_settings(_eval_args(task="gsm8k", source="hub"), {})
     assert st["task_kwargs"] == {"data_dir": "../shared/data/gsm8k", "source": "hub"}
+    with pytest.raises(ConfigError, match="--source: only the gsm8k task reads source"):
+        resolve_settings(_eval_args(task="math", source="hub"), {})
+    st = resolve_settings(_eval_args(task="math", data_dir="d"), {})
+    assert st["task_kwargs"] == {"data_dir": "d"}
 
 
 def test_unknown_task_names_the_config_key():
