@@ -22,6 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from looprl.kernels import cpu_ordered as _cpu_ordered, forms, stock as _stock
 from looprl.kernels.cpu_ordered import ones_column
@@ -38,7 +39,7 @@ __all__ = ["CachedKV", "FORMS", "Form", "KERNEL_VERSION", "KERNEL_VERSION_ACCEL"
            "KERNEL_VERSION_ORDERED", "KERNEL_VERSION_STOCK", "K_BLOCK", "KeyRange", "LayerWeight",
            "MASK_VALUE", "N_MIN", "ROW_QUANTUM", "ROW_TILE", "ROW_TILE_MAX", "accelerator_forms",
            "add_last", "apply_rope", "attention", "attention_cached", "cache_window",
-           "cpu_kernel_version", "current_form",
+           "cpu_kernel_version", "current_form", "global_norm",
            "kernel_version", "layer_matmul", "log_softmax", "matmul", "reads_layers_in_place",
            "repeat_kv_heads", "rms_norm", "rope_cos_sin", "row_argmax", "row_tile", "rowsum",
            "scale_last", "softmax", "stock_attention", "stock_matmul", "use_form"]
@@ -304,6 +305,20 @@ def rms_norm(x, weight, eps: float, stock: bool = False):
         var = rowsum(xf * xf) * jnp.float32(1.0 / x.shape[-1])
     out = (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype)
     return scale_last(out, weight.astype(x.dtype))
+
+
+def global_norm(tree):
+    """fp32 scalar: the l2 norm of every leaf of `tree` together (`optax.tree.norm`'s value). On
+    `cpu-ordered` each leaf's sum of squares is an ordered sum (`cpu_ordered.sum_all`) and the
+    leaves add in tree order, so the bits do not depend on the ISA; elsewhere
+    `optax.tree.norm`."""
+    if not _cpu_ordered.ordered_backward(forms.current()):
+        return optax.tree.norm(tree)
+    total = jnp.float32(0.0)
+    for leaf in jax.tree.leaves(tree):
+        x = leaf.astype(jnp.float32)
+        total = total + _cpu_ordered.sum_all(x * x)
+    return jnp.sqrt(total)
 
 
 def scale_last(x_xD, w_D):

@@ -100,6 +100,14 @@ def sum_rows(a_xD):
     return ordered_matmul(jnp.ones((1, rows.shape[0]), jnp.float32), rows)[0]
 
 
+def sum_all(a):
+    """fp32 scalar: the sum of every element of `a` in an order the program fixes, not XLA's
+    reduce emitter: `sum_rows` over `a` viewed `[-1, D]` (D its last axis, 1 for a scalar),
+    then one ordered chain over the D column sums."""
+    rows = a.reshape(-1, a.shape[-1] if a.ndim else 1)
+    return sum_rows(sum_rows(rows)[:, None])[0]
+
+
 @jax.custom_vjp
 def scale_last(x_xD, w_D):
     """`x * w` with w `[D]` broadcast over x's last axis (one dtype); w's gradient `sum_rows`."""
