@@ -7,9 +7,10 @@
 Prints `reproduced` (exit 0) when the warm start's parameters, every GRPO step's parameters
 (`params_fingerprint` in metrics.jsonl) and the final `params_sha256` equal the documented ones
 (`reproducibility/cpu/main_job.json`), else the first stage whose parameters differ (exit 1).
-The recorded run is the AVX-512 host's native one. Its warm start and first rollout are
-also those of AVX2 emulation; the GRPO updates are not yet (docs/NUMERICS.md, "The whole CPU
-run"), so another ISA prints the first GRPO step whose parameters differ.
+The recorded run is the AVX-512 host's native one; AVX2 emulation on that host
+(`XLA_FLAGS=--xla_cpu_max_isa=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`) gives the same digests at every
+step, so any x86-64 CPU with AVX2 and FMA should print `reproduced` (docs/NUMERICS.md, "The
+whole CPU run").
 """
 from __future__ import annotations
 
