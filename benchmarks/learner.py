@@ -13,6 +13,13 @@ inside the hybrid step; `replay_forward_share` = replay forward / hybrid step, w
 replay pass would cost. Median of REPEATS timed calls after a compile/warm-up call,
 contenders interleaved in ABBA order.
 
+The ordered backward (`cpu-ordered`'s dX = dY W^T, dW = X^T dY and attention's products by the
+ordered kernels, which make a CPU run free of the ISA) against the plain XLA dots
+(`kernels.cpu_ordered.plain_backward`), same forward: `ordered_vs_plain_backward_main` is the
+hybrid step above; `ordered_vs_plain_backward_1p4b` one step of value and gradient through an
+Ouro-1.4B layer's seven products (hidden 2048, MLP 5632, BW_ROWS rows: q, k, v, o, gate, up,
+down, `kernels.matmul`) in fp32. Target: both <= 1.15.
+
 Run: `python benchmarks/learner.py` (no arguments; <= 400 s on 2 CPU cores). Last line: JSON.
 """
 from __future__ import annotations
@@ -28,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from looprl import kernels as kn
+from looprl.kernels.cpu_ordered import plain_backward
 from looprl.logprobs import sequence_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import init_params
@@ -36,6 +45,48 @@ from looprl.timing import abba
 
 N_PROMPTS, GROUP, MAX_NEW = 16, 8, 32
 REPEATS = 5
+BW_ROWS, BW_REPEATS = 256, 3
+
+
+def _compiled(fn, plain: bool):
+    """`fn` jitted, traced (and run once) with the ordered or the plain backward."""
+    jitted = jax.jit(fn)
+
+    def call():
+        return jitted()
+
+    if plain:
+        with plain_backward():
+            jax.block_until_ready(call())
+    else:
+        jax.block_until_ready(call())
+    return call
+
+
+def backward_1p4b() -> dict:
+    """Ordered vs plain backward through an Ouro-1.4B layer's products (module doc)."""
+    cfg = preset("ouro-1.4b")
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    rng = np.random.default_rng(1)
+    shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "gate": (d, f), "up": (d, f),
+              "down": (f, d)}
+    ws = {k: jnp.asarray(rng.standard_normal(s) * s[0] ** -0.5, jnp.float32)
+          for k, s in shapes.items()}
+    x = jnp.asarray(rng.standard_normal((BW_ROWS, d)), jnp.float32)
+
+    def loss(w):
+        a = kn.matmul(kn.matmul(x, w["q"]) * kn.matmul(x, w["k"]) + kn.matmul(x, w["v"]),
+                      w["o"])
+        m = kn.matmul(jax.nn.silu(kn.matmul(a, w["gate"])) * kn.matmul(a, w["up"]), w["down"])
+        return jnp.sum(jnp.sin(m))
+
+    step = jax.value_and_grad(loss)
+    contenders = {name: _compiled(lambda: step(ws), name == "plain")
+                  for name in ("ordered", "plain")}
+    med = {k: statistics.median(v) for k, v in abba(contenders, BW_REPEATS).items()}
+    return {"ordered_vs_plain_backward_1p4b": round(med["ordered"] / med["plain"], 3),
+            "ordered_backward_1p4b_s": round(med["ordered"], 4),
+            "plain_backward_1p4b_s": round(med["plain"], 4), "rows_1p4b": BW_ROWS}
 
 
 def main() -> dict:
@@ -79,6 +130,10 @@ def main() -> dict:
         "dense": lambda: steps["dense"](params, *full),
         "replay_forward": lambda: replay_fwd(params, *full),
     }
+    plain_step = jax.jit(jax.value_and_grad(functools.partial(loss, method="hybrid")))
+    with plain_backward():  # traced here: the plain dots in the backward
+        jax.block_until_ready(plain_step(params, *full))
+    contenders["hybrid_plain_backward"] = lambda: plain_step(params, *full)
     compile_s = {}
     for name, fn in contenders.items():
         t0 = time.perf_counter()
@@ -99,6 +154,9 @@ def main() -> dict:
         "hybrid_step_s": round(med["hybrid"], 4), "stock_step_s": round(med["stock"], 4),
         "dense_step_s": round(med["dense"], 4), "replay_forward_s": round(med["replay_forward"], 4),
         "dense_vs_stock_step": round(med["dense"] / med["stock"], 3),
+        "ordered_vs_plain_backward_main": round(med["hybrid"] / med["hybrid_plain_backward"], 3),
+        "hybrid_plain_backward_step_s": round(med["hybrid_plain_backward"], 4),
+        **backward_1p4b(),
         "hybrid_value_exact_fraction": exact,
         "compile_s": compile_s,
         "batch": {"rows": rb.schedule.batch_size, "prompts": N_PROMPTS, "group_size": GROUP,

@@ -10,7 +10,8 @@ One form computes them, resolved once from the platform and `LOOPRL_KERNELS` (`f
 (`cpu_xla`: XLA dots of one shape), `accel-xla` and `pallas-gpu` / `pallas-tpu` (`accel`), and
 `stock` (`stock`: the common way, not invariant). This module is the API every caller uses;
 it dispatches through the form. `kernel_version()` names the form's numerics, which a rollout
-records. Backward passes are plain dots (`plain`): gradients need no invariance.
+records. Backward passes are plain dots (`plain`), except on `cpu-ordered`, whose backward
+takes the ordered kernels too, so that a CPU run's parameters do not depend on the ISA.
 `stock_*` are the same math the common way: the reproducibility matrix's negative control.
 """
 from __future__ import annotations
@@ -21,8 +22,9 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from looprl.kernels import forms, stock as _stock
+from looprl.kernels import cpu_ordered as _cpu_ordered, forms, stock as _stock
 from looprl.kernels.cpu_ordered import ones_column
 from looprl.kernels.forms import (FORMS, KERNEL_VERSION, KERNEL_VERSION_ACCEL,
                                   KERNEL_VERSION_ORDERED, KERNEL_VERSION_STOCK, Form,
@@ -36,10 +38,11 @@ from looprl.kernels.tiling import (K_BLOCK, LAST_AXIS_TILE, MASK_VALUE, N_MIN, R
 __all__ = ["CachedKV", "FORMS", "Form", "KERNEL_VERSION", "KERNEL_VERSION_ACCEL",
            "KERNEL_VERSION_ORDERED", "KERNEL_VERSION_STOCK", "K_BLOCK", "KeyRange", "LayerWeight",
            "MASK_VALUE", "N_MIN", "ROW_QUANTUM", "ROW_TILE", "ROW_TILE_MAX", "accelerator_forms",
-           "apply_rope", "attention", "attention_cached", "cache_window", "cpu_kernel_version", "current_form",
+           "add_last", "apply_rope", "attention", "attention_cached", "cache_window",
+           "cpu_kernel_version", "current_form", "global_norm",
            "kernel_version", "layer_matmul", "log_softmax", "matmul", "reads_layers_in_place",
            "repeat_kv_heads", "rms_norm", "rope_cos_sin", "row_argmax", "row_tile", "rowsum",
-           "softmax", "stock_attention", "stock_matmul", "use_form"]
+           "scale_last", "softmax", "stock_attention", "stock_matmul", "use_form"]
 
 
 def current_form() -> Form:
@@ -90,7 +93,10 @@ def _tiled_matmul_fwd(rows_MxI, w_IxO, out_dtype):
 
 def _tiled_matmul_bwd(out_dtype, res, g_MxO):
     rows, w = res
-    return matmul_grads(rows, w, g_MxO, forms.current().fp32_precision(g_MxO, w))
+    form = forms.current()
+    if _cpu_ordered.ordered_backward(form):  # ordered dots: a run free of the ISA
+        return _cpu_ordered.matmul_grads(rows, w, g_MxO)
+    return matmul_grads(rows, w, g_MxO, form.fp32_precision(g_MxO, w))
 
 
 _tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
@@ -219,8 +225,16 @@ def _attention_tiled_fwd(q, k, v, mask, scale):
 def _attention_tiled_bwd(scale, res, g):
     """The same math without tiles or padding: the backward needs no invariance."""
     q, k, v, mask = res
-    prec = forms.current().fp32_precision(q, k)
-    _, vjp = jax.vjp(lambda q, k, v: attention_plain(q, k, v, mask, scale, prec), q, k, v)
+    form = forms.current()
+    if _cpu_ordered.ordered_backward(form):  # ordered products and sums: free of the ISA
+        def fn(q, k, v):
+            return _cpu_ordered.attention_for_grads(q, k, v, mask, scale, softmax)
+    else:
+        prec = form.fp32_precision(q, k)
+
+        def fn(q, k, v):
+            return attention_plain(q, k, v, mask, scale, prec)
+    _, vjp = jax.vjp(fn, q, k, v)
     return (*vjp(g), None)
 
 
@@ -289,8 +303,38 @@ def rms_norm(x, weight, eps: float, stock: bool = False):
         var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     else:
         var = rowsum(xf * xf) * jnp.float32(1.0 / x.shape[-1])
-    out = (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype) * weight.astype(x.dtype)
-    return out
+    out = (xf * jax.lax.rsqrt(var + jnp.float32(eps))).astype(x.dtype)
+    return scale_last(out, weight.astype(x.dtype))
+
+
+def global_norm(tree):
+    """fp32 scalar: the l2 norm of every leaf of `tree` together (`optax.tree.norm`'s value). On
+    `cpu-ordered` each leaf's sum of squares is an ordered sum (`cpu_ordered.sum_all`) and the
+    leaves add in tree order, so the bits do not depend on the ISA; elsewhere
+    `optax.tree.norm`."""
+    if not _cpu_ordered.ordered_backward(forms.current()):
+        return optax.tree.norm(tree)
+    total = jnp.float32(0.0)
+    for leaf in jax.tree.leaves(tree):
+        x = leaf.astype(jnp.float32)
+        total = total + _cpu_ordered.sum_all(x * x)
+    return jnp.sqrt(total)
+
+
+def scale_last(x_xD, w_D):
+    """`x * w`, w `[D]` broadcast over x's last axis; on `cpu-ordered` w's gradient is an
+    ordered sum over the rows (`cpu_ordered.scale_last`). The same forward bits everywhere."""
+    if _cpu_ordered.ordered_backward(forms.current()):
+        return _cpu_ordered.scale_last(x_xD, w_D)
+    return x_xD * w_D
+
+
+def add_last(x_xD, b_D):
+    """`x + b`, b `[D]` broadcast over x's last axis; on `cpu-ordered` b's gradient is an
+    ordered sum over the rows (`cpu_ordered.add_last`). The same forward bits everywhere."""
+    if _cpu_ordered.ordered_backward(forms.current()):
+        return _cpu_ordered.add_last(x_xD, b_D)
+    return x_xD + b_D
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float, dtype):

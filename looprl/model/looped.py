@@ -166,7 +166,7 @@ def exit_lambda(w: dict, h_BxCxD, stock: bool = False):
     """Gate `lambda = sigmoid(h . w + b)` in fp32, `[B, C]`."""
     mm = kn.stock_matmul if stock else kn.matmul
     g = w["early_exit_gate"]
-    z = mm(h_BxCxD.astype(jnp.float32), g["kernel"])[..., 0] + g["bias"][0]
+    z = kn.add_last(mm(h_BxCxD.astype(jnp.float32), g["kernel"]), g["bias"])[..., 0]
     return jax.nn.sigmoid(z)
 
 
@@ -253,6 +253,9 @@ def gate_logits(w: dict, h_BxSxD):
     sampler's: `exit_lambda` computes the gate with the invariant `matmul`, whose bits the Q-exit
     rule depends on; the two differ in low bits."""
     g = w["early_exit_gate"]
+    if kn.current_form().name == "cpu-ordered":  # an ordered chain: free of the ISA
+        z = kn.matmul(h_BxSxD.astype(jnp.float32), g["kernel"].astype(jnp.float32))
+        return kn.add_last(z, g["bias"].astype(jnp.float32))[..., 0]
     return jnp.einsum("bsd,d->bs", h_BxSxD.astype(jnp.float32), g["kernel"][:, 0]) + g["bias"][0]
 
 

@@ -10,6 +10,20 @@ import jax.numpy as jnp
 import optax
 
 from looprl.config import ExperimentConfig
+from looprl.kernels import global_norm
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` (same arithmetic: leaves scaled by `max_norm / norm` when the
+    norm reaches `max_norm`) with the norm from `looprl.kernels.global_norm`, ordered on
+    `cpu-ordered` so that the clipped update does not depend on the ISA."""
+    def update_fn(updates, state, params=None):
+        del params
+        g_norm = global_norm(updates)
+        trigger = jnp.squeeze(g_norm < max_norm)
+        return jax.tree.map(lambda t: jax.lax.select(
+            trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), updates), state
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def make_optimizer(exp_cfg: ExperimentConfig, params) -> optax.GradientTransformation:
@@ -31,7 +45,7 @@ def make_optimizer(exp_cfg: ExperimentConfig, params) -> optax.GradientTransform
                                    lr], [o.warmup_steps])
     parts = []
     if o.max_grad_norm > 0:
-        parts.append(optax.clip_by_global_norm(o.max_grad_norm))
+        parts.append(clip_by_global_norm(o.max_grad_norm))
     parts.append(optax.adamw(lr, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                              weight_decay=o.weight_decay))
     train = optax.chain(*parts)
@@ -48,7 +62,7 @@ def apply_update(params, opt_state, grads, *, opt):
     """(params, opt_state, global gradient norm) after one optax update, in place: the old
     parameters and moments are donated, so an update needs no second copy of the train state."""
     updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    return optax.apply_updates(params, updates), opt_state, global_norm(grads)
 
 
 @functools.partial(jax.jit, donate_argnames=("total",))

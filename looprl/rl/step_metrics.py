@@ -27,6 +27,7 @@ from looprl.rl.rollout import mean_exit_loop, rollout_sha256
 from looprl.rl.signal import zero_std_fraction
 from looprl.sampling.kv_policies import policy_named
 from looprl.sampling.processing import process_logits
+from looprl.sampling.schedule import params_fingerprint
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -115,7 +116,8 @@ def step_metrics(learner, step: int, batch, rewards, adv, at, upd, extra: dict[s
            **extra,
            "tokens": int(emit.sum()), "learner_seq_len": at.live,
            "rollout_s": rollout_s, "learner_s": learner_s,
-           "rollout_sha256": rollout_sha256(batch)}
+           "rollout_sha256": rollout_sha256(batch),
+           "params_fingerprint": params_fingerprint(learner.params)}  # after the updates
     if "gate_loss" in upd.stats:
         out["gate_loss"] = wmean("gate_loss")
     if "tis_weight_mean" in upd.stats:

@@ -7,8 +7,9 @@ i + 1). Stage II freezes the LM and trains only `params["early_exit_gate"]` with
 gate loss (`looprl.rl.grpo.gate_stage2_loss`). Both use optax AdamW and one jitted step each.
 
 Per-loop logits are built for all T loops at once (`[T, B, S, V]`), fine for the tiny model
-this is meant for (vocab 64); the forward uses the `stock` kernels (same math, faster, no bit
-claim is made here), in fp32.
+this is meant for (vocab 64), in fp32. On the ordered CPU form every product, forward and
+backward, is an ordered kernel, so the trained weights do not depend on the ISA
+(docs/NUMERICS.md, "The whole CPU run"); elsewhere the forward uses the `stock` kernels.
 
 With `eval_fn` and `eval_every`, stage I also records held-out accuracy and stops once it has
 plateaued (`plateaued`: the last fifth of the curve gains less than `plateau_min_gain` over the
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from looprl import kernels as kn
 from looprl.model.config import OuroConfig
 from looprl.model.looped import (cast_weights, exit_distribution, gate_logits, next_token_targets,
                                  teacher_forced_loops)
@@ -35,12 +37,18 @@ from looprl.tokenizer import END_OF_TURN_ID, PAD_ID
 _SEQ_BUCKET = 16
 
 
-def loop_outputs(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None, stock: bool = True):
+def loop_outputs(model_cfg: OuroConfig, w: dict, tokens_BxS, pad_B=None,
+                 stock: bool | None = None):
     """Every loop's logits `[T, B, S, V]` fp32 and gate logits `[T, B, S]` fp32 (not lambda:
     the stage-II loss takes log-sigmoids of the logit, exact where lambda saturates), from the
     unrolled `teacher_forced_loops` (the form this warm start always had: the main job's
-    parameters depend on its bits)."""
+    parameters depend on its bits). `stock` default: not on the ordered CPU form."""
+    if stock is None:
+        stock = kn.current_form().name != "cpu-ordered"
+
     def readout(h, d):
+        if not stock:
+            return kn.matmul(h, w["lm_head"], jnp.float32), gate_logits(w, h)
         return (jnp.einsum("bsd,dv->bsv", h, w["lm_head"], preferred_element_type=jnp.float32),
                 gate_logits(w, h))
 

@@ -1,0 +1,86 @@
+"""Re-run the README's main job on this CPU and compare it with the documented run, bit for bit.
+
+    python reproducibility/main_job.py                 # re-run, then compare (about 4 minutes)
+    python reproducibility/main_job.py --run-dir DIR   # compare a finished run, no re-run
+    python reproducibility/main_job.py --record DIR    # write the documented digests from DIR
+
+Prints `reproduced` (exit 0) when the warm start's parameters, every GRPO step's parameters
+(`params_fingerprint` in metrics.jsonl) and the final `params_sha256` equal the documented ones
+(`reproducibility/cpu/main_job.json`), else the first stage whose parameters differ (exit 1).
+The recorded run is the AVX-512 host's native one; AVX2 emulation on that host
+(`XLA_FLAGS=--xla_cpu_max_isa=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`) gives the same digests at every
+step, so any x86-64 CPU with AVX2 and FMA should print `reproduced` (docs/NUMERICS.md, "The
+whole CPU run").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPECTED = ROOT / "reproducibility" / "cpu" / "main_job.json"
+CONFIG = "experiments/tiny_arith.py"
+
+
+def digests(run_dir: Path) -> dict:
+    """The run's parameter digests: warm start, per GRPO step, final; and its accuracies."""
+    meta = json.loads((run_dir / "warm_start" / "looprl_meta.json").read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if line.strip()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"config": CONFIG, "warm_start_params_sha256": meta["params_sha256"],
+            "step_params_fingerprint": [s.get("params_fingerprint") for s in steps],
+            "params_sha256": summary["params_sha256"],
+            "eval_accuracy_before": summary["eval_accuracy_before"],
+            "eval_accuracy_after": summary["eval_accuracy_after"]}
+
+
+def first_difference(mine: dict, theirs: dict) -> str | None:
+    """None when every digest is equal, else a sentence naming the first stage that differs."""
+    if mine["warm_start_params_sha256"] != theirs["warm_start_params_sha256"]:
+        return "the warm start's parameters differ (before the first GRPO step)"
+    a, b = mine["step_params_fingerprint"], theirs["step_params_fingerprint"]
+    for step, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"GRPO step {step}'s parameters differ ({x} here, {y} documented)"
+    if len(a) != len(b):
+        return f"{len(a)} GRPO steps here, {len(b)} documented"
+    if mine["params_sha256"] != theirs["params_sha256"]:
+        return f"the final params_sha256 differs ({mine['params_sha256']})"
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", type=Path, help="compare this finished run (no re-run)")
+    ap.add_argument("--record", type=Path, help="write the documented digests from this run")
+    ap.add_argument("--out", type=Path, default=Path("runs/reproduce_main_job"))
+    ap.add_argument("--expected", type=Path, default=EXPECTED)
+    args = ap.parse_args(argv)
+    if args.record:
+        args.expected.write_text(json.dumps(digests(args.record), indent=2) + "\n")
+        print(f"wrote {args.expected}")
+        return 0
+    run_dir = args.run_dir
+    if run_dir is None:
+        run_dir = args.out
+        if run_dir.exists():
+            sys.exit(f"{run_dir} exists: remove it or pass --out DIR")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+        subprocess.run([sys.executable, "-m", "looprl.cli", "train", str(ROOT / CONFIG),
+                        f"out_dir={run_dir}", "progress_bar=False"], check=True, env=env)
+    mine, theirs = digests(run_dir), json.loads(args.expected.read_text())
+    diff = first_difference(mine, theirs)
+    print("reproduced" if diff is None else f"not reproduced: {diff}")
+    print(f"params_sha256 {mine['params_sha256']}; held-out accuracy "
+          f"{mine['eval_accuracy_before']:.3f} -> {mine['eval_accuracy_after']:.3f}")
+    return 0 if diff is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
