@@ -29,25 +29,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.pallas_target import compiler_params, lowered
+from looprl.kernels.pallas_target import compiler_params, fence, lowered
 from looprl.kernels.tiling import K_BLOCK, MASK_VALUE, ROW_TILE
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision, smem):
+def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision, smem,
+            interpret):
     R = q_ref.shape[0]
     if smem:  # Mosaic TPU: the whole [B, T, 2] table in scalar memory
         b, t = pl.program_id(0), pl.program_id(2)
         offset, n = meta_ref[b, t, 0], meta_ref[b, t, 1]
     else:
         offset, n = meta_ref[0], meta_ref[1]
-    q = q_ref[...]
+    q = fence(interpret, q_ref[...])
 
     def step(z, carry):
         m, l, acc = carry
         start = offset + z * K_BLOCK
         k = k_ref[pl.ds(start, K_BLOCK), :]
         v = v_ref[pl.ds(start, K_BLOCK), :]
-        live = mask_ref[:, pl.ds(start, K_BLOCK)] != 0
+        k, v, live = fence(interpret, k, v, mask_ref[:, pl.ds(start, K_BLOCK)] != 0)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32, precision=precision)
         s = jnp.where(live, s * jnp.float32(scale), jnp.float32(MASK_VALUE))
@@ -65,7 +66,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision,
             jnp.zeros(o_ref.shape, jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, n, step, init)
     seen = l > 0
-    o_ref[...] = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
+    o_ref[...] = fence(interpret, jnp.where(seen, acc / jnp.where(seen, l, 1.0),
+                                            0.0).astype(o_ref.dtype))
 
 
 def _call(meta, q, k, v, mask, *, H, J, scale, precision, interpret, backend):
@@ -79,7 +81,8 @@ def _call(meta, q, k, v, mask, *, H, J, scale, precision, interpret, backend):
     kv_spec = pl.BlockSpec((None, Sp, K), lambda b, h, t: (b, 0, jax.lax.div(h, rep)))
     tile_spec = pl.BlockSpec((None, ROW_TILE, K), lambda b, h, t: (b, t, h))
     return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, precision=precision, smem=smem),
+        functools.partial(_kernel, scale=scale, precision=precision, smem=smem,
+                          interpret=interpret),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(B, H, Cp // ROW_TILE),
         in_specs=[meta_spec, tile_spec, kv_spec, kv_spec,

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from looprl.kernels.pallas_target import compiler_params, lowered
+from looprl.kernels.pallas_target import compiler_params, fence, lowered
 
 BLOCK_ROWS = 64
 BLOCK_COLS = 128
@@ -45,19 +45,19 @@ def pad_to_multiple(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, precision):
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int, precision, interpret: bool):
     """One `[bm, bn]` output block: the K blocks of its rows and columns, summed in order."""
     bm, bn = o_ref.shape
     nk = x_ref.shape[1] // block_k
 
     def step(z, acc):
-        x_RxZ = x_ref[:, pl.ds(z * block_k, block_k)]
-        w_ZxC = w_ref[pl.ds(z * block_k, block_k), :]
+        x_RxZ, w_ZxC = fence(interpret, x_ref[:, pl.ds(z * block_k, block_k)],
+                             w_ref[pl.ds(z * block_k, block_k), :])
         return acc + jnp.dot(x_RxZ, w_ZxC, preferred_element_type=jnp.float32,
                              precision=precision)
 
     acc = jax.lax.fori_loop(0, nk, step, jnp.full((bm, bn), -0.0, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    o_ref[...] = fence(interpret, acc.astype(o_ref.dtype))
 
 
 def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret, backend):
@@ -74,7 +74,7 @@ def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret
     mp, ip = x.shape
     op = w.shape[1]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, precision=precision),
+        functools.partial(_kernel, block_k=block_k, precision=precision, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((mp, op), out_dtype),
         grid=(mp // block_rows, op // block_cols),
         in_specs=[pl.BlockSpec((block_rows, ip), lambda r, c: (r, 0)),

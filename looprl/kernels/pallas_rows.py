@@ -16,26 +16,27 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.pallas_target import compiler_params, lowered
+from looprl.kernels.pallas_target import compiler_params, fence, lowered
 from looprl.kernels.tiling import ROW_TILE
 
 LANES = 128
 
 
-def _kernel(x_ref, o_ref):
+def _kernel(x_ref, o_ref, *, interpret):
     R, N = x_ref.shape
 
     def step(z, acc):
-        return acc + x_ref[:, pl.ds(z * LANES, LANES)]
+        return acc + fence(interpret, x_ref[:, pl.ds(z * LANES, LANES)])
 
     acc = jax.lax.fori_loop(0, N // LANES, step, jnp.zeros((R, LANES), jnp.float32))
-    o_ref[...] = jnp.broadcast_to(jnp.sum(acc, axis=1, keepdims=True), o_ref.shape)
+    o_ref[...] = fence(interpret, jnp.broadcast_to(jnp.sum(acc, axis=1, keepdims=True),
+                                                   o_ref.shape))
 
 
 def _call(x, *, interpret, backend):
     mp, n = x.shape
     return pl.pallas_call(
-        _kernel, out_shape=jax.ShapeDtypeStruct((mp, LANES), jnp.float32), grid=(mp // ROW_TILE,),
+        functools.partial(_kernel, interpret=interpret), out_shape=jax.ShapeDtypeStruct((mp, LANES), jnp.float32), grid=(mp // ROW_TILE,),
         in_specs=[pl.BlockSpec((ROW_TILE, n), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((ROW_TILE, LANES), lambda i: (i, 0)),
         interpret=interpret, compiler_params=compiler_params(backend, interpret),

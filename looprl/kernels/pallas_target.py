@@ -58,3 +58,15 @@ def target_name(backend: str) -> str:
         kind = devices[0].device_kind.lower().replace("tpu", "").strip()  # "v5 lite" -> v5e
         return kind.replace(" lite", "e").replace(" ", "")
     return "interpret"
+
+
+def fence(interpret: bool, *xs):
+    """`xs` behind `jax.lax.optimization_barrier` when the kernel is interpreted, else as they
+    are. Interpreted, a kernel body is XLA ops inside the caller's program, and XLA CPU
+    compiles the same elementwise ops (exp, the online softmax's updates) into different code
+    depending on what it fuses them with: a block loaded from an operand whose length is the
+    call's (the cache, the batch), or a result stored into one. The barrier keeps each body's
+    code the same in every program; the compiled kernels need none."""
+    if interpret:
+        xs = jax.lax.optimization_barrier(xs)
+    return xs if len(xs) != 1 else xs[0]
