@@ -7,8 +7,8 @@ promise on each backend is docs/NUMERICS.md.
 
 One form computes them, resolved once from the platform and `LOOPRL_KERNELS` (`forms`):
 `cpu-ordered` (`cpu_ordered`: FFI kernels of `ordered_gemm`, the CPU's default), `cpu-xla`
-(`cpu_xla`: XLA dots of one shape), `accel-xla` and `pallas-gpu` / `pallas-tpu` (`accel`), and
-`stock` (`stock`: the common way, not invariant). This module is the API every caller uses;
+(`cpu_xla`: XLA dots of one shape), `pallas-gpu` / `pallas-tpu` (`accel`: Pallas kernels, the
+default off the CPU), and `stock` (`stock`: the common way, not invariant). This module is the API every caller uses;
 it dispatches through the form. `kernel_version()` names the form's numerics, which a rollout
 records. Backward passes are plain dots (`plain`): gradients need no invariance.
 `stock_*` are the same math the common way: the reproducibility matrix's negative control.
@@ -227,6 +227,28 @@ def _attention_tiled_bwd(scale, res, g):
 _attention_tiled.defvjp(_attention_tiled_fwd, _attention_tiled_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_by_index(q, k, v, mask, scale):
+    """The form's attention with K/V at their own J kv heads (`Form.kv_heads_by_index`)."""
+    return _attention_tiled_impl(q, k, v, mask, scale)
+
+
+def _attention_by_index_fwd(q, k, v, mask, scale):
+    return _attention_tiled_impl(q, k, v, mask, scale), (q, k, v, mask)
+
+
+def _attention_by_index_bwd(scale, res, g):
+    """Plain dots over the repeated heads (the repeat's transpose sums each kv head's share)."""
+    q, k, v, mask = res
+    prec = forms.current().fp32_precision(q, k)
+    _, vjp = jax.vjp(lambda q, k, v: attention_plain(
+        q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale, prec), q, k, v)
+    return (*vjp(g), None)
+
+
+_attention_by_index.defvjp(_attention_by_index_fwd, _attention_by_index_bwd)
+
+
 def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """Causal softmax attention of C queries over the whole key axis S (fixed length), by the
     form in force: fp32 scores, masked with a finite large negative value, fp32 softmax,
@@ -240,8 +262,11 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     Returns: `[B, C, H, K]` in q's dtype.
     """
     B, C, H, K = q_BxCxHxK.shape
-    k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)  # K/V stay in the cache's layout [B, S, H, K]
+    if forms.current().kv_heads_by_index:
+        out = _attention_by_index(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, float(scale))
+        return jnp.swapaxes(out, 1, 2)
+    k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     out = _attention_tiled(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, float(scale))
     return jnp.swapaxes(out, 1, 2)
 
