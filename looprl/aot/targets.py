@@ -8,7 +8,7 @@ whose `.as_text()` is the optimized program; nothing runs. Lowering with
 `lowering_platforms=` instead compiles for the CPU. The GPU target compiles with looprl's GPU
 pins (`determinism.ACCELERATOR_FLAGS`) as per-compile options, so a CPU process's XLA_FLAGS stay
 the CPU's. Needs `pip install -e '.[aot]'` (the CUDA plugin and libtpu; `missing` names what is
-absent); the plugins' PTX-to-SASS step is in-process, so no CUDA toolkit is needed.
+absent); the compile-only GPU pipeline runs with no `ptxas` found, so no CUDA toolkit.
 Peaks are published figures (NVIDIA H100 SXM datasheet; Google Cloud TPU v5e, v6e pages).
 """
 from __future__ import annotations

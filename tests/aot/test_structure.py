@@ -29,8 +29,6 @@ from looprl.model.config import preset
 CFG = preset("ouro-1.4b", num_layers=1)
 FORM = {"h100": "pallas-gpu", "v5e": "pallas-tpu", "v6e": "pallas-tpu"}
 S = 2048  # cache slots of the decode programs
-ATTENTION = "XLA attention: `kernels.accel.attention` composes attention from XLA dots until a " \
-            "Pallas attention kernel replaces it"
 _cache: dict = {}
 
 
@@ -127,7 +125,6 @@ def test_decode_projections_are_looprl_kernels_at_every_m(target, dtype, rows, t
     _across_m(target, dtype, rows, tmp_path_factory)
 
 
-@pytest.mark.xfail(strict=True, reason=ATTENTION)
 @pytest.mark.parametrize("target", ["h100", "v5e"])
 def test_every_forward_dot_is_a_looprl_kernel(target, tmp_path_factory):
     dtype = "bfloat16"
