@@ -16,8 +16,9 @@ run in order, an online softmax in fp32 per query row:
 and out = acc / l (0 for a row that sees no key). No split over keys; every dot, reduction and
 elementwise step has one shape whatever B, C, S or the tile's other queries, and a block with
 no live key for a query leaves its state bit for bit, so a query's bits do not depend on how
-many queries, rows or key slots share the call. K/V are padded by one block past the key axis
-(a copy) so that every block is a contiguous load aligned to its first key.
+many queries, rows or key slots share the call. K/V and the mask are padded by one block past
+the key axis and each row rotated so that `o_b` is slot 0 (one copy): every block is a
+contiguous load at a multiple of K_BLOCK, which Mosaic TPU requires (error E2003 otherwise).
 """
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision,
     R = q_ref.shape[0]
     if smem:  # Mosaic TPU: the whole [B, T, 2] table in scalar memory
         b, t = pl.program_id(0), pl.program_id(2)
-        offset, n = meta_ref[b, t, 0], meta_ref[b, t, 1]
+        n = meta_ref[b, t, 1]
     else:
-        offset, n = meta_ref[0], meta_ref[1]
+        n = meta_ref[1]
     q = fence(interpret, q_ref[...])
 
     def step(z, carry):
         m, l, acc = carry
-        start = offset + z * K_BLOCK
+        start = pl.multiple_of(z * K_BLOCK, K_BLOCK)  # aligned: the caller rotated the row
         k = k_ref[pl.ds(start, K_BLOCK), :]
         v = v_ref[pl.ds(start, K_BLOCK), :]
         k, v, live = fence(interpret, k, v, mask_ref[:, pl.ds(start, K_BLOCK)] != 0)
@@ -131,8 +132,14 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     mask = jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32)
     Sp = mask.shape[2]
 
+    # each row rotated so that its first live key is slot 0: every block load is aligned
+    # (Mosaic TPU proves it, E2003 otherwise); the keys moved to the end are dead for the row
+    slot_BxSp = (jnp.arange(Sp, dtype=jnp.int32)[None, :] + meta[:, :1, 0]) % Sp
+    mask = jnp.take_along_axis(mask, slot_BxSp[:, None, :], axis=2)
+
     def kv(x):
         x = jnp.pad(x, [(0, 0), (0, Sp - x.shape[1]), (0, 0), (0, 0)])
+        x = jnp.take_along_axis(x, slot_BxSp[:, :, None, None], axis=1)
         return x.reshape(B, Sp, J * K)
 
     out = lowered(lambda interpret: functools.partial(

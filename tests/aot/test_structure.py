@@ -71,7 +71,7 @@ def _weight_configs(p):
     """{weight operand shape: set of looprl kernel configurations}."""
     out = collections.defaultdict(set)
     for d in I.dots(p):
-        if d["looprl"]:
+        if d["looprl"] and len(d["config"][1]) > 1:  # a row sum has no weight operand
             out[d["config"][1][1]].add(d["config"])
     return out
 
