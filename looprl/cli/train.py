@@ -18,7 +18,8 @@ from looprl.train.variants import HEADLINE_KEYS, train_variants
 
 def run(args) -> int:
     """CLI entry: `looprl train CONFIG [key=value ...]`; an experiment file with `VARIANTS`
-    runs every variant (`train_variants`). CONFIG may also be a run directory's `config.json`.
+    runs every variant (`train_variants`; `resume=OUT_DIR` continues such a sweep in place).
+    CONFIG may also be a run directory's `config.json`.
     With `resume=` and no `out_dir=`, out_dir is the resumed directory. With `--coordinator` /
     `--distributed` (or the LOOPRL_* environment) the process first joins the others
     (`looprl.distributed.multihost`). Returns the exit status: 0, or 143 (128 + SIGTERM) / 130

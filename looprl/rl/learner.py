@@ -35,7 +35,8 @@ from looprl.rl.dynamic_sampling import dynamic_rollout
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
 from looprl.rl.replay_choice import resolve_replay_impl, resolve_require_exact
 from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
-from looprl.rl.rollout import (completion_rewards, loss_exit_loops, rollout_sha256, sampling_config)
+from looprl.rl.rollout import (completion_rewards, interrupted_fraction, loss_exit_loops,
+                               rollout_sha256, sampling_config)
 from looprl.rl.signal import has_signal, step_advantages, truncated_rows
 from looprl.rl.step_metrics import step_metrics, token_entropy
 from looprl.sampling.sampler import generate
@@ -238,6 +239,7 @@ class GRPOLearner:
         if g.mask_truncated:
             arrays["keep"] = keep.astype(np.int32)
         extra = {**ds, "truncated_fraction": float(truncated.mean()),
+                 "interrupted_fraction": interrupted_fraction(batch),
                  "token_entropy": token_entropy(self.params, arrays, self.spec, self.mesh,
                                                 self.exp_cfg.learner.microbatch_size)
                  if g.token_entropy else None}

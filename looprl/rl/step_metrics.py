@@ -2,7 +2,8 @@
 the figures it holds besides the learner's: the mean token entropy of the sampled distribution
 (`token_entropy`), the learner-vs-sampler log-prob gap and importance weights under Tunix's names
 (`logp_diff_mean`, `logp_diff_max`, `is_weight_mean`, `is_weight_max`, `is_weight_clipped_frac`),
-and the no-signal figures (`zero_std_fraction`, `truncated_fraction`, `update_skipped`).
+and the no-signal figures (`zero_std_fraction`, `truncated_fraction`, `update_skipped`); the
+thinking budget's `interrupted_fraction`.
 
 `token_entropy` is `-sum_v p_v log p_v` of the distribution each completion token was drawn from
 (temperature, top-k, top-p applied: `looprl.sampling.processing.process_logits`), at the
@@ -86,7 +87,8 @@ def step_metrics(learner, step: int, batch, rewards, adv, at, upd, extra: dict[s
                  rollout_s: float, learner_s: float) -> dict[str, Any]:
     """The step's metrics row: `learner` a `GRPOLearner`, `at` its `_AtSampler`, `upd` its
     `_Updates` (empty on a skipped step: grad_norm and loss 0.0, the ratios None), `extra` the
-    figures computed elsewhere (`token_entropy`, `truncated_fraction`, `update_skipped`)."""
+    figures computed elsewhere (`token_entropy`, `truncated_fraction`, `interrupted_fraction`,
+    `update_skipped`)."""
     wmean = upd.weighted_mean
     emit, recorded = at.emit, at.recorded
     comp = np.asarray(batch.completion_len_B)

@@ -20,7 +20,7 @@ import re
 from typing import Any, Sequence
 
 from looprl.errors import ConfigError, TaskError
-from looprl.tasks.base import EVAL, TRAIN, Problem, Task
+from looprl.tasks.base import EVAL, TRAIN, Problem, Task, first_problems
 from looprl.tokenizer import IM_END, TextTokenizer, build_char_tokenizer
 
 DATASETS = ("chain_sum", "basic_arithmetic", "products")
@@ -202,12 +202,7 @@ class ArithmeticTask(Task):
         """
         if self._eval is None:
             self._build_eval()
-        if n is None:
-            n = self.eval_size
-        if n > self.eval_size:
-            raise ConfigError(f"arithmetic task: asked for {n} held-out problems, eval_size is "
-                              f"{self.eval_size}")
-        return list(self._eval[:n])
+        return first_problems(self._eval, n, "arithmetic task (eval_size)")
 
     def train_problem(self, index: int) -> Problem:
         """Return train-stream problem `index`: the index-th generated problem not held out.

@@ -20,12 +20,26 @@ import hashlib
 import importlib
 import inspect
 import json
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 from looprl.errors import ConfigError
 from looprl.tokenizer import PROMPT_STYLES, TextTokenizer, chat_prompt
 
 TRAIN, EVAL = "train", "eval"
+
+
+def first_problems(held_out: Sequence["Problem"], n: int | None, where: str) -> list["Problem"]:
+    """The first `n` of a task's held-out problems (all when `n` is None), for `eval_problems`.
+
+    Raises:
+      ConfigError: `n` exceeds `len(held_out)`; the message names `where` (the task and the
+        file or setting that fixes the held-out set's size).
+    """
+    if n is None:
+        n = len(held_out)
+    if n > len(held_out):
+        raise ConfigError(f"{where}: asked for {n} held-out problems, there are {len(held_out)}")
+    return list(held_out[:n])
 
 
 @dataclasses.dataclass(frozen=True)

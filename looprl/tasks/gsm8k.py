@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from looprl.errors import ConfigError, TaskError
-from looprl.tasks.base import EVAL, TRAIN, Problem, Task
+from looprl.tasks.base import EVAL, TRAIN, Problem, Task, first_problems
 from looprl.tasks.grading import grade_answer
 from looprl.tokenizer import chat_prompt
 
@@ -225,12 +225,7 @@ class GSM8KTask(Task):
           ConfigError: `n` exceeds the test set. TaskError: a malformed test file.
         """
         self._load_eval()
-        if n is None:
-            n = len(self._eval)
-        if n > len(self._eval):
-            raise ConfigError(f"gsm8k: asked for {n} held-out problems, the test set has "
-                              f"{len(self._eval)}")
-        return list(self._eval[:n])
+        return first_problems(self._eval, n, "gsm8k test set")
 
     def train_problem(self, index: int) -> Problem:
         """Return train-stream problem `index` (epoch `index // N`, shuffled per epoch).

@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from looprl.errors import ConfigError, TaskError
-from looprl.tasks.base import EVAL, TRAIN, Problem, Task
+from looprl.tasks.base import EVAL, TRAIN, Problem, Task, first_problems
 from looprl.tasks.grading import grade_symbolic
 from looprl.tasks.gsm8k import DEFAULT_INSTRUCTION, resolve_data_dir
 from looprl.tokenizer import chat_prompt
@@ -180,12 +180,8 @@ class MathTask(Task):
         when None). Raises ConfigError: `n` exceeds the held-out set; TaskError: a bad line."""
         if self._eval is None:
             self._eval = self._read(self.eval_file, EVAL)
-        if n is None:
-            n = len(self._eval)
-        if n > len(self._eval):
-            raise ConfigError(f"math task: asked for {n} held-out problems, {self.eval_file} has "
-                              f"{len(self._eval)} inside the level bounds")
-        return list(self._eval[:n])
+        return first_problems(self._eval, n, f"math task {self.eval_file} (inside the level "
+                                             f"bounds)")
 
     def train_problem(self, index: int) -> Problem:
         """Return train-stream problem `index` (epoch `index // N`, shuffled per epoch).

@@ -5,8 +5,9 @@ Each SEED_DIR is the `out_dir` of one seed of an experiment with `VARIANTS`: it 
 directory per variant (`SEED_DIR/<variant>/metrics.jsonl`, `summary.json`,
 `mismatch_step0.npy`). Variants of the same name across seeds form a group; variant names
 `<kv>_<dtype>_<learner>` (e.g. `deferred_fp32_full_depth_tis`) are split into a setting
-(`deferred_fp32`) and a learner, and each setting gets its own figure with one curve per
-learner: the mean over seeds with the min-max band behind it.
+(`deferred_fp32`) and a learner, other names (`hybrid`, `cispo_full_depth`) are learners of one
+setting `all`, and each setting gets its own figure with one curve per learner: the mean over
+seeds with the min-max band behind it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from looprl.errors import ConfigError, create_dir
 CURVES = (("eval_accuracy", "held-out accuracy (greedy, fraction)"),
           ("reward_mean", "rollout reward (mean, fraction correct)"),
           ("mismatch_k3_kl", "KL(sampler || learner), k3 estimate (nats/token)"),
-          ("mismatch_abs_mean", "mean |learner - sampler| log-prob (nats)"))
+          ("mismatch_abs_mean", "mean |learner - sampler| log-prob (nats)"),
+          ("mismatch_abs_max", "max |learner - sampler| log-prob (nats)"))
 COLLAPSE_WINDOW = 10  # steps of the moving mean of the reward
 COLLAPSE_FRACTION = 0.5  # of the reward's peak moving mean
 
@@ -50,10 +52,18 @@ def load_groups(seed_dirs: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
     return groups
 
 
+SETTING_KV = ("dense", "deferred", "copy")
+SETTING_DTYPE = ("fp32", "bf16")
+
+
 def split_name(variant: str) -> tuple[str, str]:
-    """`deferred_fp32_full_depth_tis` -> (`deferred_fp32`, `full_depth_tis`)."""
+    """`deferred_fp32_full_depth_tis` -> (`deferred_fp32`, `full_depth_tis`); a name that does
+    not start with `<kv>_<dtype>_` is a learner of the setting `all` (`hybrid` -> (`all`,
+    `hybrid`))."""
     parts = variant.split("_")
-    return ("_".join(parts[:2]), "_".join(parts[2:])) if len(parts) > 2 else (variant, variant)
+    if len(parts) > 2 and parts[0] in SETTING_KV and parts[1] in SETTING_DTYPE:
+        return "_".join(parts[:2]), "_".join(parts[2:])
+    return "all", variant
 
 
 def curve(record: dict[str, Any], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -177,11 +187,12 @@ def _fmt_range(vals: list[float], fmt: str = "{:.3f}") -> str:
 
 def comparison_table(groups: dict[str, list[dict[str, Any]]]) -> str:
     """Markdown: per variant the final held-out accuracy (mean, min-max over seeds), the first
-    step of collapse per seed (`collapse_step`), the mismatch (mean |delta logprob| and k3 KL)
-    at step 0 and at the last step (seed means), and the median seconds per step."""
+    step of collapse per seed (`collapse_step`), the mismatch (mean |delta logprob| and k3 KL
+    at step 0 and at the last step, seed means; the largest |delta logprob| of any step and
+    seed), and the median seconds per step."""
     lines = ["| variant | seeds | held-out acc. before | after: mean (min-max) | collapse step "
-             "| mean abs dlogp step 0 / end | k3 KL step 0 / end | s/step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mean abs dlogp step 0 / end | max abs dlogp | k3 KL step 0 / end | s/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for v, recs in groups.items():
         before = [r["summary"].get("eval_accuracy_before") for r in recs]
         after = [r["summary"]["eval_accuracy_after"] for r in recs if "eval_accuracy_after"
@@ -195,10 +206,13 @@ def comparison_table(groups: dict[str, list[dict[str, Any]]]) -> str:
             return float(np.mean(vals)) if vals else float("nan")
 
         secs = [x["rollout_s"] + x["learner_s"] for r in recs for x in r["rows"][1:]]
+        peaks = [x["mismatch_abs_max"] for r in recs for x in r["rows"]
+                 if x.get("mismatch_abs_max") is not None]
         lines.append(
             f"| {v} | {len(recs)} | {_fmt_range([b for b in before if b is not None])} | "
             f"{_fmt_range(after)} | {', '.join('none' if c is None else str(c) for c in coll)} "
             f"| {m(first, 'mismatch_abs_mean'):.2e} / {m(last, 'mismatch_abs_mean'):.2e} | "
+            f"{max(peaks) if peaks else float('nan'):.2e} | "
             f"{m(first, 'mismatch_k3_kl'):.1e} / {m(last, 'mismatch_k3_kl'):.1e} | "
             f"{np.median(secs) if secs else float('nan'):.2f} |")
     return "\n".join(lines)

@@ -7,10 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from looprl.config import ExperimentConfig, apply_overrides
+from looprl.config import ExperimentConfig, apply_overrides, resolve_key
 from looprl.errors import ConfigError
 from looprl.programs import release_programs_near_map_limit
 from looprl.train.plots import plot_runs
+from looprl.train.resume import finished_summary
 from looprl.train.run import train
 
 HEADLINE_KEYS = ("eval_accuracy_before", "eval_accuracy_after", "eval_problems", "grpo_steps",
@@ -26,16 +27,28 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
     side-by-side plots into `out_dir/plots`; returns the variants.json dict. A variant stopped
     by SIGTERM or a first Ctrl-C in its GRPO loop (checkpointed, resumable on its own) ends the
     sweep: the result then carries `preempted` (that variant's name and preemption record) and
-    no variants.json is written."""
+    no variants.json is written.
+
+    With `run.resume` equal to `out_dir` the sweep continues in place (`check_sweep_resume`): a
+    finished warm start or variant is kept, a started one resumes from its newest checkpoint
+    (bit for bit, as a single run does), the others run. The command line's overrides must be
+    the first run's (each run checks its config against its `config.json`).
+
+    Raises:
+      ConfigError: a fresh sweep into a non-empty `out_dir`; `run.resume` not `out_dir`, or no
+        such directory.
+    """
     t0 = time.time()
     parent = Path(cfg.run.out_dir)
-    if cfg.run.resume is not None:
-        raise ConfigError("config key 'run.resume': resuming a multi-variant experiment is not "
-                          "supported; resume one variant's directory with its own config.json: "
-                          "looprl train RUN_DIR/NAME/config.json resume=RUN_DIR/NAME")
-    if parent.exists() and (not parent.is_dir() or any(parent.iterdir())):
+    resuming = cfg.run.resume is not None
+    if resuming:
+        check_sweep_resume(cfg, parent)
+        cfg = cfg.replace(run=cfg.run.replace(resume=None))
+        overrides = [o for o in overrides if not _is_resume(o)]
+    elif parent.exists() and (not parent.is_dir() or any(parent.iterdir())):
         raise ConfigError(f"config key 'run.out_dir': {str(parent)!r} is not empty; a fresh run "
-                          f"needs an empty or new directory")
+                          f"needs an empty or new directory (resume={parent} continues a sweep "
+                          f"stopped there)")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     common: list[str] = []
     result: dict[str, Any] = {"variants": {}, "shared_warm_start": None}
@@ -44,19 +57,23 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
         say(f"== shared warm start -> {ws_dir}")
         ws_cfg = cfg.replace(run=cfg.run.replace(out_dir=str(ws_dir), grpo_steps=0,
                                                  stop_after=None))
-        ws_summary = train(ws_cfg, quiet=quiet)
+        # a finished warm-start run has no training checkpoint: its end is step 0 of 0
+        ws_summary = finished_summary(ws_dir, 0, 0) if resuming else None
+        if ws_summary is None:
+            ws_summary = train(_resume_if_started(ws_cfg, ws_dir, resuming), quiet=quiet)
         common = [f"model.checkpoint={ws_dir / 'warm_start'}", "warm_start.enabled=false"]
         result["shared_warm_start"] = {"dir": str(ws_dir), **{k: ws_summary[k] for k in
                                                                HEADLINE_KEYS}}
     for name, over in variants.items():
+        vdir = parent / name
         vcfg = apply_overrides(cfg, common + list(over) + list(overrides)
-                               + [f"run.out_dir={parent / name}"])
+                               + [f"run.out_dir={vdir}"])
         say(f"== variant {name}: {' '.join(over)}")
-        summary = train(vcfg, quiet=quiet)
+        summary = train(_resume_if_started(vcfg, vdir, resuming), quiet=quiet)
         if "preempted_at_step" in summary:  # SIGTERM / Ctrl-C in its GRPO loop: stop the sweep
             result["preempted"] = {"variant": name, **summary}
             return result
-        result["variants"][name] = {"overrides": list(over), "dir": str(parent / name),
+        result["variants"][name] = {"overrides": list(over), "dir": str(vdir),
                                     **{k: summary[k] for k in HEADLINE_KEYS}}
         release_programs_near_map_limit()
     result["wall_s"] = time.time() - t0
@@ -66,3 +83,26 @@ def train_variants(cfg: ExperimentConfig, variants: dict[str, list[str]], overri
     except ImportError as e:  # matplotlib missing: the runs themselves are complete
         say(f"plots skipped: {e}")
     return result
+
+
+def check_sweep_resume(cfg: ExperimentConfig, parent: Path) -> None:
+    """Raise ConfigError unless `run.resume` names `out_dir` and that directory exists."""
+    if Path(cfg.run.resume).resolve() != parent.resolve():
+        raise ConfigError(f"config key 'run.resume': a sweep continues in place, so resume must "
+                          f"be out_dir {str(parent)!r}, found {cfg.run.resume!r}")
+    if not parent.is_dir():
+        raise ConfigError(f"config key 'run.resume': {str(parent)!r} is not a directory; "
+                          f"nothing to continue")
+
+
+def _is_resume(override: str) -> bool:
+    return resolve_key(ExperimentConfig, override.partition("=")[0].strip()) == ("run", "resume")
+
+
+def _resume_if_started(run_cfg: ExperimentConfig, run_dir: Path,
+                       resuming: bool) -> ExperimentConfig:
+    """`run_cfg` resuming `run_dir` in place when a resumed sweep had started it (its
+    `config.json` is written), else `run_cfg` as a fresh run."""
+    if resuming and (run_dir / "config.json").is_file():
+        return run_cfg.replace(run=run_cfg.run.replace(resume=str(run_dir)))
+    return run_cfg

@@ -58,6 +58,25 @@ def test_one_grpo_step_per_loss(overrides):
         assert m["tis_weight_mean"] == 1.0 and m["is_weight_clipped_frac"] == 0.0
 
 
+def test_on_policy_cispo_and_ppo_clip_take_the_same_steps_to_the_bit():
+    """One update per rollout with exact replay: every ratio is exactly 1, so PPO-clip's
+    gradient `A grad log pi` and CISPO's `sg(1) A grad log pi` are the same arithmetic, and two
+    steps give the same gradient norms and parameters bit for bit. The control: a learner that
+    ignores the schedule (`full_depth`, old log-probs from the sampler) sees ratios off 1, where
+    CISPO's weight and PPO's clip act differently."""
+    out = {}
+    for method in ("hybrid", "full_depth"):
+        for loss in ("ppo-clip", "cispo"):
+            learner = _learner(f"grpo.loss={loss}", "learner.ppo_epochs=1",
+                               f"learner.logprob_method={method}")
+            ms = [learner.step(i) for i in range(2)]
+            out[method, loss] = ([m["grad_norm"] for m in ms], _bits(learner.params))
+            exact = all(m["ratio_min"] == m["ratio_max"] == 1.0 for m in ms)
+            assert exact == (method == "hybrid"), [(m["ratio_min"], m["ratio_max"]) for m in ms]
+    assert out["hybrid", "ppo-clip"] == out["hybrid", "cispo"]
+    assert out["full_depth", "ppo-clip"][0] != out["full_depth", "cispo"][0]
+
+
 def test_a_step_without_signal_leaves_params_and_both_adam_moments_bit_identical():
     """Step 0 trains (moments nonzero); step 1's rewards are all equal. With the skip, params,
     both moments and the step count keep their bits; without it, Adam's momentum moves them."""

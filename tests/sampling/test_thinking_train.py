@@ -66,7 +66,8 @@ def test_a_run_with_interruptions_resumes_bit_identically(tmp_path, monkeypatch)
     whole = train(apply_overrides(base, [f"out_dir={tmp_path / 'a'}"]), quiet=True)
     assert len(fractions) == 4 and min(fractions) >= 1 / 3 and max(fractions) < 1, fractions
     train(apply_overrides(base, [f"out_dir={tmp_path / 'b'}", "stop_after=2"]), quiet=True)
-    resumed = train(apply_overrides(base, [f"resume={tmp_path / 'b'}"]), quiet=True)
+    resumed = train(apply_overrides(base, [f"out_dir={tmp_path / 'b'}",
+                                          f"resume={tmp_path / 'b'}"]), quiet=True)
     assert resumed["params_sha256"] == whole["params_sha256"]
     assert resumed["resumed_from_step"] == 2
     a, b = _rows(tmp_path / "a" / "metrics.jsonl"), _rows(tmp_path / "b" / "metrics.jsonl")

@@ -43,6 +43,10 @@ def test_level_bounds_filter_and_drop_records_without_a_level():
         get_task("math", data_dir=str(DATA), min_level=4, max_level=2)
     with pytest.raises(ConfigError, match="no record .* has a level in \\[9, None\\]"):
         get_task("math", data_dir=str(DATA), min_level=9).eval_problems()
+    assert len(task.eval_problems(5)) == 5
+    with pytest.raises(ConfigError, match=r"math task .*test\.jsonl \(inside the level bounds\): "
+                       r"asked for 6 held-out problems, there are 5"):
+        task.eval_problems(6)
 
 
 def test_field_names_are_configurable(tmp_path):

@@ -12,6 +12,7 @@ def _run(d, rewards, before, after, evals=None, delta=None):
     rows = []
     for i, r in enumerate(rewards):
         row = {"step": i, "reward_mean": r, "mismatch_abs_mean": 0.01 * (i + 1),
+               "mismatch_abs_max": 0.1 * (i + 1),
                "mismatch_k3_kl": 1e-4, "rollout_s": 1.0, "learner_s": 0.5}
         if evals and i in evals:
             row["eval_accuracy"] = evals[i]
@@ -44,12 +45,14 @@ def test_compare_writes_figures_and_the_table(tmp_path, capsys):
              delta=[1e-3, 0.2, 0.0])
     groups = load_groups([tmp_path / "seed0", tmp_path / "seed1"])
     assert split_name("copy_fp32_full_depth") == ("copy_fp32", "full_depth")
+    assert split_name("cispo_full_depth") == ("all", "cispo_full_depth")
+    assert split_name("hybrid") == ("all", "hybrid")
     table = comparison_table(groups)
     assert "| copy_fp32_hybrid | 2 | 0.500 (0.500-0.500) | 0.650 (0.600-0.700) | none, none |" \
         in table
     assert "| copy_fp32_full_depth | 2 | 0.500 (0.500-0.500) | 0.400 (0.400-0.400) | 12, 12 |" \
         in table  # below the warm start at the final evaluation
-    assert "| 1.00e-02 / 1.20e-01 |" in table and "| 1.50 |" in table
+    assert "| 1.00e-02 / 1.20e-01 | 1.20e+00 |" in table and "| 1.50 |" in table
     out = tmp_path / "cmp"
     assert main(["plot", "--compare", str(tmp_path / "seed0"), str(tmp_path / "seed1"),
                  "--out", str(out)]) == 0
