@@ -29,7 +29,7 @@ from looprl.kernels.forms import (FORMS, KERNEL_VERSION, KERNEL_VERSION_ACCEL,
                                   accelerator_forms, use_form)
 from looprl.kernels.operands import (CachedKV, KeyRange, LayerWeight, cache_window,
                                      repeat_kv_heads)
-from looprl.kernels.plain import attention_plain, matmul_grads
+from looprl.kernels.plain import attention_plain, matmul_grads, rope_rotate_half
 from looprl.kernels.tiling import (K_BLOCK, LAST_AXIS_TILE, MASK_VALUE, N_MIN, ROW_QUANTUM,
                                    ROW_TILE, ROW_TILE_MAX)
 
@@ -328,8 +328,7 @@ def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
 
 
 def apply_rope(x_BxCxHxK, cos_BxCxK, sin_BxCxK):
-    """q*cos + rotate_half(q)*sin with rotate_half(x) = cat(-x2, x1)."""
-    half = x_BxCxHxK.shape[-1] // 2
-    x1, x2 = x_BxCxHxK[..., :half], x_BxCxHxK[..., half:]
-    rot = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BxCxHxK * cos_BxCxK[:, :, None] + rot * sin_BxCxK[:, :, None]
+    """q*cos + rotate_half(q)*sin with rotate_half(x) = cat(-x2, x1); the form's own `rope`
+    where it has one (the Pallas forms: the same expression, fenced)."""
+    rope = forms.current().rope
+    return (rope or rope_rotate_half)(x_BxCxHxK, cos_BxCxK, sin_BxCxK)

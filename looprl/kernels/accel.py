@@ -5,15 +5,20 @@ tile and a fixed order (docs/NUMERICS.md, "The accelerator forms").
 matmul: `pallas_matmul` (64 x 128 x 128 blocks, no split-K, fp32 at HIGHEST, bf16 with fp32
 accumulation); attention: `pallas_attention.flash_attention` (one flash-style kernel for every
 caller, GQA by index); rowsum: `pallas_rows` (RMSNorm, the softmaxes, the log-prob's
-normaliser). Row max and argmax stay XLA reduces (order-free). Each kernel is compiled for the
+normaliser). Row max and argmax stay XLA reduces (order-free). RoPE is the plain expression,
+on the CPU as its own program (`rope_form`), so every program computes it in the same code. Each kernel is compiled for the
 platform the program is lowered for and interpreted on the CPU (`pallas_target`). Backward
 passes are plain XLA dots (`kernels`' custom_vjp).
 """
 from __future__ import annotations
 
+import jax
+
 from looprl.kernels.pallas_attention import flash_attention
 from looprl.kernels.pallas_matmul import pallas_matmul_for
 from looprl.kernels.pallas_rows import rowsum_form
+from looprl.kernels.pallas_target import opaque_on_cpu
+from looprl.kernels.plain import rope_rotate_half
 
 
 def matmul_form(backend: str):
@@ -35,7 +40,29 @@ def attention_form(backend: str):
     return attention_pallas
 
 
+def rope_form(backend: str):
+    """The form's rope(x, cos, sin): `plain.rope_rotate_half`, on the CPU (interpreted) as its
+    own program (`pallas_target.opaque_on_cpu`). Fused with what consumes it (the sampler's
+    cache write, the learner's key layout), XLA CPU's FMA contraction of `x*cos + rot*sin`
+    picks the product to fuse by the graph around it (`fma(x, cos, rot*sin)` in one program,
+    `fma(rot, sin, x*cos)` in another), and the sampler's keys differ from the learner's in the
+    last bit. Backward: the plain expression's (exact data movement and products)."""
+    @jax.custom_vjp
+    def rope(x, cos, sin):
+        return opaque_on_cpu(rope_rotate_half, backend, x, cos, sin)
+
+    def fwd(x, cos, sin):
+        return rope(x, cos, sin), (x, cos, sin)
+
+    def bwd(res, g):
+        return jax.vjp(rope_rotate_half, *res)[1](g)
+
+    rope.defvjp(fwd, bwd)
+    return rope
+
+
 def form_kernels(backend: str) -> dict:
     """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
     return dict(matmul=matmul_form(backend), attention=attention_form(backend),
-                rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True)
+                rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
+                rope=rope_form(backend))

@@ -53,7 +53,9 @@ class Form:
     (rowsum, row_max, row_argmax, layer_matmul, attention_cached) are the ordered form's
     FFI kernels or the Pallas forms' kernels; None means `looprl.kernels` composes the
     operation from matmul and XLA ops. `backend`: the Pallas forms' target (`gpu`, `tpu`);
-    `kv_heads_by_index`: attention takes K/V with their own J kv heads (GQA by index)."""
+    `kv_heads_by_index`: attention takes K/V with their own J kv heads (GQA by index);
+    `rope(x, cos, sin)`: RoPE where the form computes it its own way (None: the plain
+    expression, `plain.rope_rotate_half`)."""
     name: str
     cpu: bool  # runs on XLA CPU only
     version: str  # the kernel version without the ISA suffix
@@ -68,6 +70,7 @@ class Form:
     attention_cached: Callable | None = None
     backend: str | None = None
     kv_heads_by_index: bool = False
+    rope: Callable | None = None
 
     @property
     def reads_layers_in_place(self) -> bool:

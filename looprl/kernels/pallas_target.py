@@ -9,13 +9,15 @@ with `LOOPRL_KERNELS=pallas-gpu` runs the interpreted kernels when it executes o
 compiles the Triton kernels when it lowers for a compile-only H100 (`looprl.aot`: arguments
 sharded on the target's devices); no flag says which. A program lowered for a platform the
 form has no branch for (a `pallas-tpu` program on a GPU) fails at lowering with jax's error
-naming the platform. `target_name` gives the kernel version's target suffix.
+naming the platform. `target_name` gives the kernel version's target suffix; `opaque_on_cpu`
+runs XLA code between the kernels as its own program on the CPU (no fusion with its callers).
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import numpy as np
 from jax.experimental.pallas import triton as pltriton
 from jax.experimental.pallas import tpu as pltpu
 
@@ -45,6 +47,26 @@ def lowered(build, backend: str, *args):
                                       **{p: compiled for p in PLATFORMS[backend]})
 
 
+def opaque_on_cpu(fn, backend: str, *args):
+    """`fn(*args)` as it is where the program is lowered for `backend`'s platforms; where it is
+    lowered for the CPU, `fn` runs as its own compiled program behind a host callback, so no
+    XLA CPU fusion joins it with the code around it (XLA CPU drops an `optimization_barrier`
+    before fusing). One result array; not differentiable (give it a custom_vjp)."""
+    jitted = _jitted(fn)
+
+    def host(*arrays):
+        return np.asarray(jitted(*arrays))
+
+    def cpu(*xs):
+        return jax.pure_callback(host, jax.eval_shape(fn, *xs), *xs, vmap_method="sequential")
+    return jax.lax.platform_dependent(*args, cpu=cpu, **{p: fn for p in PLATFORMS[backend]})
+
+
+@functools.cache
+def _jitted(fn):
+    return jax.jit(fn)
+
+
 @functools.cache
 def target_name(backend: str) -> str:
     """The device a `backend` form runs on, as the kernel version names it: `sm90` (a CUDA
@@ -62,11 +84,9 @@ def target_name(backend: str) -> str:
 
 def fence(interpret: bool, *xs):
     """`xs` behind `jax.lax.optimization_barrier` when the kernel is interpreted, else as they
-    are. Interpreted, a kernel body is XLA ops inside the caller's program, and XLA CPU
-    compiles the same elementwise ops (exp, the online softmax's updates) into different code
-    depending on what it fuses them with: a block loaded from an operand whose length is the
-    call's (the cache, the batch), or a result stored into one. The barrier keeps each body's
-    code the same in every program; the compiled kernels need none."""
+    are: an ordering hint inside an interpreted body. XLA CPU removes the barrier before it
+    fuses, so it does not keep a body's code apart from the ops around it; code whose bits
+    must not depend on its neighbours is `opaque_on_cpu`. The compiled kernels need none."""
     if interpret:
         xs = jax.lax.optimization_barrier(xs)
     return xs if len(xs) != 1 else xs[0]

@@ -55,10 +55,6 @@ def _replays(cfg, policy, dtype, rows_list, new_tokens):
             jax.clear_caches()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open: 2 of 6 log-probs 1 ulp apart; each kernel alone is invariant (test_pallas_kernels) "
-    "and the difference stays with every interpreted kernel behind a pure_callback (its own "
-    "program), so it enters through the XLA code between the kernels (docs/NUMERICS.md)"))
 def test_a_pallas_rollout_replays_bit_for_bit():
     _replays(SMALL, "deferred", "float32", (1, 5), 6)
 
