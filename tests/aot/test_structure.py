@@ -6,6 +6,7 @@ LM head at V = 49,152, fp32 and bf16, under the platform's Pallas form (`pallas-
 `pallas-tpu`): the sampler's prefill, decode steps at 1, 3, 64 and 256 rows, a deferred window,
 the learner's forward at two batch shapes. Checked: every forward dot (whose value the sampler
 and the learner share) is a looprl Pallas kernel, with one configuration per weight whatever M;
+the selected-token log-prob's sum over V is the looprl row sum (no XLA add-reduce over V);
 on the GPU each such kernel's floating-point PTX is the same at every M; no split-K; no TF32;
 on the GPU looprl's pins in force. The default suite compiles a few programs per target; the
 whole grid is `-m slow`.
@@ -78,6 +79,23 @@ def _weight_configs(p):
 
 
 WEIGHTS = {"2048,2048", "2048,5632", "5632,2048", "2048,49152"}  # q/k/v/o, gate/up, down, head
+V = CFG.vocab_size
+
+
+def _sums_over_v(p):
+    """(looprl row-sum kernel configurations whose row is V long, XLA add-reduces of a V-long
+    axis): the selected-token log-prob's normaliser over the vocabulary."""
+    kernels = {d["config"] for d in I.dots(p) if d["looprl"]
+               and d["config"][0].startswith("looprl_fixed_order_rowsum")
+               and any(re.search(rf"\b{V}\b", s) for s in d["config"][1])}
+    xla = []  # a computation (a fusion's body, the entry, ...) adding with a reduce where a
+    # V-long array is read (XLA may reduce a V-long axis through a bitcast to [.., 384, 128])
+    for comp, instrs in p.computations.items():
+        adds = [i for i in instrs if i.opcode == "reduce" and any(
+            j.opcode == "add" for c in i.called for j in p.computations.get(c, []))]
+        if adds and any(re.search(rf"[\[,]{V}[\],]", i.shape) for i in instrs):
+            xla.append(adds[0].op_name or f"{comp}/{adds[0].name}")
+    return kernels, xla
 
 
 def _check(p, dump, target, dtype):
@@ -88,6 +106,9 @@ def _check(p, dump, target, dtype):
     assert WEIGHTS <= shapes, f"weights without a looprl kernel: {sorted(WEIGHTS - shapes)}"
     assert I.split_k(p) == [], I.split_k(p)
     assert I.tf32(p) == [], I.tf32(p)
+    v_kernels, v_xla = _sums_over_v(p)
+    assert len(v_kernels) == 1, f"the sum over V = {V}: {len(v_kernels)} looprl row sums"
+    assert v_xla == [], f"XLA add-reduces over V = {V}: {v_xla[:3]}"
     if T.target(target).platform == "cuda":
         opts = I.debug_options(dump)
         for flag in T.compiler_options(target):
@@ -107,6 +128,8 @@ def _across_m(target, dtype, rows, tmp_path_factory):
     for p, dump, _ in progs:
         _check(p, dump, target, dtype)
     configs = [_weight_configs(p) for p, _, _ in progs]
+    v_sums = [_sums_over_v(p)[0] for p, _, _ in progs]
+    assert all(v == v_sums[0] for v in v_sums), f"the row sum over V across M: {v_sums}"
     for w, c in configs[0].items():
         assert len(c) == 1, f"{w}: {len(c)} kernel configurations in one program: {c}"
         for b, other in zip(rows[1:], configs[1:]):
@@ -145,6 +168,8 @@ def test_stock_form_fails_the_check(tmp_path_factory):
         p = I.program(T.compile_for("h100", fn, *args))
     assert len(_projection_dots(p)) >= 7
     assert not any(d["looprl"] for d in I.dots(p))
+    v_kernels, v_xla = _sums_over_v(p)
+    assert not v_kernels and v_xla, "the stock log-prob's sum over V is an XLA reduce"
 
 
 def test_widths_of_the_two_presets_are_one_program():
