@@ -15,7 +15,8 @@ peak FLOP/s, bytes / HBM bandwidth) at the published peaks plus a fixed cost per
 (`looprl.aot.targets.TARGETS`). Figures `*_vs_stock_*_est` are invariant / stock, lower is
 better. The estimate leaves out each kernel's efficiency (a Pallas kernel's achieved fraction of
 peak, occupancy, tile padding beyond the shapes), overlap of launches with work, caches, and
-host time; `invariant_interpreted` is true where the form compiled its Pallas kernels
+host time. A program that does not compile for its target (out of the device's memory) is
+reported as `{"error": ...}` with its ratio null. `invariant_interpreted` is true where the form compiled its Pallas kernels
 interpreted (the figures then describe that program). Run: `python benchmarks/accel_cost.py`;
 the last line is a JSON object.
 """
@@ -75,6 +76,17 @@ def _step(target: str, form: str, phase, runs: int) -> dict:
     return out
 
 
+def _step_or_error(target: str, form: str, phase, runs: int) -> dict:
+    """`_step`, or {"error": XLA's first line} where the program does not compile for the
+    target (RESOURCE_EXHAUSTED: it does not fit the device's memory)."""
+    try:
+        return _step(target, form, phase, runs)
+    except Exception as e:  # jax.errors.JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return {"error": str(e).strip().splitlines()[0]}
+
+
 def main() -> dict:
     t0 = time.perf_counter()
     res: dict = {}
@@ -86,10 +98,13 @@ def main() -> dict:
         for name, phase, runs in (("learner_step", PR.learner_step(MICRO_ROWS, SEQ),
                                    MICROBATCHES),
                                   ("decode_step", PR.decode(DECODE_ROWS, CACHE_SLOTS), 1)):
-            inv = _step(target, INVARIANT[target], phase, runs)
-            stock = _step(target, "stock", phase, runs)
-            res[f"{name}_vs_stock_{target}_est"] = round(inv["est_s"] / stock["est_s"], 3)
+            inv = _step_or_error(target, INVARIANT[target], phase, runs)
+            stock = _step_or_error(target, "stock", phase, runs)
             res[f"{name}_{target}"] = {"invariant": inv, "stock": stock}
+            if "error" in inv or "error" in stock:
+                res[f"{name}_vs_stock_{target}_est"] = None
+                continue
+            res[f"{name}_vs_stock_{target}_est"] = round(inv["est_s"] / stock["est_s"], 3)
             res[f"launches_per_{name}_{target}"] = inv["launches"]
             res[f"launches_per_{name}_{target}_stock"] = stock["launches"]
             res["invariant_interpreted"] = res.get("invariant_interpreted", False) \

@@ -303,11 +303,34 @@ def _shape_elems(s: str) -> tuple[str, list[int]]:
     return m.group(1), [int(x) for x in m.group(2).split(",") if x]
 
 
+def _gemm_flops(p: Program, i: Instr) -> float:
+    """2 x output elements x contraction length of a cuBLAS GEMM custom call (0 for another
+    custom call)."""
+    if not any(t in i.rest for t in GEMM_TARGETS[:2]):
+        return 0.0
+    _, out = _shape_elems(i.shape.lstrip("("))
+    lhs_name = re.match(r"\s*%([\w.\-]+)", i.rest)
+    by_name = {j.name: j for j in p.computations.get(i.computation, [])}
+    lhs = by_name.get(lhs_name.group(1)) if lhs_name else None
+    dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.rest)
+    if lhs is None or dims is None:
+        return 0.0
+    _, lhs_dims = _shape_elems(lhs.shape.lstrip("("))
+    k = 1
+    for d in re.findall(r"\d+", dims.group(1)):
+        k *= lhs_dims[int(d)]
+    n = 1
+    for x in out:
+        n *= x
+    return 2.0 * n * k
+
+
 def cost(compiled) -> dict:
     """FLOPs, transcendentals and bytes accessed per run: `compiled.cost_analysis()` where the
     target has one (TPU), else XLA's HLO cost analysis of the optimized module (GPU; a while
     body counted once). A looprl matmul kernel's FLOPs (2 M I O, padded shapes) are added
-    where the analysis counts a custom call as none (`source` says which)."""
+    where the analysis counts a custom call as none (`source` says which), and so are a cuBLAS
+    GEMM's (2 x output elements x contraction length)."""
     try:
         c = compiled.cost_analysis()
     except Exception:  # noqa: BLE001 - the compile-only GPU raises UNIMPLEMENTED
@@ -331,8 +354,10 @@ def cost(compiled) -> dict:
             shapes = re.findall(r"(\w+\[[\d,]*\])\{", i.attr("operand_layout_constraints"))
             (_, (m, k)), (_, (_, o)) = _shape_elems(shapes[0]), _shape_elems(shapes[1])
             extra += 2.0 * m * k * o * d["launches"]
+        elif not d["looprl"] and d.get("opcode") == "custom-call":
+            extra += _gemm_flops(p, p.instr(d["name"])) * d["launches"]
     out["flops"] += extra
-    out["looprl_kernel_flops_added"] = extra
+    out["custom_call_flops_added"] = extra
     return out
 
 

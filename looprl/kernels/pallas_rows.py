@@ -20,6 +20,7 @@ from looprl.kernels.pallas_target import compiler_params, fence, lowered
 from looprl.kernels.tiling import ROW_TILE
 
 LANES = 128
+DEFAULT_VMEM = 16 << 20  # Mosaic TPU's default scoped VMEM limit
 
 
 def _kernel(x_ref, o_ref, *, interpret):
@@ -35,12 +36,16 @@ def _kernel(x_ref, o_ref, *, interpret):
 
 def _call(x, *, interpret, backend):
     mp, n = x.shape
+    # Mosaic TPU: the whole-row block, double-buffered, outgrows the default scoped VMEM
+    # (16 MiB) at V = 49,152 in fp32 (24 MiB): ask for what the blocks take
+    vmem = 2 * 4 * ROW_TILE * (n + LANES) + (1 << 20)
     return pl.pallas_call(
         functools.partial(_kernel, interpret=interpret), out_shape=jax.ShapeDtypeStruct((mp, LANES), jnp.float32), grid=(mp // ROW_TILE,),
         in_specs=[pl.BlockSpec((ROW_TILE, n), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((ROW_TILE, LANES), lambda i: (i, 0)),
-        interpret=interpret, compiler_params=compiler_params(backend, interpret),
-        name="looprl_fixed_order_rowsum")(x)
+        interpret=interpret, name="looprl_fixed_order_rowsum",
+        compiler_params=compiler_params(backend, interpret,
+                                        vmem_limit_bytes=max(vmem, DEFAULT_VMEM)))(x)
 
 
 def row_sum(x_MxN, backend: str):

@@ -197,3 +197,22 @@ def test_grid(target, dtype, tmp_path_factory):
     if T.target(target).platform == "cuda":
         ptx = [set(I.looprl_ptx(dump)) for _, dump, _ in progs]
         assert all(x == ptx[0] for x in ptx), "fp PTX differs between phases"
+
+
+GEMM_HLO = """HloModule m
+
+ENTRY %main (a: bf16[8,2048], b: bf16[2048,6144]) -> bf16[8,6144] {
+  %a = bf16[8,2048]{1,0} parameter(0)
+  %b = bf16[2048,6144]{1,0} parameter(1)
+  %custom-call.5 = (bf16[8,6144]{1,0}, s8[33554432]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %gte = bf16[8,6144]{1,0} get-tuple-element(%custom-call.5), index=0
+}
+"""
+
+
+def test_a_cublas_gemm_counts_its_flops():
+    """A cuBLAS GEMM custom call counts no FLOPs in XLA's HLO cost analysis; `inspect` adds
+    2 x output elements x contraction length (benchmarks/accel_cost.py's stock figures)."""
+    p = I.program(GEMM_HLO)
+    assert I._gemm_flops(p, p.instr("custom-call.5")) == 2.0 * 8 * 6144 * 2048
+    assert I._gemm_flops(p, p.instr("gte")) == 0.0
