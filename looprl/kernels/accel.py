@@ -5,8 +5,9 @@ tile and a fixed order (docs/NUMERICS.md, "The accelerator forms").
 matmul: `pallas_matmul` (64 x 128 x 128 blocks, no split-K, fp32 at HIGHEST, bf16 with fp32
 accumulation); attention: `pallas_attention.flash_attention` (one flash-style kernel for every
 caller, GQA by index); rowsum: `pallas_rows` (RMSNorm, the softmaxes, the log-prob's
-normaliser). Row max and argmax stay XLA reduces (order-free). RoPE is the plain expression,
-on the CPU as its own program (`rope_form`), so every program computes it in the same code. Each kernel is compiled for the
+normaliser). Row max and argmax stay XLA reduces (order-free). RoPE: a Pallas kernel on
+the device, the plain expression as its own program on the CPU (`rope_form`): every caller
+reads the same bits. Each kernel is compiled for the
 platform the program is lowered for and interpreted on the CPU (`pallas_target`). Backward
 passes are plain XLA dots (`kernels`' custom_vjp).
 """
@@ -16,6 +17,7 @@ import jax
 
 from looprl.kernels.pallas_attention import flash_attention
 from looprl.kernels.pallas_matmul import pallas_matmul_for
+from looprl.kernels.pallas_rope import rope_for
 from looprl.kernels.pallas_rows import rowsum_form
 from looprl.kernels.pallas_target import opaque_on_cpu
 from looprl.kernels.plain import rope_rotate_half
@@ -41,15 +43,17 @@ def attention_form(backend: str):
 
 
 def rope_form(backend: str):
-    """The form's rope(x, cos, sin): `plain.rope_rotate_half`, on the CPU (interpreted) as its
-    own program (`pallas_target.opaque_on_cpu`). Fused with what consumes it (the sampler's
+    """The form's rope(x, cos, sin): the Pallas rope kernel on the device (`pallas_rope`), and
+    `plain.rope_rotate_half` as its own program on the CPU (`pallas_target.opaque_on_cpu`). Fused with what consumes it (the sampler's
     cache write, the learner's key layout), XLA CPU's FMA contraction of `x*cos + rot*sin`
     picks the product to fuse by the graph around it (`fma(x, cos, rot*sin)` in one program,
     `fma(rot, sin, x*cos)` in another), and the sampler's keys differ from the learner's in the
     last bit. Backward: the plain expression's (exact data movement and products)."""
+    device = rope_for(backend)
+
     @jax.custom_vjp
     def rope(x, cos, sin):
-        return opaque_on_cpu(rope_rotate_half, backend, x, cos, sin)
+        return opaque_on_cpu(rope_rotate_half, backend, x, cos, sin, device=device)
 
     def fwd(x, cos, sin):
         return rope(x, cos, sin), (x, cos, sin)

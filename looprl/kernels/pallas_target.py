@@ -47,11 +47,12 @@ def lowered(build, backend: str, *args):
                                       **{p: compiled for p in PLATFORMS[backend]})
 
 
-def opaque_on_cpu(fn, backend: str, *args):
-    """`fn(*args)` as it is where the program is lowered for `backend`'s platforms; where it is
-    lowered for the CPU, `fn` runs as its own compiled program behind a host callback, so no
-    XLA CPU fusion joins it with the code around it (XLA CPU drops an `optimization_barrier`
-    before fusing). One result array; not differentiable (give it a custom_vjp)."""
+def opaque_on_cpu(fn, backend: str, *args, device=None):
+    """`device(*args)` (default `fn`) where the program is lowered for `backend`'s platforms;
+    where it is lowered for the CPU, `fn` runs as its own compiled program behind a host
+    callback, so no XLA CPU fusion joins it with the code around it (XLA CPU drops an
+    `optimization_barrier` before fusing). One result array; not differentiable (give it a
+    custom_vjp)."""
     jitted = _jitted(fn)
 
     def host(*arrays):
@@ -59,7 +60,8 @@ def opaque_on_cpu(fn, backend: str, *args):
 
     def cpu(*xs):
         return jax.pure_callback(host, jax.eval_shape(fn, *xs), *xs, vmap_method="sequential")
-    return jax.lax.platform_dependent(*args, cpu=cpu, **{p: fn for p in PLATFORMS[backend]})
+    return jax.lax.platform_dependent(*args, cpu=cpu,
+                                      **{p: device or fn for p in PLATFORMS[backend]})
 
 
 @functools.cache

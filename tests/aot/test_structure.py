@@ -7,6 +7,7 @@ LM head at V = 49,152, fp32 and bf16, under the platform's Pallas form (`pallas-
 the learner's forward at two batch shapes. Checked: every forward dot (whose value the sampler
 and the learner share) is a looprl Pallas kernel, with one configuration per weight whatever M;
 the selected-token log-prob's sum over V is the looprl row sum (no XLA add-reduce over V);
+RoPE is the looprl kernel (one materialised value for the cache write and attention);
 on the GPU each such kernel's floating-point PTX is the same at every M; no split-K; no TF32;
 on the GPU looprl's pins in force. The default suite compiles a few programs per target; the
 whole grid is `-m slow`.
@@ -106,6 +107,8 @@ def _check(p, dump, target, dtype):
     assert WEIGHTS <= shapes, f"weights without a looprl kernel: {sorted(WEIGHTS - shapes)}"
     assert I.split_k(p) == [], I.split_k(p)
     assert I.tf32(p) == [], I.tf32(p)
+    ropes = {d["config"] for d in I.dots(p) if d["looprl"] and d["config"][0] == "looprl_rope"}
+    assert ropes, "RoPE is not a looprl kernel (XLA recomputes it in each consumer's fusion)"
     v_kernels, v_xla = _sums_over_v(p)
     assert len(v_kernels) == 1, f"the sum over V = {V}: {len(v_kernels)} looprl row sums"
     assert v_xla == [], f"XLA add-reduces over V = {V}: {v_xla[:3]}"
