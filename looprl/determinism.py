@@ -11,14 +11,14 @@ thread count: the test suite and `looprl verify` pin XLA CPU to one intra-op thr
 (`--xla_cpu_multi_thread_eigen=false`); the flags in force are recorded in every report.
 
 On a GPU the compiler could still choose per program what the invariant kernels'
-argument needs fixed, so where a GPU plugin of jax is installed `configure_xla()` also pins
-ACCELERATOR_FLAGS: deterministic ops (no atomics in reductions or scatters), GEMM autotuning off
+argument needs fixed, so where a GPU plugin of jax is installed and a device is present
+`configure_xla()` also pins ACCELERATOR_FLAGS: deterministic ops (no atomics in reductions or scatters), GEMM autotuning off
 (level 0: the algorithm is the library heuristic's function of the dot's shape and the device,
 not a per-program timing), XLA's Triton GEMMs off (cuBLAS takes every dot; the Triton emitter
 picks a tiling and split-K per fusion), the kernels' tile loops kept as loops (unrolled, dots
 sharing a weight could be merged into one dot whose shape depends on M), and
-`NVIDIA_TF32_OVERRIDE=0` (cuBLAS never uses TF32 for fp32). On a CPU-only install these flags
-are not added (the CPU backend ignores them; they would only change the recorded environment).
+`NVIDIA_TF32_OVERRIDE=0` (cuBLAS never uses TF32 for fp32). Without a device these flags are
+not added (the CPU backend ignores them; they would only change the recorded environment).
 
 `configure_xla()` runs when `looprl` is imported: it appends the flags to XLA_FLAGS unless the
 user set them. It must run before jax creates its backends; `environment()` records what the
@@ -50,11 +50,33 @@ def gpu_plugin_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in GPU_PLUGINS)
 
 
+ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
+TPU_RUNTIME = "libtpu"
+
+
+def accelerator_present() -> bool:
+    """True when the machine shows an accelerator's device node (NVIDIA, AMD, TPU)."""
+    return any(os.path.exists(p) for p in ACCELERATOR_NODES)
+
+
+def _cpu_only_platform() -> None:
+    """Where jax's GPU plugin or libtpu is installed (e.g. for compile-only targets,
+    `looprl.aot`) but no accelerator is present and JAX_PLATFORMS is unset, choose the CPU:
+    the plugins' failed device searches print warnings and slow every start; the CPU backend
+    and its programs are the same either way."""
+    if os.environ.get("JAX_PLATFORMS") or accelerator_present():
+        return
+    if gpu_plugin_installed() or importlib.util.find_spec(TPU_RUNTIME) is not None:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def configure_xla(pin_threads: bool = False, accelerator: bool | None = None) -> None:
     """Append looprl's required XLA flags to XLA_FLAGS (idempotent; user settings win).
 
     `accelerator`: also pin ACCELERATOR_FLAGS and ACCELERATOR_ENV (module doc); default: where a
-    GPU plugin of jax is installed (`gpu_plugin_installed`). Only for the pinned jaxlib 0.10
+    GPU plugin of jax is installed and an accelerator is present (`accelerator_present`; a
+    compile-only GPU target gets the pins per compile, `looprl.aot.targets`). Where the
+    plugins are installed with no accelerator present, JAX_PLATFORMS=cpu unless set. Only for the pinned jaxlib 0.10
     line, whose XLA knows every flag (other builds abort on unknown flags); LOOPRL_XLA_FLAGS=0
     turns this off."""
     if os.environ.get("LOOPRL_XLA_FLAGS", "1") == "0":
@@ -65,8 +87,9 @@ def configure_xla(pin_threads: bool = False, accelerator: bool | None = None) ->
             return
     except Exception:  # pragma: no cover - jaxlib not installed
         return
+    _cpu_only_platform()
     if accelerator is None:
-        accelerator = gpu_plugin_installed()
+        accelerator = gpu_plugin_installed() and accelerator_present()
     flags = os.environ.get("XLA_FLAGS", "")
     wanted = list(REQUIRED_CPU_FLAGS) + ([PINNED_THREAD_FLAG] if pin_threads else [])
     if accelerator:

@@ -234,8 +234,9 @@ class LearnerConfig(_Section):
     # where the replay value (hybrid's value, replay_exact_fraction) comes from: "invariant" =
     # the row-invariant dense pass (free; exact on XLA CPU); "forced" = the sampler re-run in
     # forced mode on the recorded schedule (one re-run per extra update; exact wherever the
-    # sampler is deterministic); "auto" = invariant on CPU with invariant sampler kernels,
-    # forced otherwise (GPU/TPU, where invariance is not shown: docs/DESIGN.md §4)
+    # sampler is deterministic); "auto" = invariant on CPU with invariant sampler kernels and
+    # on a device kind whose committed report shows it exact (`looprl.rl.replay_choice`),
+    # forced otherwise (docs/DESIGN.md §4)
     replay_impl: ReplayImpl = "auto"
     ppo_epochs: int = 1                   # passes over each rollout batch
     minibatches: int = 1                  # optimizer updates per epoch
@@ -245,7 +246,7 @@ class LearnerConfig(_Section):
     measure_stock: bool = True            # also run `stock` to log stock_max_abs_diff
     # stop the run (TrainingError) at the first GRPO step whose replay_exact_fraction < 1.0;
     # none = auto: true where exactness is claimed (XLA CPU, rollout.kernels=invariant and
-    # replay_impl resolving to invariant: `looprl.rl.learner.resolve_require_exact`), else false
+    # replay_impl resolving to invariant: `looprl.rl.replay_choice.resolve_require_exact`), else false
     # (an inexact step then only warns on the console and is counted in summary.json)
     require_exact: Optional[bool] = None
     # GRPO steps between replay checks: a check re-runs the replay at the sampler's parameters

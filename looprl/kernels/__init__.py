@@ -7,8 +7,8 @@ promise on each backend is docs/NUMERICS.md.
 
 One form computes them, resolved once from the platform and `LOOPRL_KERNELS` (`forms`):
 `cpu-ordered` (`cpu_ordered`: FFI kernels of `ordered_gemm`, the CPU's default), `cpu-xla`
-(`cpu_xla`: XLA dots of one shape), `accel-xla` and `pallas-gpu` / `pallas-tpu` (`accel`), and
-`stock` (`stock`: the common way, not invariant). This module is the API every caller uses;
+(`cpu_xla`: XLA dots of one shape), `pallas-gpu` / `pallas-tpu` (`accel`: Pallas kernels, the
+default off the CPU), and `stock` (`stock`: the common way, not invariant). This module is the API every caller uses;
 it dispatches through the form. `kernel_version()` names the form's numerics, which a rollout
 records. Backward passes are plain dots (`plain`), except on `cpu-ordered`, whose backward
 takes the ordered kernels too, so that a CPU run's parameters do not depend on the ISA.
@@ -31,7 +31,7 @@ from looprl.kernels.forms import (FORMS, KERNEL_VERSION, KERNEL_VERSION_ACCEL,
                                   accelerator_forms, use_form)
 from looprl.kernels.operands import (CachedKV, KeyRange, LayerWeight, cache_window,
                                      repeat_kv_heads)
-from looprl.kernels.plain import attention_plain, matmul_grads
+from looprl.kernels.plain import attention_plain, matmul_grads, rope_rotate_half
 from looprl.kernels.tiling import (K_BLOCK, LAST_AXIS_TILE, MASK_VALUE, N_MIN, ROW_QUANTUM,
                                    ROW_TILE, ROW_TILE_MAX)
 
@@ -241,6 +241,28 @@ def _attention_tiled_bwd(scale, res, g):
 _attention_tiled.defvjp(_attention_tiled_fwd, _attention_tiled_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_by_index(q, k, v, mask, scale):
+    """The form's attention with K/V at their own J kv heads (`Form.kv_heads_by_index`)."""
+    return _attention_tiled_impl(q, k, v, mask, scale)
+
+
+def _attention_by_index_fwd(q, k, v, mask, scale):
+    return _attention_tiled_impl(q, k, v, mask, scale), (q, k, v, mask)
+
+
+def _attention_by_index_bwd(scale, res, g):
+    """Plain dots over the repeated heads (the repeat's transpose sums each kv head's share)."""
+    q, k, v, mask = res
+    prec = forms.current().fp32_precision(q, k)
+    _, vjp = jax.vjp(lambda q, k, v: attention_plain(
+        q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale, prec), q, k, v)
+    return (*vjp(g), None)
+
+
+_attention_by_index.defvjp(_attention_by_index_fwd, _attention_by_index_bwd)
+
+
 def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """Causal softmax attention of C queries over the whole key axis S (fixed length), by the
     form in force: fp32 scores, masked with a finite large negative value, fp32 softmax,
@@ -254,8 +276,11 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     Returns: `[B, C, H, K]` in q's dtype.
     """
     B, C, H, K = q_BxCxHxK.shape
-    k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)  # K/V stay in the cache's layout [B, S, H, K]
+    if forms.current().kv_heads_by_index:
+        out = _attention_by_index(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, float(scale))
+        return jnp.swapaxes(out, 1, 2)
+    k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
     out = _attention_tiled(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, float(scale))
     return jnp.swapaxes(out, 1, 2)
 
@@ -347,8 +372,7 @@ def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
 
 
 def apply_rope(x_BxCxHxK, cos_BxCxK, sin_BxCxK):
-    """q*cos + rotate_half(q)*sin with rotate_half(x) = cat(-x2, x1)."""
-    half = x_BxCxHxK.shape[-1] // 2
-    x1, x2 = x_BxCxHxK[..., :half], x_BxCxHxK[..., half:]
-    rot = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BxCxHxK * cos_BxCxK[:, :, None] + rot * sin_BxCxK[:, :, None]
+    """q*cos + rotate_half(q)*sin with rotate_half(x) = cat(-x2, x1); the form's own `rope`
+    where it has one (the Pallas forms: the same expression, fenced)."""
+    rope = forms.current().rope
+    return (rope or rope_rotate_half)(x_BxCxHxK, cos_BxCxK, sin_BxCxK)

@@ -1,68 +1,72 @@
-"""The accelerator forms (GPU, TPU): `accel-xla` (the default off the CPU) and the Pallas matmul
-(`pallas-gpu`, `pallas-tpu`).
+"""The accelerator kernel forms `pallas-gpu` (Triton) and `pallas-tpu` (Mosaic TPU): one kernel
+set, the same design for both, every forward product and row sum a Pallas kernel with a fixed
+tile and a fixed order (docs/NUMERICS.md, "The accelerator forms").
 
-The matmul of `accel-xla` pads rows to ROW_TILE-row tiles run in one `lax.map`; per tile a
-`fori_loop` over the 128-long K blocks adds each `[ROW_TILE, 128] x [128, O16]` dot into an fp32
-accumulator that starts at -0.0, so every dot has one shape whatever M. The Pallas forms state
-that order inside one kernel (`pallas_matmul`). Attention is the CPU's rotated 128-key blocks
-with the scores in key blocks too, query tiles of ROW_TILE rows, K/V in the compute dtype
-(docs/NUMERICS.md, "Accelerator forms").
+matmul: `pallas_matmul` (64 x 128 x 128 blocks, no split-K, fp32 at HIGHEST, bf16 with fp32
+accumulation); attention: `pallas_attention.flash_attention` (one flash-style kernel for every
+caller, GQA by index); rowsum: `pallas_rows` (RMSNorm, the softmaxes, the log-prob's
+normaliser). Row max and argmax stay XLA reduces (order-free). RoPE: a Pallas kernel on
+the device, the plain expression as its own program on the CPU (`rope_form`): every caller
+reads the same bits. Each kernel is compiled for the
+platform the program is lowered for and interpreted on the CPU (`pallas_target`). Backward
+passes are plain XLA dots (`kernels`' custom_vjp).
 """
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from looprl.kernels.pallas_matmul import pallas_matmul
-from looprl.kernels.plain import attention_probs_values
-from looprl.kernels.tiling import (K_BLOCK, ROW_TILE, k_blocks, keys_in_blocks_from_first_live,
-                                   map_query_tiles, pad_rows)
-
-
-def matmul(rows_MxI, w_IxO, out_dtype, precision):
-    """`rows @ w` `[M, O]` in `out_dtype` (module doc); operands stay in their dtype (bf16 on
-    the tensor cores), fp32 dots at `precision`."""
-    o = w_IxO.shape[1]
-    w_ZxIxO = k_blocks(w_IxO)
-    nb, kb, o16 = w_ZxIxO.shape
-    x, m = pad_rows(rows_MxI, 0, ROW_TILE)
-    x, _ = pad_rows(x, 1, kb)
-    x_NxZxRxI = jnp.swapaxes(x.reshape(-1, ROW_TILE, nb, kb), 1, 2)
-
-    def tile(x_ZxRxI):
-        def step(z, acc):
-            return acc + jnp.dot(x_ZxRxI[z], w_ZxIxO[z], preferred_element_type=jnp.float32,
-                                 precision=precision)
-        return jax.lax.fori_loop(0, nb, step, jnp.full((ROW_TILE, o16), -0.0, jnp.float32))
-
-    y = jax.lax.map(tile, x_NxZxRxI)
-    return y.reshape(-1, o16)[:m, :o].astype(out_dtype)
+from looprl.kernels.pallas_attention import flash_attention
+from looprl.kernels.pallas_matmul import pallas_matmul_for
+from looprl.kernels.pallas_rope import rope_for
+from looprl.kernels.pallas_rows import rowsum_form
+from looprl.kernels.pallas_target import opaque_on_cpu
+from looprl.kernels.plain import rope_rotate_half
 
 
-def pallas_form(backend: str):
-    """The Pallas matmul lowered for `backend` (`gpu`: Triton, `tpu`: Mosaic), interpreted
-    when this process runs on XLA CPU (a CPU process tracing the accelerator form)."""
-    def matmul_pallas(rows_MxI, w_IxO, out_dtype, precision):
-        interpret = jax.default_backend() == "cpu"
-        return pallas_matmul(rows_MxI, w_IxO.astype(rows_MxI.dtype), out_dtype,
-                             block_rows=ROW_TILE, interpret=interpret,
-                             backend="cpu" if interpret else backend)
+def matmul_form(backend: str):
+    """The form's matmul(rows_MxI, w_IxO, out_dtype, precision) -> `[M, O]`: the weight cast
+    to the rows' dtype (bf16 stays bf16 on the tensor cores / MXU); `precision` is the
+    kernel's own (HIGHEST for fp32)."""
+    def matmul_pallas(rows_MxI, w_IxO, out_dtype, precision=None):
+        return pallas_matmul_for(rows_MxI, w_IxO.astype(rows_MxI.dtype), out_dtype, backend)
     return matmul_pallas
 
 
-def attention(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax, precision):
-    """The accelerator attention (module doc), `[B, H, C, K]` in q's dtype; a decode step's one
-    query is a ROW_TILE-row tile."""
-    B, H, C, K = q_BxHxCxK.shape
-    dtype = q_BxHxCxK.dtype
-    k, v, mask = keys_in_blocks_from_first_live(jnp.swapaxes(k_BxSxHxK, 1, 2),
-                                                jnp.swapaxes(v_BxSxHxK, 1, 2), mask_BxCxS)
+def attention_form(backend: str):
+    """The form's attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale, softmax,
+    precision) -> `[B, H, C, K]`: K/V with their J kv heads (read by index); `softmax` is
+    unused (the kernel's online softmax)."""
+    def attention_pallas(q, k, v, mask, scale, softmax, precision):
+        return flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale, backend,
+                               precision)
+    return attention_pallas
 
-    def tile(qm):
-        q_BxHxRxK, mask_BxRxS = qm
-        return attention_probs_values(q_BxHxRxK, k, v, mask_BxRxS, scale, dtype, precision,
-                                      softmax, K_BLOCK, score_blocks=True)
 
-    q_pad, _ = pad_rows(q_BxHxCxK, 2, ROW_TILE)
-    m_pad, _ = pad_rows(mask, 1, ROW_TILE)
-    return map_query_tiles(tile, q_pad, m_pad, ROW_TILE)[:, :, :C]
+def rope_form(backend: str):
+    """The form's rope(x, cos, sin): the Pallas rope kernel on the device (`pallas_rope`), and
+    `plain.rope_rotate_half` as its own program on the CPU (`pallas_target.opaque_on_cpu`). Fused with what consumes it (the sampler's
+    cache write, the learner's key layout), XLA CPU's FMA contraction of `x*cos + rot*sin`
+    picks the product to fuse by the graph around it (`fma(x, cos, rot*sin)` in one program,
+    `fma(rot, sin, x*cos)` in another), and the sampler's keys differ from the learner's in the
+    last bit. Backward: the plain expression's (exact data movement and products)."""
+    device = rope_for(backend)
+
+    @jax.custom_vjp
+    def rope(x, cos, sin):
+        return opaque_on_cpu(rope_rotate_half, backend, x, cos, sin, device=device)
+
+    def fwd(x, cos, sin):
+        return rope(x, cos, sin), (x, cos, sin)
+
+    def bwd(res, g):
+        return jax.vjp(rope_rotate_half, *res)[1](g)
+
+    rope.defvjp(fwd, bwd)
+    return rope
+
+
+def form_kernels(backend: str) -> dict:
+    """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
+    return dict(matmul=matmul_form(backend), attention=attention_form(backend),
+                rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
+                rope=rope_form(backend))

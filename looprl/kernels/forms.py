@@ -2,11 +2,16 @@
 environment.
 
 `LOOPRL_KERNELS=<form>` names the form; unset, the platform decides: `cpu-ordered` on XLA CPU,
-`accel-xla` elsewhere. The older variables map onto forms where LOOPRL_KERNELS is unset:
-`LOOPRL_CPU_MATMUL` (`ordered` -> `cpu-ordered`, `xla` -> `cpu-xla`) on the CPU and
-`LOOPRL_ACCEL_MATMUL` (`xla` -> `accel-xla`, `pallas` -> `pallas-gpu` or, on a TPU,
-`pallas-tpu`) elsewhere. The form is resolved once per (platform, environment) and read when a
-program is traced; `use_form` selects one for a scope (tests, `reproducibility/gpu_check.py`).
+`pallas-tpu` on a TPU, `pallas-gpu` elsewhere. The older variables map onto forms where
+LOOPRL_KERNELS is unset: `LOOPRL_CPU_MATMUL` (`ordered` -> `cpu-ordered`, `xla` -> `cpu-xla`) on
+the CPU and `LOOPRL_ACCEL_MATMUL=pallas` (the platform's Pallas form) elsewhere. The form is
+resolved once per (platform, environment) and read when a program is traced; `use_form` selects
+one for a scope (tests, `reproducibility/gpu_check.py`).
+
+A Pallas form compiles for the platform its program is LOWERED for, not for the process's
+default backend (`pallas_target`): a CPU process under `LOOPRL_KERNELS=pallas-gpu` runs the
+kernels interpreted, and compiles them through Triton when it lowers for a compile-only H100
+(arguments sharded on that device, `looprl.aot`); `pallas-tpu` alike through Mosaic.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 
 from looprl.errors import ConfigError
 from looprl.kernels import accel, cpu_ordered, cpu_xla, stock
+from looprl.kernels.pallas_target import target_name
 from looprl.kernels.tiling import CPU_ISA, ROW_QUANTUM, ROW_TILE
 
 # The numerics of the invariant kernels: a rollout records its form's version
@@ -28,14 +34,14 @@ from looprl.kernels.tiling import CPU_ISA, ROW_QUANTUM, ROW_TILE
 # another one. Bump a version whenever a kernel's arithmetic changes (CHANGELOG.md).
 KERNEL_VERSION = "2026-12-03"  # cpu-xla
 KERNEL_VERSION_ORDERED = "2026-12-03-ordered"  # cpu-ordered
-KERNEL_VERSION_ACCEL = "2026-12-02-accel"  # accel-xla (`/xla`) and the Pallas forms (`/pallas`)
+KERNEL_VERSION_ACCEL = "2026-12-05-accel"  # the Pallas forms: `/<form>-<target>`
 KERNEL_VERSION_STOCK = "stock"  # not invariant: nothing replays it bit for bit
 
 ENV = "LOOPRL_KERNELS"
 CPU_ALIAS = "LOOPRL_CPU_MATMUL"
 ACCEL_ALIAS = "LOOPRL_ACCEL_MATMUL"
 CPU_ALIASES = {"ordered": "cpu-ordered", "xla": "cpu-xla"}
-ACCEL_ALIASES = {"xla": "accel-xla", "pallas": "pallas"}  # pallas: -gpu or -tpu by platform
+ACCEL_ALIASES = {"pallas": "pallas"}  # -gpu or -tpu by platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,11 @@ class Form:
     matmul(rows_MxI, w_IxO, out_dtype, precision) -> `[M, O]`; attention(q_BxHxCxK, k_BxSxHxK,
     v_BxSxHxK, mask, scale, softmax, precision) -> `[B, H, C, K]`. The optional kernels
     (rowsum, row_max, row_argmax, layer_matmul, attention_cached) are the ordered form's
-    FFI kernels; None means `looprl.kernels` composes the operation from matmul and XLA ops."""
+    FFI kernels or the Pallas forms' kernels; None means `looprl.kernels` composes the
+    operation from matmul and XLA ops. `backend`: the Pallas forms' target (`gpu`, `tpu`);
+    `kv_heads_by_index`: attention takes K/V with their own J kv heads (GQA by index);
+    `rope(x, cos, sin)`: RoPE where the form computes it its own way (None: the plain
+    expression, `plain.rope_rotate_half`)."""
     name: str
     cpu: bool  # runs on XLA CPU only
     version: str  # the kernel version without the ISA suffix
@@ -58,6 +68,9 @@ class Form:
     row_argmax: Callable | None = None
     layer_matmul: Callable | None = None
     attention_cached: Callable | None = None
+    backend: str | None = None
+    kv_heads_by_index: bool = False
+    rope: Callable | None = None
 
     @property
     def reads_layers_in_place(self) -> bool:
@@ -68,7 +81,11 @@ class Form:
         """The numerics a rollout is sampled with (`Schedule.kernel_version`). A CPU form's
         version is followed by `/<isa>` (`/avx2`, `/avx`, `/sse41`, `/other`) except where
         oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`): XLA's dots and
-        elementwise code are the ISA's."""
+        elementwise code are the ISA's. A Pallas form's is `<version>/<form>-<target>`
+        (`pallas-gpu-sm90`, `pallas-tpu-v5e`; `-interpret` where this process has no device of
+        the form's backend: `pallas_target.target_name`)."""
+        if self.backend is not None:
+            return f"{self.version}/{self.name}-{target_name(self.backend)}"
         if self.cpu and CPU_ISA != "avx512_core":
             return f"{self.version}/{CPU_ISA}"
         return self.version
@@ -88,12 +105,8 @@ FORMS = {f.name: f for f in (
     Form("cpu-ordered", True, KERNEL_VERSION_ORDERED, ROW_QUANTUM, False, cpu_ordered.matmul,
          cpu_ordered.attention, **_ORDERED),
     Form("cpu-xla", True, KERNEL_VERSION, ROW_QUANTUM, False, cpu_xla.matmul, cpu_xla.attention),
-    Form("accel-xla", False, f"{KERNEL_VERSION_ACCEL}/xla", ROW_TILE, True, accel.matmul,
-         accel.attention),
-    Form("pallas-gpu", False, f"{KERNEL_VERSION_ACCEL}/pallas", ROW_TILE, True,
-         accel.pallas_form("gpu"), accel.attention),
-    Form("pallas-tpu", False, f"{KERNEL_VERSION_ACCEL}/pallas", ROW_TILE, True,
-         accel.pallas_form("tpu"), accel.attention),
+    Form("pallas-gpu", False, KERNEL_VERSION_ACCEL, ROW_TILE, True, **accel.form_kernels("gpu")),
+    Form("pallas-tpu", False, KERNEL_VERSION_ACCEL, ROW_TILE, True, **accel.form_kernels("tpu")),
     Form("stock", False, KERNEL_VERSION_STOCK, 1, True, stock.matmul, stock.attention),
 )}
 
@@ -119,11 +132,12 @@ def resolve(platform: str, env) -> Form:
         _choice(CPU_ALIAS, value, CPU_ALIASES)
         name = CPU_ALIASES[value]
     else:
-        value = env.get(ACCEL_ALIAS) or "xla"
+        value = env.get(ACCEL_ALIAS) or "pallas"
+        if value == "xla":
+            raise ConfigError(f"{ACCEL_ALIAS}='xla': the XLA-loop accelerator form (accel-xla) "
+                              "is removed; unset it or use 'pallas' (the Pallas kernels)")
         _choice(ACCEL_ALIAS, value, ACCEL_ALIASES)
-        name = ACCEL_ALIASES[value]
-        if name == "pallas":
-            name = "pallas-tpu" if platform == "tpu" else "pallas-gpu"
+        name = "pallas-tpu" if platform == "tpu" else "pallas-gpu"
     form = FORMS[name]
     if name == "stock":  # the stock dots' precision is the platform's (full on the CPU)
         form = dataclasses.replace(form, fp32_highest=platform != "cpu")
@@ -131,11 +145,11 @@ def resolve(platform: str, env) -> Form:
 
 
 def accelerator_forms(platform: str | None = None) -> tuple[str, ...]:
-    """The accelerator forms for `platform` (default: this process's): `accel-xla` and the
-    platform's Pallas form (`pallas-tpu` on a TPU, else `pallas-gpu`, which a CPU process
-    traces with the Pallas kernel interpreted)."""
+    """The accelerator forms for `platform` (default: this process's): the platform's Pallas
+    form, `("pallas-tpu",)` on a TPU, else `("pallas-gpu",)` (which a CPU process runs with the
+    kernels interpreted)."""
     platform = platform or jax.default_backend()
-    return ("accel-xla", "pallas-tpu" if platform == "tpu" else "pallas-gpu")
+    return ("pallas-tpu" if platform == "tpu" else "pallas-gpu",)
 
 
 @functools.cache

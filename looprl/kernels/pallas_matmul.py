@@ -1,21 +1,22 @@
 """A Pallas matmul with fixed blocks: the matmul of the `pallas-gpu` / `pallas-tpu` kernel forms.
 
-`x [M, I] @ w [I, O]` with rows zero-padded to a multiple of `block_rows` (bm), output columns
-to `block_cols` (bn) and the contraction to `block_k` (bk). The grid is `(Mp / bm, Op / bn)`;
-program (i, j) owns the `[bm, bn]` output block of row block i and column block j:
+`x [M, I] @ w [I, O]` with rows zero-padded to a multiple of `block_rows` (bm = 64: a decode
+step's row costs a `[64, I]` tile), output columns to `block_cols` (bn = 128) and the
+contraction to `block_k` (bk = 128). The tile depends on nothing but these constants, never on
+M. The grid is `(Mp / bm, Op / bn)`; program (i, j) owns the `[bm, bn]` output block of row block
+i and column block j and runs the K blocks z = 0 .. Ip / bk - 1 in order, `acc = acc + dot(x_z,
+w_z)` from acc = -0.0 in fp32 (no split-K; programs are independent).
 
-    acc = -0.0                               (fp32, [bm, bn])
-    for z in 0 .. Ip / bk - 1:               (in order; one program, no split-K)
-        acc = acc + dot(x[i-th bm rows, z-th bk cols], w[z-th bk rows, j-th bn cols])  (fp32)
-    out[i, j] = acc
-
-Every dot has one shape whatever M, programs are independent, and the K order is the loop, so
-no compiler choice can change a row's bits (docs/NUMERICS.md, "The accelerator forms"). fp32
-dots ask for `Precision.HIGHEST` (no TF32); bf16 dots accumulate in fp32. bm = 64 (a decode
-step's row costs a `[64, I]` tile), bn = bk = 128 (powers of two, as Triton loads require). On
-a GPU the kernel is lowered through Triton: Mosaic GPU stages whole blocks, here the whole
-contraction, in shared memory. Interpret mode runs the same kernel body as XLA ops (the CPU
-tests). Forward only: `kernels.matmul`'s `jax.custom_vjp` gives the plain-dot backward.
+What the compilers emit from that loop: Triton folds `acc + dot` into `dot(x_z, w_z, acc)`, so
+on a GPU each fp32 output is ONE fma chain over the whole contraction, k = 0 .. Ip - 1 in order
+(fp32 operands: `fma.rn.f32` only, no TF32, as `Precision.HIGHEST` asks), not block partials
+added afterwards; bf16 operands run Hopper `wgmma` with the fp32 accumulator carried through
+every instruction, and the order inside one instruction's k-group is the hardware's. On a TPU,
+Mosaic runs each `[bm, bk] x [bk, bn]` block on the MXU (fp32 in its multi-pass form at
+HIGHEST) and adds it to the fp32 accumulator in z order. Either way every row sees the same
+instruction sequence at every M. Interpret mode runs the same body as XLA ops (the CPU tests).
+Where it is compiled is `pallas_target` (the platform lowered for). Forward only:
+`kernels.matmul`'s `jax.custom_vjp` gives the plain-dot backward.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+
+from looprl.kernels.pallas_target import compiler_params, fence, lowered
 
 BLOCK_ROWS = 64
 BLOCK_COLS = 128
@@ -43,19 +45,19 @@ def pad_to_multiple(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, precision):
+def _kernel(x_ref, w_ref, o_ref, *, block_k: int, precision, interpret: bool):
     """One `[bm, bn]` output block: the K blocks of its rows and columns, summed in order."""
     bm, bn = o_ref.shape
     nk = x_ref.shape[1] // block_k
 
     def step(z, acc):
-        x_RxZ = x_ref[:, pl.ds(z * block_k, block_k)]
-        w_ZxC = w_ref[pl.ds(z * block_k, block_k), :]
+        x_RxZ, w_ZxC = fence(interpret, x_ref[:, pl.ds(z * block_k, block_k)],
+                             w_ref[pl.ds(z * block_k, block_k), :])
         return acc + jnp.dot(x_RxZ, w_ZxC, preferred_element_type=jnp.float32,
                              precision=precision)
 
     acc = jax.lax.fori_loop(0, nk, step, jnp.full((bm, bn), -0.0, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    o_ref[...] = fence(interpret, acc.astype(o_ref.dtype))
 
 
 def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret, backend):
@@ -72,18 +74,14 @@ def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret
     mp, ip = x.shape
     op = w.shape[1]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, precision=precision),
+        functools.partial(_kernel, block_k=block_k, precision=precision, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((mp, op), out_dtype),
         grid=(mp // block_rows, op // block_cols),
         in_specs=[pl.BlockSpec((block_rows, ip), lambda r, c: (r, 0)),
                   pl.BlockSpec((ip, block_cols), lambda r, c: (0, c))],
         out_specs=pl.BlockSpec((block_rows, block_cols), lambda r, c: (r, c)),
         interpret=interpret,
-        # GPU: the Triton lowering (jax 0.10's default GPU lowering is Mosaic GPU, which copies
-        # each whole block, here the whole contraction, into shared memory and fails at the
-        # Ouro widths); TPU: Mosaic TPU, the only one
-        compiler_params=pltriton.CompilerParams() if backend == "gpu" and not interpret
-        else None,
+        compiler_params=compiler_params(backend, interpret),
         name="looprl_fixed_block_matmul",
     )(x, w)
     return out[:m, :o]
@@ -113,3 +111,13 @@ def pallas_matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None, *,
     out_dtype = jnp.dtype(out_dtype or x_MxI.dtype)
     return _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret,
                     backend)
+
+
+def pallas_matmul_for(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype, backend: str) -> jax.Array:
+    """`pallas_matmul` with the default blocks, compiled for `backend` (`gpu`, `tpu`) where the
+    program is lowered for it and interpreted where it is lowered for the CPU
+    (`pallas_target.lowered`). `[M, O]` in `out_dtype`."""
+    out_dtype = jnp.dtype(out_dtype)
+    return lowered(lambda interpret: functools.partial(
+        _forward, out_dtype=out_dtype, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS,
+        block_k=BLOCK_K, interpret=interpret, backend=backend), backend, x_MxI, w_IxO)

@@ -11,6 +11,14 @@ import jax.numpy as jnp
 from looprl.kernels.tiling import masked_probs
 
 
+def rope_rotate_half(x_BxCxHxK, cos_BxCxK, sin_BxCxK):
+    """`x*cos + rotate_half(x)*sin` with rotate_half(x) = cat(-x2, x1), in x's dtype."""
+    half = x_BxCxHxK.shape[-1] // 2
+    x1, x2 = x_BxCxHxK[..., :half], x_BxCxHxK[..., half:]
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BxCxHxK * cos_BxCxK[:, :, None] + rot * sin_BxCxK[:, :, None]
+
+
 def matmul_grads(rows_MxI, w_IxO, g_MxO, precision):
     """`(dx, dw)` of `rows @ w` by plain dots, in the operands' dtypes."""
     dx = jnp.dot(g_MxO, w_IxO.T.astype(g_MxO.dtype), preferred_element_type=jnp.float32,

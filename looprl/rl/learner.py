@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
-from looprl import kernels as kn
 from looprl.config import ExperimentConfig
 from looprl.distributed import mesh as ml
 from looprl.errors import CheckpointError, TrainingError
@@ -34,6 +33,7 @@ from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.dynamic_sampling import dynamic_rollout
 from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
+from looprl.rl.replay_choice import resolve_replay_impl, resolve_require_exact
 from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
 from looprl.rl.rollout import (completion_rewards, interrupted_fraction, loss_exit_loops,
                                rollout_sha256, sampling_config)
@@ -41,30 +41,6 @@ from looprl.rl.signal import has_signal, step_advantages, truncated_rows
 from looprl.rl.step_metrics import step_metrics, token_entropy
 from looprl.sampling.sampler import generate
 from looprl.sampling.schedule import params_fingerprint
-
-
-def _exact_by_construction(backend: str | None) -> bool:
-    """A CPU kernel form is in force (`docs/NUMERICS.md`); `backend` ("cpu", "gpu") overrides."""
-    return backend == "cpu" if backend is not None else kn.current_form().cpu
-
-
-def resolve_replay_impl(exp_cfg: ExperimentConfig, backend: str | None = None) -> str:
-    """`learner.replay_impl` with "auto" resolved: "invariant" under a CPU kernel form with
-    invariant sampler kernels (the dense pass reproduces the sampler), "forced" otherwise."""
-    if exp_cfg.learner.replay_impl != "auto":
-        return exp_cfg.learner.replay_impl
-    exact = _exact_by_construction(backend) and exp_cfg.rollout.kernels == "invariant"
-    return "invariant" if exact else "forced"
-
-
-def resolve_require_exact(exp_cfg: ExperimentConfig, replay_impl: str,
-                          backend: str | None = None) -> bool:
-    """`learner.require_exact` with none (auto) resolved: true where exact replay is claimed (a
-    CPU form, invariant kernels, invariant replay), false where it is measured, not claimed."""
-    if exp_cfg.learner.require_exact is not None:
-        return bool(exp_cfg.learner.require_exact)
-    return (_exact_by_construction(backend) and exp_cfg.rollout.kernels == "invariant"
-            and replay_impl == "invariant")
 
 
 @dataclasses.dataclass

@@ -177,9 +177,9 @@ def test_rms_norm_has_the_product_forms_bits_at_ouro_width(dtype):
 
 def test_the_accelerator_form_pads_rows_and_asks_for_full_fp32_precision():
     """The GPU/TPU form (fixed 64-row tiles, 128-long K blocks, Precision.HIGHEST for fp32 so
-    GPUs do not use TF32; tests/model/test_accel_kernels.py checks its structure and bits),
-    traced and run here with `use_form("accel-xla")`: same values as the CPU form, and the
-    precision request is in the program (none for bf16)."""
+    GPUs do not use TF32; tests/kernels/test_pallas_kernels.py checks its structure and bits),
+    traced and run here with `use_form("pallas-gpu")` (interpreted): same values as the CPU
+    form, and the precision request is in the program (none for bf16)."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((5, 3, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 40)) / 8, jnp.float32)
@@ -187,7 +187,7 @@ def test_the_accelerator_form_pads_rows_and_asks_for_full_fp32_precision():
     kv = jnp.asarray(rng.standard_normal((2, 20, 4, 16)), jnp.float32)
     mask = jnp.asarray(rng.random((2, 3, 20)) < 0.7).at[:, :, 0].set(True)
     cpu_mm, cpu_att = kn.matmul(x, w), kn.attention(q, kv, kv, mask, 0.25)
-    with kn.use_form("accel-xla"):
+    with kn.use_form("pallas-gpu"):
         np.testing.assert_allclose(np.asarray(kn.matmul(x, w)), np.asarray(cpu_mm), rtol=1e-5,
                                    atol=1e-5)
         np.testing.assert_allclose(np.asarray(kn.attention(q, kv, kv, mask, 0.25)),

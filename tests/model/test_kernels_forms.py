@@ -17,7 +17,8 @@ from looprl.kernels.tiling import CPU_ISA
     ("cpu", {"LOOPRL_CPU_MATMUL": "xla"}, "cpu-xla"),
     ("cpu", {"LOOPRL_KERNELS": "pallas-tpu"}, "pallas-tpu"),  # traced for a TPU from a CPU
     ("cpu", {"LOOPRL_KERNELS": "cpu-ordered", "LOOPRL_CPU_MATMUL": "xla"}, "cpu-ordered"),
-    ("gpu", {}, "accel-xla"),
+    ("gpu", {}, "pallas-gpu"),
+    ("tpu", {}, "pallas-tpu"),
     ("gpu", {"LOOPRL_ACCEL_MATMUL": "pallas"}, "pallas-gpu"),
     ("tpu", {"LOOPRL_ACCEL_MATMUL": "pallas"}, "pallas-tpu"),
     ("gpu", {"LOOPRL_KERNELS": "stock"}, "stock"),
@@ -27,14 +28,14 @@ def test_the_form_comes_from_the_environment_or_the_platform(platform, env, name
 
 
 def test_the_accelerator_forms_of_a_platform():
-    assert forms.accelerator_forms("gpu") == ("accel-xla", "pallas-gpu")
-    assert forms.accelerator_forms("tpu") == ("accel-xla", "pallas-tpu")
-    assert forms.accelerator_forms("cpu") == ("accel-xla", "pallas-gpu")  # traced from a CPU
+    assert forms.accelerator_forms("gpu") == ("pallas-gpu",)
+    assert forms.accelerator_forms("tpu") == ("pallas-tpu",)
+    assert forms.accelerator_forms("cpu") == ("pallas-gpu",)  # interpreted on a CPU
 
 
 def test_an_unknown_form_names_the_variable_the_value_and_the_choices():
     with pytest.raises(ConfigError, match="LOOPRL_KERNELS='cuda': expected one of cpu-ordered, "
-                                          "cpu-xla, accel-xla, pallas-gpu, pallas-tpu, stock"):
+                                          "cpu-xla, pallas-gpu, pallas-tpu, stock"):
         forms.resolve("cpu", {"LOOPRL_KERNELS": "cuda"})
     with pytest.raises(ConfigError, match="LOOPRL_KERNELS='cpu-ordered' runs on XLA CPU only"):
         forms.resolve("gpu", {"LOOPRL_KERNELS": "cpu-ordered"})
@@ -45,14 +46,13 @@ def test_kernel_versions_are_the_recorded_ones():
     isa = "" if CPU_ISA == "avx512_core" else f"/{CPU_ISA}"
     versions = {n: f.kernel_version() for n, f in kn.FORMS.items()}
     assert versions == {"cpu-ordered": "2026-12-03-ordered" + isa, "cpu-xla": "2026-12-03" + isa,
-                        "accel-xla": "2026-12-02-accel/xla",
-                        "pallas-gpu": "2026-12-02-accel/pallas",
-                        "pallas-tpu": "2026-12-02-accel/pallas", "stock": "stock"}
+                        "pallas-gpu": "2026-12-05-accel/pallas-gpu-interpret",
+                        "pallas-tpu": "2026-12-05-accel/pallas-tpu-interpret", "stock": "stock"}
 
 
 def test_use_form_selects_a_form_for_its_scope_only():
     before = kn.current_form().name
-    with kn.use_form("accel-xla") as form:
+    with kn.use_form("pallas-gpu") as form:
         assert kn.current_form() is form and kn.row_tile() == kn.ROW_TILE
         assert not kn.reads_layers_in_place()
     assert kn.current_form().name == before

@@ -1,0 +1,123 @@
+"""Cost of the invariant kernels on an H100 and a TPU v5e, from compiled programs only (no device):
+the invariant form (`pallas-gpu`, `pallas-tpu`) against `stock`, compiled for each compile-only
+target by `looprl.aot` (needs `pip install -e '.[aot]'`).
+
+Two programs at Ouro-1.4B width in bf16 (hidden 2048, 16 heads x 128, MLP 5632, V = 49,152;
+L = 24 layers, T = 4 loops): a learner step, 256 x 1024 tokens as MICROBATCHES microbatches of
+MICRO_ROWS x 1024, each the forward and gradient of one loop's selected-token log-probs
+(`looprl.aot.programs`, phase `learner_step`); and a decode step of 256 rows over a 2,048-slot
+KV cache (phase `decode`). Each is compiled at 1 and 2 layers; a layer's cost is the difference
+and a step is T x (head + L layers) per program run, times the microbatches. Per step: kernel
+launches (while loops by their trip counts), FLOPs and bytes accessed (`cost_analysis`; on the
+compile-only GPU XLA's HLO cost analysis; looprl matmul kernels' FLOPs from their shapes),
+peak memory of one program run (`memory_analysis`), and a structural time estimate: max(FLOPs /
+peak FLOP/s, bytes / HBM bandwidth) at the published peaks plus a fixed cost per launch
+(`looprl.aot.targets.TARGETS`). Figures `*_vs_stock_*_est` are invariant / stock, lower is
+better. The estimate leaves out each kernel's efficiency (a Pallas kernel's achieved fraction of
+peak, occupancy, tile padding beyond the shapes), overlap of launches with work, caches, and
+host time. A program that does not compile for its target (out of the device's memory) is
+reported as `{"error": ...}` with its ratio null. `invariant_interpreted` is true where the form compiled its Pallas kernels
+interpreted (the figures then describe that program). Run: `python benchmarks/accel_cost.py`;
+the last line is a JSON object.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only targets: nothing runs here
+
+import looprl  # noqa: E402,F401 - sets XLA's flags before jax starts
+from looprl.aot import inspect as I  # noqa: E402
+from looprl.aot import programs as PR  # noqa: E402
+from looprl.aot import targets as T  # noqa: E402
+from looprl.determinism import environment  # noqa: E402
+from looprl.kernels import forms  # noqa: E402
+from looprl.model.config import preset  # noqa: E402
+
+import json  # noqa: E402
+
+DTYPE = "bfloat16"
+TOKENS_ROWS, SEQ = 256, 1024
+MICRO_ROWS = 8
+MICROBATCHES = TOKENS_ROWS // MICRO_ROWS
+DECODE_ROWS, CACHE_SLOTS = 256, 2048
+FULL = preset("ouro-1.4b")
+INVARIANT = {"h100": "pallas-gpu", "v5e": "pallas-tpu"}
+
+
+def _measure(target: str, form: str, phase, layers: int) -> dict:
+    cfg = preset("ouro-1.4b", num_layers=layers)
+    fn, args = PR.build(cfg, DTYPE, phase, stock=form == "stock")
+    with forms.use_form(form):
+        c = T.compile_for(target, fn, *args)
+    p = I.program(c)
+    cost = I.cost(c)
+    return {"launches": I.launches(p)["total"], "flops": cost["flops"],
+            "bytes": cost["bytes_accessed"], "peak_bytes": I.memory(c)["peak_bytes"],
+            "interpreted": bool(I.interpreted(p))}
+
+
+def _step(target: str, form: str, phase, runs: int) -> dict:
+    """A step's figures: `runs` program runs of T x (head + L layers)."""
+    one, two = _measure(target, form, phase, 1), _measure(target, form, phase, 2)
+    t = T.target(target)
+    out = {}
+    for k in ("launches", "flops", "bytes"):
+        layer = two[k] - one[k]
+        out[k] = runs * FULL.total_ut_steps * (one[k] + (FULL.num_layers - 1) * layer)
+    out["peak_bytes_one_run_2_layers"] = two["peak_bytes"]
+    out["interpreted"] = one["interpreted"] or two["interpreted"]
+    compute = out["flops"] / t.peak_flops[DTYPE]
+    memory = out["bytes"] / t.hbm_bytes_per_s
+    out["est_s"] = max(compute, memory) + out["launches"] * t.launch_s
+    out["est_parts_s"] = {"compute": compute, "memory": memory,
+                          "launches": out["launches"] * t.launch_s}
+    return out
+
+
+def _step_or_error(target: str, form: str, phase, runs: int) -> dict:
+    """`_step`, or {"error": XLA's first line} where the program does not compile for the
+    target (RESOURCE_EXHAUSTED: it does not fit the device's memory)."""
+    try:
+        return _step(target, form, phase, runs)
+    except Exception as e:  # jax.errors.JaxRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return {"error": str(e).strip().splitlines()[0]}
+
+
+def main() -> dict:
+    t0 = time.perf_counter()
+    res: dict = {}
+    for target in ("h100", "v5e"):
+        reason = T.missing(target)
+        if reason:
+            res[f"skipped_{target}"] = reason
+            continue
+        for name, phase, runs in (("learner_step", PR.learner_step(MICRO_ROWS, SEQ),
+                                   MICROBATCHES),
+                                  ("decode_step", PR.decode(DECODE_ROWS, CACHE_SLOTS), 1)):
+            inv = _step_or_error(target, INVARIANT[target], phase, runs)
+            stock = _step_or_error(target, "stock", phase, runs)
+            res[f"{name}_{target}"] = {"invariant": inv, "stock": stock}
+            if "error" in inv or "error" in stock:
+                res[f"{name}_vs_stock_{target}_est"] = None
+                continue
+            res[f"{name}_vs_stock_{target}_est"] = round(inv["est_s"] / stock["est_s"], 3)
+            res[f"launches_per_{name}_{target}"] = inv["launches"]
+            res[f"launches_per_{name}_{target}_stock"] = stock["launches"]
+            res["invariant_interpreted"] = res.get("invariant_interpreted", False) \
+                or inv["interpreted"]
+    env = environment()
+    res.update({"dtype": DTYPE, "microbatch": [MICRO_ROWS, SEQ], "microbatches": MICROBATCHES,
+                "decode": [DECODE_ROWS, CACHE_SLOTS],
+                "peaks": {n: {"flops": t.peak_flops[DTYPE], "hbm_bytes_per_s": t.hbm_bytes_per_s,
+                              "launch_s": t.launch_s} for n, t in T.TARGETS.items()},
+                "jax": env["jax"], "git_commit": env["git_commit"],
+                "seconds": round(time.perf_counter() - t0, 1)})
+    return res
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
