@@ -13,7 +13,11 @@ epochs per rollout. Learners (experiments/README.md, "Does the mismatch matter?"
 Each seed shares one warm start (the long study's) across variants; runs resume bit for bit
 (`looprl train RUN/NAME/config.json resume=RUN/NAME`), so a grid may span sessions.
 
-    looprl train experiments/mismatch_horizon.py seed=0 out_dir=runs/horizon/seed0
+    looprl train experiments/mismatch_horizon.py seed=0 out_dir=runs/horizon/seed0 \
+        model.checkpoint=runs/loss_study/seed0/warm_start_run/warm_start warm_start.enabled=false
+
+(the study's runs start from the loss study's warm starts; without the last two overrides the
+file's own shared warm start runs first).
 """
 from mismatch_study_long import CONFIG as LONG
 from mismatch_study_long import SHARED_WARM_START  # noqa: F401
