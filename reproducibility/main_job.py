@@ -58,8 +58,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", type=Path, help="compare this finished run (no re-run)")
     ap.add_argument("--record", type=Path, help="write the documented digests from this run")
-    ap.add_argument("--out", type=Path, default=Path("runs/reproduce_main_job"))
-    ap.add_argument("--expected", type=Path, default=EXPECTED)
+    ap.add_argument("--out", type=Path, default=Path("runs/reproduce_main_job"),
+                    help="where the re-run goes when --run-dir is not given "
+                         "(default: %(default)s)")
+    ap.add_argument("--expected", type=Path, default=EXPECTED,
+                    help="the recorded digests to compare with (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.record:
         args.expected.write_text(json.dumps(digests(args.record), indent=2) + "\n")

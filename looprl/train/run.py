@@ -369,6 +369,9 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
                "environment": {**environment(), "kernel_version": kernel_version()}}
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if not summary["complete"] and exp_cfg.run.stop_after is not None:
+        say(f"stopped after GRPO step {n_steps} of {exp_cfg.run.grpo_steps} (stop_after); "
+            f"continue with: {resume_command(out)}")
     return summary
 
 

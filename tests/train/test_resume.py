@@ -28,6 +28,7 @@ from looprl.errors import CheckpointError, ConfigError
 from looprl.io.checkpoint import (load_model_checkpoint, load_train_state, read_checkpoint_meta,
                                   save_model_checkpoint)
 from looprl.train.resume import (check_resume_config, complete_checkpoints, latest_checkpoint,
+                                 resume_command,
                                  restore_training_checkpoint, save_training_checkpoint, step_dir)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,8 +93,8 @@ def runs(tmp_path_factory):
     # hit is the executable XLA would have built again. With the cache on, A runs B's compiled
     # programs, so this checks execution across processes; with LOOPRL_TEST_JAX_CACHE=0 every
     # process compiles its own, which also checks that compiling is deterministic.
-    finish(looprl_train(f"out_dir={b}", f"stop_after={STOP}"))  # process 1
-    stopped = {"metrics": read_jsonl(b / "metrics.jsonl"),
+    log = finish(looprl_train(f"out_dir={b}", f"stop_after={STOP}"))  # process 1
+    stopped = {"log": log, "metrics": read_jsonl(b / "metrics.jsonl"),
                "summary": json.loads((b / "summary.json").read_text()),
                "checkpoints": [s for s, _ in complete_checkpoints(b)]}
     pa = looprl_train(f"out_dir={a}")                          # process 2, in parallel with 3
@@ -120,6 +121,13 @@ def test_same_config_and_seed_in_two_processes_give_identical_bits(runs):
         assert_trees_bit_equal(pa, pb)
     # same batches and samples, step by step (rollout_sha256: tokens, exits, log-prob bits)
     assert no_timing(stopped["metrics"]) == no_timing(read_jsonl(a / "metrics.jsonl"))[:STOP]
+
+
+def test_a_stopped_run_prints_the_command_that_continues_it(runs):
+    b = runs["B"]
+    assert runs["stopped"]["summary"]["complete"] is False
+    assert (f"stopped after GRPO step {STOP} of {N_STEPS} (stop_after); continue with: "
+            f"{resume_command(b)}") in runs["stopped"]["log"]
 
 
 def test_stop_and_resume_gives_the_uninterrupted_run_bit_for_bit(runs):
