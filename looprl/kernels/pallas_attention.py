@@ -17,8 +17,10 @@ and out = acc / l (0 for a row that sees no key). No split over keys; every dot,
 elementwise step has one shape whatever B, C, S or the tile's other queries, and a block with
 no live key for a query leaves its state bit for bit, so a query's bits do not depend on how
 many queries, rows or key slots share the call. K/V and the mask are padded by one block past
-the key axis and each row rotated so that `o_b` is slot 0 (one copy): every block is a
-contiguous load at a multiple of K_BLOCK, which Mosaic TPU requires (error E2003 otherwise).
+the key axis (no block read passes the end). On the GPU (and interpreted `pallas-gpu`) the
+kernel reads block z at `o_b + z * K_BLOCK`, the row where it lies; on a TPU each row is first
+rotated so that `o_b` is slot 0 (one more copy), since Mosaic TPU needs block loads at a
+multiple of K_BLOCK (error E2003 otherwise). Both read the same keys per block in one order.
 """
 from __future__ import annotations
 
@@ -35,18 +37,21 @@ from looprl.kernels.tiling import K_BLOCK, MASK_VALUE, ROW_TILE
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision, smem,
-            interpret):
+            rotated, interpret):
     R = q_ref.shape[0]
     if smem:  # Mosaic TPU: the whole [B, T, 2] table in scalar memory
         b, t = pl.program_id(0), pl.program_id(2)
-        n = meta_ref[b, t, 1]
+        offset, n = (None if rotated else meta_ref[b, t, 0]), meta_ref[b, t, 1]
     else:
-        n = meta_ref[1]
+        offset, n = meta_ref[0], meta_ref[1]
     q = fence(interpret, q_ref[...])
 
     def step(z, carry):
         m, l, acc = carry
-        start = pl.multiple_of(z * K_BLOCK, K_BLOCK)  # aligned: the caller rotated the row
+        if rotated:  # aligned: the caller rotated the row so that its first live key is 0
+            start = pl.multiple_of(z * K_BLOCK, K_BLOCK)
+        else:  # the row where it lies: blocks start at its first live key
+            start = offset + z * K_BLOCK
         k = k_ref[pl.ds(start, K_BLOCK), :]
         v = v_ref[pl.ds(start, K_BLOCK), :]
         k, v, live = fence(interpret, k, v, mask_ref[:, pl.ds(start, K_BLOCK)] != 0)
@@ -71,7 +76,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision,
                                             0.0).astype(o_ref.dtype))
 
 
-def _call(meta, q, k, v, mask, *, H, J, scale, precision, interpret, backend):
+def _call(meta, q, k, v, mask, *, H, J, scale, precision, rotated, interpret, backend):
     B, Cp, _ = q.shape
     Sp = k.shape[1]
     K = q.shape[2] // H
@@ -83,7 +88,7 @@ def _call(meta, q, k, v, mask, *, H, J, scale, precision, interpret, backend):
     tile_spec = pl.BlockSpec((None, ROW_TILE, K), lambda b, h, t: (b, t, h))
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, precision=precision, smem=smem,
-                          interpret=interpret),
+                          rotated=rotated, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(B, H, Cp // ROW_TILE),
         in_specs=[meta_spec, tile_spec, kv_spec, kv_spec,
@@ -132,18 +137,22 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     mask = jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32)
     Sp = mask.shape[2]
 
-    # each row rotated so that its first live key is slot 0: every block load is aligned
-    # (Mosaic TPU proves it, E2003 otherwise); the keys moved to the end are dead for the row
-    slot_BxSp = (jnp.arange(Sp, dtype=jnp.int32)[None, :] + meta[:, :1, 0]) % Sp
-    mask = jnp.take_along_axis(mask, slot_BxSp[:, None, :], axis=2)
+    # on a TPU each row is rotated so that its first live key is slot 0: every block load is
+    # aligned (Mosaic TPU proves it, E2003 otherwise); the keys moved to the end are dead for
+    # the row. Elsewhere the kernel reads each block at the row's offset, no rotation.
+    rotated = backend == "tpu"
+    if rotated:
+        slot_BxSp = (jnp.arange(Sp, dtype=jnp.int32)[None, :] + meta[:, :1, 0]) % Sp
+        mask = jnp.take_along_axis(mask, slot_BxSp[:, None, :], axis=2)
 
     def kv(x):
         x = jnp.pad(x, [(0, 0), (0, Sp - x.shape[1]), (0, 0), (0, 0)])
-        x = jnp.take_along_axis(x, slot_BxSp[:, :, None, None], axis=1)
+        if rotated:
+            x = jnp.take_along_axis(x, slot_BxSp[:, :, None, None], axis=1)
         return x.reshape(B, Sp, J * K)
 
     out = lowered(lambda interpret: functools.partial(
-        _call, H=H, J=J, scale=float(scale), precision=precision, interpret=interpret,
-        backend=backend), backend, meta, q.reshape(B, Cp, H * K), kv(k_BxSxJxK), kv(v_BxSxJxK),
-        mask)
+        _call, H=H, J=J, scale=float(scale), precision=precision, rotated=rotated,
+        interpret=interpret, backend=backend), backend, meta, q.reshape(B, Cp, H * K),
+        kv(k_BxSxJxK), kv(v_BxSxJxK), mask)
     return jnp.swapaxes(out.reshape(B, Cp, H, K)[:, :C], 1, 2)
