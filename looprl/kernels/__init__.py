@@ -215,6 +215,8 @@ def _attention_tiled_impl(q, k, v, mask, scale):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention_tiled(q, k, v, mask, scale):
+    """The form's attention, q `[B, H, C, K]`, K/V `[B, S, J, K]`: J = H, or the J kv heads
+    themselves where the form reads them by index (`Form.kv_heads_by_index`)."""
     return _attention_tiled_impl(q, k, v, mask, scale)
 
 
@@ -223,44 +225,24 @@ def _attention_tiled_fwd(q, k, v, mask, scale):
 
 
 def _attention_tiled_bwd(scale, res, g):
-    """The same math without tiles or padding: the backward needs no invariance."""
+    """The same math without tiles or padding over the repeated heads (the repeat's transpose
+    sums each kv head's share; no repeat where J = H): the backward needs no invariance."""
     q, k, v, mask = res
     form = forms.current()
     if _cpu_ordered.ordered_backward(form):  # ordered products and sums: free of the ISA
         def fn(q, k, v):
-            return _cpu_ordered.attention_for_grads(q, k, v, mask, scale, softmax)
+            return _cpu_ordered.attention_for_grads(
+                q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale, softmax)
     else:
         prec = form.fp32_precision(q, k)
 
         def fn(q, k, v):
-            return attention_plain(q, k, v, mask, scale, prec)
+            return attention_plain(q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale, prec)
     _, vjp = jax.vjp(fn, q, k, v)
     return (*vjp(g), None)
 
 
 _attention_tiled.defvjp(_attention_tiled_fwd, _attention_tiled_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention_by_index(q, k, v, mask, scale):
-    """The form's attention with K/V at their own J kv heads (`Form.kv_heads_by_index`)."""
-    return _attention_tiled_impl(q, k, v, mask, scale)
-
-
-def _attention_by_index_fwd(q, k, v, mask, scale):
-    return _attention_tiled_impl(q, k, v, mask, scale), (q, k, v, mask)
-
-
-def _attention_by_index_bwd(scale, res, g):
-    """Plain dots over the repeated heads (the repeat's transpose sums each kv head's share)."""
-    q, k, v, mask = res
-    prec = forms.current().fp32_precision(q, k)
-    _, vjp = jax.vjp(lambda q, k, v: attention_plain(
-        q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale, prec), q, k, v)
-    return (*vjp(g), None)
-
-
-_attention_by_index.defvjp(_attention_by_index_fwd, _attention_by_index_bwd)
 
 
 def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
@@ -277,11 +259,9 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """
     B, C, H, K = q_BxCxHxK.shape
     q_BxHxCxK = jnp.swapaxes(q_BxCxHxK, 1, 2)  # K/V stay in the cache's layout [B, S, H, K]
-    if forms.current().kv_heads_by_index:
-        out = _attention_by_index(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, float(scale))
-        return jnp.swapaxes(out, 1, 2)
-    k_BxSxHxK, v_BxSxHxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)
-    out = _attention_tiled(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, float(scale))
+    if not forms.current().kv_heads_by_index:
+        k_BxSxJxK, v_BxSxJxK = repeat_kv_heads(k_BxSxJxK, v_BxSxJxK, H)  # now J = H
+    out = _attention_tiled(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, float(scale))
     return jnp.swapaxes(out, 1, 2)
 
 
