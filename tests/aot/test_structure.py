@@ -223,5 +223,5 @@ def test_a_cublas_gemm_counts_its_flops():
     """A cuBLAS GEMM custom call counts no FLOPs in XLA's HLO cost analysis; `inspect` adds
     2 x output elements x contraction length (benchmarks/accel_cost.py's stock figures)."""
     p = I.program(GEMM_HLO)
-    assert I._gemm_flops(p, p.instr("custom-call.5")) == 2.0 * 8 * 6144 * 2048
-    assert I._gemm_flops(p, p.instr("gte")) == 0.0
+    assert I.gemm_flops(p, p.instr("custom-call.5")) == 2.0 * 8 * 6144 * 2048
+    assert I.gemm_flops(p, p.instr("gte")) == 0.0
