@@ -6,9 +6,9 @@ Per kernel launch (`inspect.kernels`): bytes = what it reads + what it writes, f
 operands' and the result's shapes. A fusion operand read only through slices (dynamic-slice,
 slice, gather) counts the slices' sizes; a fusion whose result is a dynamic-update-slice of one
 of its operands (updated in place) writes the update only and does not read that operand.
-A looprl attention kernel (`looprl_flash_attention`) reads its rows' keys and values: q's rows
-x the key blocks its mask spans x the kv width, whatever the K/V operands' size (it may be
-handed the whole KV cache). FLOPs: 2 x output x contraction for each dot and convolution
+A looprl attention kernel reads its rows' keys and values: q's rows x the key span (the mask's,
+or the cache's slot length) x the kv width, whatever the K/V operands' size (the cached kernel
+is handed the whole KV cache). FLOPs: 2 x output x contraction for each dot and convolution
 (inside fusions or as cuBLAS GEMMs; a convolution's window taps that read an input), a looprl
 matmul's 2 M I O, a looprl attention's
 4 x rows x query tile x keys x head width x heads. Elementwise arithmetic is not counted.
@@ -94,17 +94,27 @@ def _roots(p: Program, body: list[Instr]) -> list[Instr]:
     return out
 
 
-def _attention_bytes(p: Program, i: Instr) -> int:
-    """q, meta, mask and output as they are; K and V: the rows x the mask's key span."""
+def _attention_operands(p: Program, i: Instr):
+    """(q, [k, v], the key span each row reads, the other operands) of a looprl attention
+    kernel: `looprl_flash_attention` (meta, q, k, v, mask: the span is the mask's key axis) or
+    `looprl_flash_attention_cached` (rows, n, q, last, k cache, v cache, k window, v window:
+    the span is the cache's slot length)."""
     ops = operands(p, i)
-    q, mask = dims(ops[1].shape), dims(ops[-1].shape)
-    total = shape_bytes(i.shape) + shape_bytes(ops[0].shape) + shape_bytes(ops[1].shape) \
-        + shape_bytes(ops[-1].shape)
-    rows, span = q[0], mask[-1]
-    for kv in ops[2:4]:
-        d = dims(kv.shape)
-        per_row_key = shape_bytes(kv.shape) // max(1, math.prod(d[:-1]))
-        total += min(shape_bytes(kv.shape), rows * span * per_row_key)
+    if "looprl_flash_attention_cached" in i.op_name + i.rest:  # cache [.., S, J, K]
+        return ops[2], ops[4:6], dims(ops[4].shape)[-3], ops[:2] + [ops[3]] + ops[6:]
+    return ops[1], ops[2:4], dims(ops[-1].shape)[-1], [ops[0], ops[-1]]
+
+
+def _attention_bytes(p: Program, i: Instr) -> int:
+    """q, the small operands and the output as they are; K and V: q's rows x the key span x
+    the kv width (whatever the operands' size: the cached kernel is handed the whole cache)."""
+    q, kv, span, rest = _attention_operands(p, i)
+    total = shape_bytes(i.shape) + shape_bytes(q.shape) + sum(shape_bytes(o.shape) for o in rest)
+    rows = dims(q.shape)[0]
+    for x in kv:
+        d = dims(x.shape)
+        key = shape_bytes(x.shape) // math.prod(d) * (d[-1] * d[-2] if len(d) > 3 else d[-1])
+        total += min(shape_bytes(x.shape), rows * span * key)  # a key: every kv head
     return total
 
 
@@ -162,8 +172,9 @@ def _flops(p: Program, i: Instr) -> float:
             (m, k), o = dims(ops[0].shape)[-2:], dims(ops[1].shape)[-1]
             return 2.0 * m * k * o
         if "attention" in name:
-            b, cp, hk = dims(ops[1].shape)
-            return 4.0 * b * cp * dims(ops[-1].shape)[-1] * hk
+            q, _, span, _ = _attention_operands(p, i)
+            b, cp, hk = dims(q.shape)
+            return 4.0 * b * cp * span * hk
         return 0.0
     if i.opcode == "custom-call":
         if any(t in i.rest for t in GEMM_TARGETS[:2]):

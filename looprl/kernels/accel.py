@@ -14,12 +14,15 @@ passes are plain XLA dots (`kernels`' custom_vjp).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from looprl.kernels.pallas_attention import flash_attention
+from looprl.kernels.pallas_attention_tpu import flash_attention_cached, supports
 from looprl.kernels.pallas_matmul import pallas_matmul_for
 from looprl.kernels.pallas_rope import rope_for
 from looprl.kernels.pallas_rows import rowsum_form
 from looprl.kernels.pallas_target import opaque_on_cpu
+from looprl.kernels.operands import KeyRange
 from looprl.kernels.plain import rope_rotate_half
 
 
@@ -40,6 +43,24 @@ def attention_form(backend: str):
         return flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale, backend,
                                precision)
     return attention_pallas
+
+
+def attention_cached_form(backend: str):
+    """The form's attention_cached(q_BxHxCxK, kv, mask, scale, softmax) -> `[B, H, C, K]`: on
+    the TPU the decode step (one new key, a `KeyRange` mask) reads the cache in place
+    (`pallas_attention_tpu`); every other call attends over `kv.slots()` (a copy), the same
+    bits."""
+    def attention_cached(q, kv, mask, scale, softmax):
+        prec = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
+                and kv.k_NxBxSxJxK.dtype == jnp.float32 else None)
+        if backend == "tpu" and supports(kv, mask):
+            return flash_attention_cached(q, kv, mask, scale, backend, prec)
+        k, v = kv.slots()
+        if isinstance(mask, KeyRange):
+            mask = mask.mask()
+        return flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale, backend,
+                               prec)
+    return attention_cached
 
 
 def rope_form(backend: str):
@@ -69,4 +90,4 @@ def form_kernels(backend: str) -> dict:
     """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
     return dict(matmul=matmul_form(backend), attention=attention_form(backend),
                 rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
-                rope=rope_form(backend))
+                rope=rope_form(backend), attention_cached=attention_cached_form(backend))
