@@ -14,8 +14,10 @@ passes are plain XLA dots (`kernels`' custom_vjp).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from looprl.kernels.pallas_attention import flash_attention
+from looprl.kernels.pallas_attention import flash_attention, flash_attention_cached
+from looprl.kernels.operands import KeyRange
 from looprl.kernels.pallas_matmul import pallas_matmul_for
 from looprl.kernels.pallas_rope import rope_for
 from looprl.kernels.pallas_rows import rowsum_form
@@ -40,6 +42,24 @@ def attention_form(backend: str):
         return flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale, backend,
                                precision)
     return attention_pallas
+
+
+def attention_cached_form(backend: str):
+    """The form's attention_cached(q_MxHxCxK, kv: CachedKV, mask, scale, softmax) -> `[M, H, C,
+    K]` on the GPU: the cache read in place (`flash_attention_cached`), the same bits as the
+    attention over `kv.slots()` (fp32 dots at HIGHEST where q and the cache are fp32, as
+    `Form.fp32_precision` asks); `mask` bool `[M, C, S]` or a `KeyRange`. None on a TPU (Mosaic
+    needs aligned block loads: the slot copy, `kv.slots()`)."""
+    if backend != "gpu":
+        return None
+
+    def attention_cached_pallas(q, kv, mask, scale, softmax):
+        if isinstance(mask, KeyRange):
+            mask = mask.mask()
+        fp32 = q.dtype == jnp.float32 and kv.k_NxBxSxJxK.dtype == jnp.float32
+        return flash_attention_cached(q, kv, mask, scale, backend,
+                                      jax.lax.Precision.HIGHEST if fp32 else None)
+    return attention_cached_pallas
 
 
 def rope_form(backend: str):
@@ -69,4 +89,4 @@ def form_kernels(backend: str) -> dict:
     """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
     return dict(matmul=matmul_form(backend), attention=attention_form(backend),
                 rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
-                rope=rope_form(backend))
+                rope=rope_form(backend), attention_cached=attention_cached_form(backend))

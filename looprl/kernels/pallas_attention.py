@@ -21,6 +21,9 @@ the key axis (no block read passes the end). On the GPU (and interpreted `pallas
 kernel reads block z at `o_b + z * K_BLOCK`, the row where it lies; on a TPU each row is first
 rotated so that `o_b` is slot 0 (one more copy), since Mosaic TPU needs block loads at a
 multiple of K_BLOCK (error E2003 otherwise). Both read the same keys per block in one order.
+The sampler's GPU attention (`flash_attention_cached`) reads the KV cache itself, whole, at
+the row's cache row (masked loads past the key axis, the chunk's window selected over its
+slots): the same keys per block as over the slot copy, without the copy.
 """
 from __future__ import annotations
 
@@ -30,14 +33,37 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 from looprl.kernels.pallas_matmul import pad_to_multiple
 from looprl.kernels.pallas_target import compiler_params, fence, lowered
 from looprl.kernels.tiling import K_BLOCK, MASK_VALUE, ROW_TILE
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision, smem,
-            rotated, interpret):
+def _cached_block(refs, row, w0, col, start, dtype):
+    """Keys and values `[K_BLOCK, K]` at slots [start, start + K_BLOCK) of the row's cache slot
+    with the chunk's window over [w0, w0 + C): the cache `[N*B', S, J*K]` read in place at row
+    `row`, columns [col, col + K), 0 past S (as `flash_attention`'s pad: a dead key's value
+    still enters `p @ v` as 0 * v), the window from its copy padded by K_BLOCK zeros on both
+    sides; cast to `dtype`."""
+    kc_ref, vc_ref, kw_ref, vw_ref = refs
+    S, K = kc_ref.shape[1], kw_ref.shape[1]
+    C = kw_ref.shape[0] - 2 * K_BLOCK
+    pos = start + jax.lax.broadcasted_iota(jnp.int32, (K_BLOCK, K), 0)
+    # exact wherever the block meets the window: start in [w0 - K_BLOCK + 1, w0 + C - 1]
+    at = jnp.clip(start - w0 + K_BLOCK, 0, C + K_BLOCK)
+    in_window = (pos >= w0) & (pos < w0 + C)
+
+    def one(cache_ref, win_ref):
+        x = pltriton.load(cache_ref.at[row, pl.ds(start, K_BLOCK), pl.ds(col, K)],
+                          mask=pos < S, other=0)
+        return jnp.where(in_window, win_ref[pl.ds(at, K_BLOCK), :], x).astype(dtype)
+    return one(kc_ref, kw_ref), one(vc_ref, vw_ref)
+
+
+def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, smem, rotated,
+            interpret, rep):
+    *window, o_ref = rest  # the cached form: k_ref, v_ref are the caches, then the windows
     R = q_ref.shape[0]
     if smem:  # Mosaic TPU: the whole [B, T, 2] table in scalar memory
         b, t = pl.program_id(0), pl.program_id(2)
@@ -45,6 +71,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision,
     else:
         offset, n = meta_ref[0], meta_ref[1]
     q = fence(interpret, q_ref[...])
+    if window:  # the cache row, the window's start and the kv head's columns
+        K = q_ref.shape[1]
+        col = pl.multiple_of(jax.lax.div(pl.program_id(1), rep) * K, K)
+        cache_at = (meta_ref[2], meta_ref[3], col)
 
     def step(z, carry):
         m, l, acc = carry
@@ -52,8 +82,11 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision,
             start = pl.multiple_of(z * K_BLOCK, K_BLOCK)
         else:  # the row where it lies: blocks start at its first live key
             start = offset + z * K_BLOCK
-        k = k_ref[pl.ds(start, K_BLOCK), :]
-        v = v_ref[pl.ds(start, K_BLOCK), :]
+        if window:
+            k, v = _cached_block((k_ref, v_ref, *window), *cache_at, start, q.dtype)
+        else:
+            k = k_ref[pl.ds(start, K_BLOCK), :]
+            v = v_ref[pl.ds(start, K_BLOCK), :]
         k, v, live = fence(interpret, k, v, mask_ref[:, pl.ds(start, K_BLOCK)] != 0)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32, precision=precision)
@@ -76,23 +109,28 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, *, scale, precision,
                                             0.0).astype(o_ref.dtype))
 
 
-def _call(meta, q, k, v, mask, *, H, J, scale, precision, rotated, interpret, backend):
+def _call(meta, q, k, v, mask, *window, H, J, scale, precision, rotated, interpret, backend):
     B, Cp, _ = q.shape
-    Sp = k.shape[1]
     K = q.shape[2] // H
     rep = H // J
     smem = backend == "tpu" and not interpret
     meta_spec = (pl.BlockSpec(memory_space=pltpu.SMEM) if smem
-                 else pl.BlockSpec((None, None, 2), lambda b, h, t: (b, t, 0)))
-    kv_spec = pl.BlockSpec((None, Sp, K), lambda b, h, t: (b, 0, jax.lax.div(h, rep)))
+                 else pl.BlockSpec((None, None, meta.shape[2]), lambda b, h, t: (b, t, 0)))
+    if window:  # the caches whole (read at the row meta[2] in the kernel), the windows by row
+        kv_spec = pl.BlockSpec(k.shape, lambda b, h, t: (0, 0, 0))
+        win_spec = pl.BlockSpec((None, window[0].shape[1], K),
+                                lambda b, h, t: (b, 0, jax.lax.div(h, rep)))
+    else:
+        kv_spec = pl.BlockSpec((None, k.shape[1], K), lambda b, h, t: (b, 0, jax.lax.div(h, rep)))
     tile_spec = pl.BlockSpec((None, ROW_TILE, K), lambda b, h, t: (b, t, h))
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, precision=precision, smem=smem,
-                          rotated=rotated, interpret=interpret),
+                          rotated=rotated, interpret=interpret, rep=rep),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(B, H, Cp // ROW_TILE),
         in_specs=[meta_spec, tile_spec, kv_spec, kv_spec,
-                  pl.BlockSpec((None, ROW_TILE, Sp), lambda b, h, t: (b, t, 0))],
+                  pl.BlockSpec((None, ROW_TILE, mask.shape[2]), lambda b, h, t: (b, t, 0)),
+                  *(win_spec for _ in window)],
         out_specs=tile_spec,
         interpret=interpret,
         # one pipeline stage: fp32 blocks of three stages overflow an H100's shared memory
@@ -100,7 +138,7 @@ def _call(meta, q, k, v, mask, *, H, J, scale, precision, rotated, interpret, ba
                                         dimension_semantics=(
             "parallel", "parallel", "parallel")),
         name="looprl_flash_attention",
-    )(meta, q, k, v, mask)
+    )(meta, q, k, v, mask, *window)
 
 
 def block_table(mask_BxCpxS):
@@ -116,6 +154,22 @@ def block_table(mask_BxCpxS):
     return jnp.stack([jnp.broadcast_to(offset_B[:, None], n.shape), n], axis=-1)
 
 
+def _operands(q_BxHxCxK, mask_BxCxS):
+    """q `[B, Cp, H*K]` (queries padded to ROW_TILE), the int32 mask `[B, Cp, Sp + K_BLOCK]`
+    (keys padded to K_BLOCK, then one more block) and the block table."""
+    B, H, C, K = q_BxHxCxK.shape
+    q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE)
+    mask = pad_to_multiple(pad_to_multiple(mask_BxCxS, 1, ROW_TILE), 2, K_BLOCK)
+    meta = block_table(mask)
+    mask = jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32)
+    return q.reshape(B, q.shape[1], H * K), mask, meta
+
+
+def _check_heads(H, J, name):
+    if H % J:
+        raise ValueError(f"{name}: {H} query heads are not a multiple of {J} kv heads")
+
+
 def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, backend: str,
                     precision=None):
     """Attention of C queries over S keys (module doc), compiled for `backend` (`gpu`, `tpu`)
@@ -128,14 +182,9 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     Raises ValueError when H is not a multiple of J."""
     B, H, C, K = q_BxHxCxK.shape
     J = k_BxSxJxK.shape[2]
-    if H % J:
-        raise ValueError(f"flash_attention: {H} query heads are not a multiple of {J} kv heads")
-    q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE)
-    Cp = q.shape[1]
-    mask = pad_to_multiple(pad_to_multiple(mask_BxCxS, 1, ROW_TILE), 2, K_BLOCK)
-    meta = block_table(mask)
-    mask = jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32)
-    Sp = mask.shape[2]
+    _check_heads(H, J, "flash_attention")
+    q, mask, meta = _operands(q_BxHxCxK, mask_BxCxS)
+    Cp, Sp = q.shape[1], mask.shape[2]
 
     # on a TPU each row is rotated so that its first live key is slot 0: every block load is
     # aligned (Mosaic TPU proves it, E2003 otherwise); the keys moved to the end are dead for
@@ -153,6 +202,45 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
 
     out = lowered(lambda interpret: functools.partial(
         _call, H=H, J=J, scale=float(scale), precision=precision, rotated=rotated,
-        interpret=interpret, backend=backend), backend, meta, q.reshape(B, Cp, H * K),
-        kv(k_BxSxJxK), kv(v_BxSxJxK), mask)
+        interpret=interpret, backend=backend), backend, meta, q, kv(k_BxSxJxK),
+        kv(v_BxSxJxK), mask)
     return jnp.swapaxes(out.reshape(B, Cp, H, K)[:, :C], 1, 2)
+
+
+def flash_attention_cached(q_BxHxCxK, kv, mask_BxCxS, scale: float, backend: str,
+                           precision=None):
+    """`flash_attention(q, *kv.slots(), mask, ...)` with K/V read from the cache in place: the
+    same keys per block in the same order (the same bits), no slot copied. `kv`: a
+    `operands.CachedKV` (cache `[N, B', S, J, K]`, window `[M, C, J, K]`). The kernel gets the
+    caches as `[N*B', S, J*K]` (a reshape, whole), row m's cache row `slot*B' + rows_M[m]` and
+    the window start (clamped to [0, S - C], as `slots()` writes it) in its block table, and
+    the windows cast to the cache's dtype and padded by K_BLOCK zeros on both sides. Where the
+    window is the whole slot (C = S, a prefill) it is `flash_attention` over the window. GPU
+    (Triton, and interpreted `pallas-gpu`) only: `backend` "gpu".
+
+    Args: q `[M, H, C, K]`; mask bool `[M, C, S]`; as `flash_attention` otherwise.
+    Returns `[M, H, C, K]` in q's dtype. Raises ValueError when H is not a multiple of J or
+    for another backend."""
+    if backend != "gpu":
+        raise ValueError(f"flash_attention_cached: backend {backend!r}: the in-place read is "
+                         "the GPU's (a TPU reads the slot copy, kv.slots())")
+    N, Bc, S, J, K = kv.k_NxBxSxJxK.shape
+    M, H, C, _ = q_BxHxCxK.shape
+    _check_heads(H, J, "flash_attention_cached")
+    dtype = kv.k_NxBxSxJxK.dtype
+    wins = [w.astype(dtype) for w in (kv.k_win_MxCxJxK, kv.v_win_MxCxJxK)]
+    if C == S:  # the window is the whole slot
+        return flash_attention(q_BxHxCxK, *(w.astype(q_BxHxCxK.dtype) for w in wins),
+                               mask_BxCxS, scale, backend, precision)
+    q, mask, meta = _operands(q_BxHxCxK, mask_BxCxS)
+    row_M = jnp.asarray(kv.slot, jnp.int32) * Bc + jnp.asarray(kv.rows_M, jnp.int32)
+    w0 = jnp.clip(jnp.asarray(kv.w0, jnp.int32), 0, S - C)
+    extra = jnp.stack(jnp.broadcast_arrays(row_M[:, None], w0), axis=-1)
+    meta = jnp.concatenate([meta, jnp.broadcast_to(extra, (*meta.shape[:2], 2))], axis=-1)
+    caches = [c.reshape(N * Bc, S, J * K) for c in (kv.k_NxBxSxJxK, kv.v_NxBxSxJxK)]
+    wins = [jnp.pad(w, [(0, 0), (K_BLOCK, K_BLOCK), (0, 0), (0, 0)]).reshape(M, C + 2 * K_BLOCK,
+                                                                          J * K) for w in wins]
+    out = lowered(lambda interpret: functools.partial(
+        _call, H=H, J=J, scale=float(scale), precision=precision, rotated=False,
+        interpret=interpret, backend=backend), backend, meta, q, *caches, mask, *wins)
+    return jnp.swapaxes(out.reshape(M, q.shape[1], H, K)[:, :C], 1, 2)
