@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from looprl.kernels.pallas_attention import flash_attention, flash_attention_cached
-from looprl.kernels.operands import KeyRange
 from looprl.kernels.pallas_matmul import pallas_matmul_for
 from looprl.kernels.pallas_rope import rope_for
 from looprl.kernels.pallas_rows import rowsum_form
@@ -54,8 +53,6 @@ def attention_cached_form(backend: str):
         return None
 
     def attention_cached_pallas(q, kv, mask, scale, softmax):
-        if isinstance(mask, KeyRange):
-            mask = mask.mask()
         fp32 = q.dtype == jnp.float32 and kv.k_NxBxSxJxK.dtype == jnp.float32
         return flash_attention_cached(q, kv, mask, scale, backend,
                                       jax.lax.Precision.HIGHEST if fp32 else None)

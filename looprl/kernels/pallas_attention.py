@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from looprl.kernels.operands import KeyRange
 from looprl.kernels.pallas_matmul import pad_to_multiple
 from looprl.kernels.pallas_target import compiler_params, fence, lowered
 from looprl.kernels.tiling import K_BLOCK, MASK_VALUE, ROW_TILE
@@ -44,26 +45,29 @@ def _cached_block(refs, row, w0, col, start, dtype):
     """Keys and values `[K_BLOCK, K]` at slots [start, start + K_BLOCK) of the row's cache slot
     with the chunk's window over [w0, w0 + C): the cache `[N*B', S, J*K]` read in place at row
     `row`, columns [col, col + K), 0 past S (as `flash_attention`'s pad: a dead key's value
-    still enters `p @ v` as 0 * v), the window from its copy padded by K_BLOCK zeros on both
-    sides; cast to `dtype`."""
+    still enters `p @ v` as 0 * v), slots in the window from the window `[C, K]` (a row gather
+    at the slot's window index, clamped into [0, C)); cast to `dtype`."""
     kc_ref, vc_ref, kw_ref, vw_ref = refs
-    S, K = kc_ref.shape[1], kw_ref.shape[1]
-    C = kw_ref.shape[0] - 2 * K_BLOCK
+    S = kc_ref.shape[1]
+    C, K = kw_ref.shape
     pos = start + jax.lax.broadcasted_iota(jnp.int32, (K_BLOCK, K), 0)
-    # exact wherever the block meets the window: start in [w0 - K_BLOCK + 1, w0 + C - 1]
-    at = jnp.clip(start - w0 + K_BLOCK, 0, C + K_BLOCK)
+    at = (jnp.clip(pos - w0, 0, C - 1), jax.lax.broadcasted_iota(jnp.int32, (K_BLOCK, K), 1))
     in_window = (pos >= w0) & (pos < w0 + C)
 
     def one(cache_ref, win_ref):
         x = pltriton.load(cache_ref.at[row, pl.ds(start, K_BLOCK), pl.ds(col, K)],
                           mask=pos < S, other=0)
-        return jnp.where(in_window, win_ref[pl.ds(at, K_BLOCK), :], x).astype(dtype)
+        return jnp.where(in_window, win_ref[at], x).astype(dtype)
     return one(kc_ref, kw_ref), one(vc_ref, vw_ref)
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, smem, rotated,
-            interpret, rep):
-    *window, o_ref = rest  # the cached form: k_ref, v_ref are the caches, then the windows
+            interpret, rep, key_range):
+    """One program (module doc). The cached form (`window`: the K and V windows follow):
+    k_ref, v_ref are the caches, meta holds the cache row and w0 (columns 2, 3); with
+    `key_range`, mask_ref is the tile's layout indices `[ROW_TILE, 1]` and meta's column 4 the
+    row's pad: the mask is `pad <= s <= layout_c` (s < S), built per block."""
+    *window, o_ref = rest
     R = q_ref.shape[0]
     if smem:  # Mosaic TPU: the whole [B, T, 2] table in scalar memory
         b, t = pl.program_id(0), pl.program_id(2)
@@ -87,7 +91,12 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
         else:
             k = k_ref[pl.ds(start, K_BLOCK), :]
             v = v_ref[pl.ds(start, K_BLOCK), :]
-        k, v, live = fence(interpret, k, v, mask_ref[:, pl.ds(start, K_BLOCK)] != 0)
+        if key_range:
+            pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, K_BLOCK), 1)
+            live = (pos >= meta_ref[4]) & (pos <= mask_ref[...]) & (pos < k_ref.shape[1])
+        else:
+            live = mask_ref[:, pl.ds(start, K_BLOCK)] != 0
+        k, v, live = fence(interpret, k, v, live)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32, precision=precision)
         s = jnp.where(live, s * jnp.float32(scale), jnp.float32(MASK_VALUE))
@@ -109,7 +118,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
                                             0.0).astype(o_ref.dtype))
 
 
-def _call(meta, q, k, v, mask, *window, H, J, scale, precision, rotated, interpret, backend):
+def _call(meta, q, k, v, mask, *window, H, J, scale, precision, rotated, interpret, backend,
+          key_range=False):
     B, Cp, _ = q.shape
     K = q.shape[2] // H
     rep = H // J
@@ -125,10 +135,11 @@ def _call(meta, q, k, v, mask, *window, H, J, scale, precision, rotated, interpr
     tile_spec = pl.BlockSpec((None, ROW_TILE, K), lambda b, h, t: (b, t, h))
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, precision=precision, smem=smem,
-                          rotated=rotated, interpret=interpret, rep=rep),
+                          rotated=rotated, interpret=interpret, rep=rep, key_range=key_range),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(B, H, Cp // ROW_TILE),
         in_specs=[meta_spec, tile_spec, kv_spec, kv_spec,
+                  pl.BlockSpec((ROW_TILE, 1), lambda b, h, t: (t, 0)) if key_range else
                   pl.BlockSpec((None, ROW_TILE, mask.shape[2]), lambda b, h, t: (b, t, 0)),
                   *(win_spec for _ in window)],
         out_specs=tile_spec,
@@ -207,18 +218,35 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     return jnp.swapaxes(out.reshape(B, Cp, H, K)[:, :C], 1, 2)
 
 
-def flash_attention_cached(q_BxHxCxK, kv, mask_BxCxS, scale: float, backend: str,
-                           precision=None):
+def key_range_table(keys: KeyRange, Cp: int):
+    """`block_table` of `keys.mask()` padded to Cp queries, from the index vectors alone (no
+    mask made): row b's first live key is pad_b where some query sees it (pad_b <= last, last
+    = min(max_c layout_c, S - 1)), else 0; tile t ends at min(max over its queries of
+    layout_c, S - 1) + 1 where pad_b is at most that, else 0. Also the layout indices padded
+    with -1 (a padded query sees no key): int32 `[B, T, 2]` and `[Cp, 1]`."""
+    C = keys.layout_C.shape[0]
+    layout = jnp.pad(keys.layout_C.astype(jnp.int32), (0, Cp - C), constant_values=-1)
+    last_T = jnp.minimum(jnp.max(layout.reshape(-1, ROW_TILE), axis=1), keys.S - 1)
+    pad_B = keys.pad_B.astype(jnp.int32)
+    offset_B = jnp.where(pad_B <= jnp.max(last_T), pad_B, 0)
+    end_BxT = jnp.where(pad_B[:, None] <= last_T[None, :], last_T[None, :] + 1, 0)
+    n = jnp.maximum(end_BxT - offset_B[:, None] + K_BLOCK - 1, 0) // K_BLOCK
+    return jnp.stack([jnp.broadcast_to(offset_B[:, None], n.shape), n], axis=-1), layout[:, None]
+
+
+def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, precision=None):
     """`flash_attention(q, *kv.slots(), mask, ...)` with K/V read from the cache in place: the
     same keys per block in the same order (the same bits), no slot copied. `kv`: a
     `operands.CachedKV` (cache `[N, B', S, J, K]`, window `[M, C, J, K]`). The kernel gets the
     caches as `[N*B', S, J*K]` (a reshape, whole), row m's cache row `slot*B' + rows_M[m]` and
     the window start (clamped to [0, S - C], as `slots()` writes it) in its block table, and
-    the windows cast to the cache's dtype and padded by K_BLOCK zeros on both sides. Where the
-    window is the whole slot (C = S, a prefill) it is `flash_attention` over the window. GPU
-    (Triton, and interpreted `pallas-gpu`) only: `backend` "gpu".
+    the windows cast to the cache's dtype. A `KeyRange` mask is built in the kernel from its
+    index vectors (`key_range_table`; no `[M, C, S]` mask made). Where the window is the
+    whole slot (C = S, a prefill) it is `flash_attention` over the window. GPU (Triton, and
+    interpreted `pallas-gpu`) only: `backend` "gpu".
 
-    Args: q `[M, H, C, K]`; mask bool `[M, C, S]`; as `flash_attention` otherwise.
+    Args: q `[M, H, C, K]`; mask bool `[M, C, S]` or a `KeyRange`; as `flash_attention`
+      otherwise.
     Returns `[M, H, C, K]` in q's dtype. Raises ValueError when H is not a multiple of J or
     for another backend."""
     if backend != "gpu":
@@ -229,18 +257,24 @@ def flash_attention_cached(q_BxHxCxK, kv, mask_BxCxS, scale: float, backend: str
     _check_heads(H, J, "flash_attention_cached")
     dtype = kv.k_NxBxSxJxK.dtype
     wins = [w.astype(dtype) for w in (kv.k_win_MxCxJxK, kv.v_win_MxCxJxK)]
+    key_range = isinstance(mask, KeyRange)
     if C == S:  # the window is the whole slot
         return flash_attention(q_BxHxCxK, *(w.astype(q_BxHxCxK.dtype) for w in wins),
-                               mask_BxCxS, scale, backend, precision)
-    q, mask, meta = _operands(q_BxHxCxK, mask_BxCxS)
+                               mask.mask() if key_range else mask, scale, backend, precision)
+    if key_range:
+        pad_M = jnp.asarray(mask.pad_B, jnp.int32)
+        q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE).reshape(M, -1, H * K)
+        meta, mask = key_range_table(mask, q.shape[1])
+    else:
+        q, mask, meta = _operands(q_BxHxCxK, mask)
+        pad_M = jnp.zeros((M,), jnp.int32)  # unread
     row_M = jnp.asarray(kv.slot, jnp.int32) * Bc + jnp.asarray(kv.rows_M, jnp.int32)
     w0 = jnp.clip(jnp.asarray(kv.w0, jnp.int32), 0, S - C)
-    extra = jnp.stack(jnp.broadcast_arrays(row_M[:, None], w0), axis=-1)
-    meta = jnp.concatenate([meta, jnp.broadcast_to(extra, (*meta.shape[:2], 2))], axis=-1)
+    extra = jnp.stack(jnp.broadcast_arrays(row_M, w0, pad_M), axis=-1)[:, None, :]
+    meta = jnp.concatenate([meta, jnp.broadcast_to(extra, (*meta.shape[:2], 3))], axis=-1)
     caches = [c.reshape(N * Bc, S, J * K) for c in (kv.k_NxBxSxJxK, kv.v_NxBxSxJxK)]
-    wins = [jnp.pad(w, [(0, 0), (K_BLOCK, K_BLOCK), (0, 0), (0, 0)]).reshape(M, C + 2 * K_BLOCK,
-                                                                          J * K) for w in wins]
     out = lowered(lambda interpret: functools.partial(
         _call, H=H, J=J, scale=float(scale), precision=precision, rotated=False,
-        interpret=interpret, backend=backend), backend, meta, q, *caches, mask, *wins)
+        interpret=interpret, backend=backend, key_range=key_range), backend, meta, q, *caches,
+        mask, *(w.reshape(M, C, J * K) for w in wins))
     return jnp.swapaxes(out.reshape(M, q.shape[1], H, K)[:, :C], 1, 2)

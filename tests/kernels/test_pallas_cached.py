@@ -40,10 +40,13 @@ def _case(rng, S, C, w0, pads, q_dtype, cache_dtype):
 
 # (S, C, w0, pads): decode at the last slot and mid-block (row 2, pad 250, sees no key); a
 # 5-wide window across a block cut of row 0 (pad 40: its blocks start at 40, 168, ...) and
-# one past S - C (clamped); a prefill (C = S); pads 40 and 250 straddle 128-key blocks
+# one past S - C (clamped); two query tiles (C = 70: rows whose first tile sees no key, a row
+# that sees none); a prefill (C = S); pads 40 and 250 straddle 128-key blocks
 CASES = [(300, 1, 299, (40, 250, 0)), (300, 1, 200, (40, 0, 250)),
-         (300, 5, 165, (40, 150, 3)), (300, 5, 298, (250, 40, 0)), (70, 70, 0, (0, 5, 69))]
-DTYPES = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16")]
+         (300, 5, 165, (40, 150, 3)), (300, 5, 298, (250, 40, 0)),
+         (300, 70, 200, (40, 250, 290)), (70, 70, 0, (0, 5, 69))]
+DTYPES = [("float32", "float32"), ("bfloat16", "bfloat16"),
+          pytest.param("float32", "bfloat16", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("q_dtype,cache_dtype", DTYPES)
@@ -65,6 +68,9 @@ def test_cached_attention_equals_attention_over_the_slot(q_dtype, cache_dtype):
                                 K ** -0.5)
             assert got.shape == (3, C, H, K) and got.dtype == q.dtype
             assert np.array_equal(_bits(got), _bits(want)), (S, C, w0, pads)
+            if C == 5:  # a bool mask: the int mask operand instead of the key range
+                by_mask = kn.attention_cached(q, kv, keys.mask(), K ** -0.5)
+                assert np.array_equal(_bits(by_mask), _bits(want)), (S, C, w0, pads)
             ref = kn.attention_plain(
                 jnp.swapaxes(q, 1, 2).astype(jnp.float32),
                 *kn.repeat_kv_heads(k.astype(jnp.float32), v.astype(jnp.float32), H),
@@ -73,8 +79,24 @@ def test_cached_attention_equals_attention_over_the_slot(q_dtype, cache_dtype):
             seen = np.asarray(keys.mask()).any(-1)  # [M, C]: a query that sees no key gives 0
             got, ref = np.asarray(got, np.float32), np.asarray(jnp.swapaxes(ref, 1, 2))
             np.testing.assert_allclose(got[seen], ref[seen], rtol=tol, atol=tol)
-            assert np.all(got[~seen] == 0) and seen.mean() > 0.6, (S, C, w0)
+            assert np.all(got[~seen] == 0) and seen.mean() > 0.4, (S, C, w0)
     jax.clear_caches()
+
+
+def test_key_range_table_is_the_block_table_of_its_mask():
+    """`key_range_table` (from the index vectors) equals `block_table` of the padded mask:
+    unordered and out-of-range layout indices, pads past every query, 1 to 3 query tiles."""
+    from looprl.kernels.pallas_attention import block_table, key_range_table
+    from looprl.kernels.pallas_matmul import pad_to_multiple
+    rng = np.random.default_rng(3)
+    for S, C in ((300, 1), (300, 70), (130, 130), (513, 150)):
+        for _ in range(4):
+            keys = kn.KeyRange(jnp.asarray(rng.integers(0, S + 2, 5), jnp.int32),
+                               jnp.asarray(rng.integers(-2, S + 3, C), jnp.int32), S)
+            mask = pad_to_multiple(pad_to_multiple(keys.mask(), 1, kn.ROW_TILE), 2, 128)
+            meta, layout = key_range_table(keys, mask.shape[1])
+            assert np.array_equal(np.asarray(meta), np.asarray(block_table(mask))), (S, C)
+            assert layout.shape == (mask.shape[1], 1) and int(layout[C:].max(initial=-1)) == -1
 
 
 def test_cached_attention_exports_for_cuda_without_a_slot_copy():
