@@ -64,19 +64,27 @@ def _cached_block(refs, row, w0, col, start, dtype):
 def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, smem, rotated,
             interpret, rep, key_range):
     """One program (module doc). The cached form (`window`: the K and V windows follow):
-    k_ref, v_ref are the caches, meta holds the cache row and w0 (columns 2, 3); with
+    q_ref and o_ref are whole `[M, C, H*K]` (the tile's rows past C masked: no padded copy),
+    k_ref, v_ref the caches, meta holds the cache row and w0 (columns 2, 3); with
     `key_range`, mask_ref is the tile's layout indices `[ROW_TILE, 1]` and meta's column 4 the
     row's pad: the mask is `pad <= s <= layout_c` (s < S), built per block."""
     *window, o_ref = rest
-    R = q_ref.shape[0]
+    if window:
+        b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        K = window[0].shape[1]
+        rows = t * ROW_TILE + jax.lax.broadcasted_iota(jnp.int32, (ROW_TILE, K), 0)
+        tile = (b, pl.ds(t * ROW_TILE, ROW_TILE), pl.ds(h * K, K))
+        q = pltriton.load(q_ref.at[tile], mask=rows < q_ref.shape[1], other=0)
+    else:
+        q = q_ref[...]
+    R, K = q.shape
     if smem:  # Mosaic TPU: the whole [B, T, 2] table in scalar memory
         b, t = pl.program_id(0), pl.program_id(2)
         offset, n = (None if rotated else meta_ref[b, t, 0]), meta_ref[b, t, 1]
     else:
         offset, n = meta_ref[0], meta_ref[1]
-    q = fence(interpret, q_ref[...])
+    q = fence(interpret, q)
     if window:  # the cache row, the window's start and the kv head's columns
-        K = q_ref.shape[1]
         col = pl.multiple_of(jax.lax.div(pl.program_id(1), rep) * K, K)
         cache_at = (meta_ref[2], meta_ref[3], col)
 
@@ -111,16 +119,20 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
                 jnp.where(row_live, acc_new, acc))
 
     init = (jnp.full((R, 1), MASK_VALUE, jnp.float32), jnp.zeros((R, 1), jnp.float32),
-            jnp.zeros(o_ref.shape, jnp.float32))
+            jnp.zeros((R, K), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, n, step, init)
     seen = l > 0
-    o_ref[...] = fence(interpret, jnp.where(seen, acc / jnp.where(seen, l, 1.0),
-                                            0.0).astype(o_ref.dtype))
+    out = fence(interpret, jnp.where(seen, acc / jnp.where(seen, l, 1.0),
+                                     0.0).astype(o_ref.dtype))
+    if window:
+        pltriton.store(o_ref.at[tile], out, mask=rows < o_ref.shape[1])
+    else:
+        o_ref[...] = out
 
 
 def _call(meta, q, k, v, mask, *window, H, J, scale, precision, rotated, interpret, backend,
           key_range=False):
-    B, Cp, _ = q.shape
+    B, T = meta.shape[:2]
     K = q.shape[2] // H
     rep = H // J
     smem = backend == "tpu" and not interpret
@@ -132,12 +144,13 @@ def _call(meta, q, k, v, mask, *window, H, J, scale, precision, rotated, interpr
                                 lambda b, h, t: (b, 0, jax.lax.div(h, rep)))
     else:
         kv_spec = pl.BlockSpec((None, k.shape[1], K), lambda b, h, t: (b, 0, jax.lax.div(h, rep)))
-    tile_spec = pl.BlockSpec((None, ROW_TILE, K), lambda b, h, t: (b, t, h))
+    tile_spec = (pl.BlockSpec(q.shape, lambda b, h, t: (0, 0, 0)) if window else
+                 pl.BlockSpec((None, ROW_TILE, K), lambda b, h, t: (b, t, h)))
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, precision=precision, smem=smem,
                           rotated=rotated, interpret=interpret, rep=rep, key_range=key_range),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(B, H, Cp // ROW_TILE),
+        grid=(B, H, T),
         in_specs=[meta_spec, tile_spec, kv_spec, kv_spec,
                   pl.BlockSpec((ROW_TILE, 1), lambda b, h, t: (t, 0)) if key_range else
                   pl.BlockSpec((None, ROW_TILE, mask.shape[2]), lambda b, h, t: (b, t, 0)),
@@ -165,15 +178,12 @@ def block_table(mask_BxCpxS):
     return jnp.stack([jnp.broadcast_to(offset_B[:, None], n.shape), n], axis=-1)
 
 
-def _operands(q_BxHxCxK, mask_BxCxS):
-    """q `[B, Cp, H*K]` (queries padded to ROW_TILE), the int32 mask `[B, Cp, Sp + K_BLOCK]`
-    (keys padded to K_BLOCK, then one more block) and the block table."""
-    B, H, C, K = q_BxHxCxK.shape
-    q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE)
+def _mask_operands(mask_BxCxS):
+    """The int32 mask `[B, Cp, Sp + K_BLOCK]` (queries padded to ROW_TILE, keys to K_BLOCK,
+    then one more block) and the block table."""
     mask = pad_to_multiple(pad_to_multiple(mask_BxCxS, 1, ROW_TILE), 2, K_BLOCK)
     meta = block_table(mask)
-    mask = jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32)
-    return q.reshape(B, q.shape[1], H * K), mask, meta
+    return jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32), meta
 
 
 def _check_heads(H, J, name):
@@ -194,7 +204,9 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     B, H, C, K = q_BxHxCxK.shape
     J = k_BxSxJxK.shape[2]
     _check_heads(H, J, "flash_attention")
-    q, mask, meta = _operands(q_BxHxCxK, mask_BxCxS)
+    q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE)
+    q = q.reshape(B, q.shape[1], H * K)
+    mask, meta = _mask_operands(mask_BxCxS)
     Cp, Sp = q.shape[1], mask.shape[2]
 
     # on a TPU each row is rotated so that its first live key is slot 0: every block load is
@@ -261,12 +273,12 @@ def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, prec
     if C == S:  # the window is the whole slot
         return flash_attention(q_BxHxCxK, *(w.astype(q_BxHxCxK.dtype) for w in wins),
                                mask.mask() if key_range else mask, scale, backend, precision)
+    q = jnp.swapaxes(q_BxHxCxK, 1, 2).reshape(M, C, H * K)  # unpadded: rows masked in-kernel
     if key_range:
         pad_M = jnp.asarray(mask.pad_B, jnp.int32)
-        q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE).reshape(M, -1, H * K)
-        meta, mask = key_range_table(mask, q.shape[1])
+        meta, mask = key_range_table(mask, -(-C // ROW_TILE) * ROW_TILE)
     else:
-        q, mask, meta = _operands(q_BxHxCxK, mask)
+        mask, meta = _mask_operands(mask)
         pad_M = jnp.zeros((M,), jnp.int32)  # unread
     row_M = jnp.asarray(kv.slot, jnp.int32) * Bc + jnp.asarray(kv.rows_M, jnp.int32)
     w0 = jnp.clip(jnp.asarray(kv.w0, jnp.int32), 0, S - C)
@@ -277,4 +289,4 @@ def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, prec
         _call, H=H, J=J, scale=float(scale), precision=precision, rotated=False,
         interpret=interpret, backend=backend, key_range=key_range), backend, meta, q, *caches,
         mask, *(w.reshape(M, C, J * K) for w in wins))
-    return jnp.swapaxes(out.reshape(M, q.shape[1], H, K)[:, :C], 1, 2)
+    return jnp.swapaxes(out.reshape(M, C, H, K), 1, 2)
