@@ -45,10 +45,13 @@ def attention_form(backend: str):
 
 def attention_cached_form(backend: str):
     """The form's attention_cached(q_MxHxCxK, kv: CachedKV, mask, scale, softmax) -> `[M, H, C,
-    K]`: the cache read in place (`flash_attention_cached`; on a TPU with a `KeyRange` mask
-    and 8 | J or J <= 8, else over `kv.slots()`), the same bits as the attention over
-    `kv.slots()` (fp32 dots at HIGHEST where q and the cache are fp32, as
-    `Form.fp32_precision` asks); `mask` bool `[M, C, S]` or a `KeyRange`."""
+    K]` on the GPU: the cache read in place (`flash_attention_cached`), the same bits as the
+    attention over `kv.slots()` (fp32 dots at HIGHEST where q and the cache are fp32, as
+    `Form.fp32_precision` asks); `mask` bool `[M, C, S]` or a `KeyRange`. None on a TPU (Mosaic
+    needs aligned block loads: the slot copy, `kv.slots()`)."""
+    if backend != "gpu":
+        return None
+
     def attention_cached_pallas(q, kv, mask, scale, softmax):
         fp32 = q.dtype == jnp.float32 and kv.k_NxBxSxJxK.dtype == jnp.float32
         return flash_attention_cached(q, kv, mask, scale, backend,

@@ -21,10 +21,9 @@ the key axis (no block read passes the end). On the GPU (and interpreted `pallas
 kernel reads block z at `o_b + z * K_BLOCK`, the row where it lies; on a TPU each row is first
 rotated so that `o_b` is slot 0 (one more copy), since Mosaic TPU needs block loads at a
 multiple of K_BLOCK (error E2003 otherwise). Both read the same keys per block in one order.
-The sampler's attention (`flash_attention_cached`) reads the KV cache itself, the same keys
-per block as over the slot copy, without the copy: on the GPU whole, at the row's cache row
-(masked loads past the key axis, the chunk's window selected over its slots); on a TPU
-through VMEM (`pallas_attention_tpu`).
+The sampler's GPU attention (`flash_attention_cached`) reads the KV cache itself, whole, at
+the row's cache row (masked loads past the key axis, the chunk's window selected over its
+slots): the same keys per block as over the slot copy, without the copy.
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from looprl.kernels import pallas_attention_tpu as tpu_attention
 from looprl.kernels.operands import KeyRange
 from looprl.kernels.pallas_matmul import pad_to_multiple
 from looprl.kernels.pallas_target import compiler_params, fence, lowered
@@ -252,31 +250,33 @@ def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, prec
     """`flash_attention(q, *kv.slots(), mask, ...)` with K/V read from the cache in place: the
     same keys per block in the same order (the same bits), no slot copied. `kv`: a
     `operands.CachedKV` (cache `[N, B', S, J, K]`, window `[M, C, J, K]`). The kernel gets the
-    caches whole, row m's cache row `slot*B' + rows_M[m]` and the window start (clamped to
-    [0, S - C], as `slots()` writes it) in its block table, and the windows cast to the
-    cache's dtype. A `KeyRange` mask is built in the kernel from its index vectors
-    (`key_range_table`; no `[M, C, S]` mask made). On the GPU (`gpu`) the caches are `[N*B',
-    S, J*K]` and q and the output unpadded; on a TPU (`tpu`) `pallas_attention_tpu` (a
-    `KeyRange` mask and `group(J)` needed, else `flash_attention` over `kv.slots()`). Where
-    the window is the whole slot (C = S, a prefill) it is `flash_attention` over the window.
+    caches as `[N*B', S, J*K]` (a reshape, whole), row m's cache row `slot*B' + rows_M[m]` and
+    the window start (clamped to [0, S - C], as `slots()` writes it) in its block table, and
+    the windows cast to the cache's dtype. A `KeyRange` mask is built in the kernel from its
+    index vectors (`key_range_table`; no `[M, C, S]` mask made). Where the window is the
+    whole slot (C = S, a prefill) it is `flash_attention` over the window. GPU (Triton, and
+    interpreted `pallas-gpu`) only: `backend` "gpu".
 
     Args: q `[M, H, C, K]`; mask bool `[M, C, S]` or a `KeyRange`; as `flash_attention`
       otherwise.
-    Returns `[M, H, C, K]` in q's dtype. Raises ValueError when H is not a multiple of J."""
+    Returns `[M, H, C, K]` in q's dtype. Raises ValueError when H is not a multiple of J or
+    for another backend."""
+    if backend != "gpu":
+        raise ValueError(f"flash_attention_cached: backend {backend!r}: the in-place read is "
+                         "the GPU's (a TPU reads the slot copy, kv.slots())")
     N, Bc, S, J, K = kv.k_NxBxSxJxK.shape
     M, H, C, _ = q_BxHxCxK.shape
     _check_heads(H, J, "flash_attention_cached")
     dtype = kv.k_NxBxSxJxK.dtype
     wins = [w.astype(dtype) for w in (kv.k_win_MxCxJxK, kv.v_win_MxCxJxK)]
     key_range = isinstance(mask, KeyRange)
-    if C == S or (backend == "tpu" and not (key_range and tpu_attention.group(J))):
-        k, v = (wins if C == S else kv.slots())  # the window is the whole slot, or the copy
-        return flash_attention(q_BxHxCxK, k.astype(q_BxHxCxK.dtype), v.astype(q_BxHxCxK.dtype),
+    if C == S:  # the window is the whole slot
+        return flash_attention(q_BxHxCxK, *(w.astype(q_BxHxCxK.dtype) for w in wins),
                                mask.mask() if key_range else mask, scale, backend, precision)
-    Cp = -(-C // ROW_TILE) * ROW_TILE
+    q = jnp.swapaxes(q_BxHxCxK, 1, 2).reshape(M, C, H * K)  # unpadded: rows masked in-kernel
     if key_range:
         pad_M = jnp.asarray(mask.pad_B, jnp.int32)
-        meta, mask = key_range_table(mask, Cp)
+        meta, mask = key_range_table(mask, -(-C // ROW_TILE) * ROW_TILE)
     else:
         mask, meta = _mask_operands(mask)
         pad_M = jnp.zeros((M,), jnp.int32)  # unread
@@ -284,12 +284,6 @@ def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, prec
     w0 = jnp.clip(jnp.asarray(kv.w0, jnp.int32), 0, S - C)
     extra = jnp.stack(jnp.broadcast_arrays(row_M, w0, pad_M), axis=-1)[:, None, :]
     meta = jnp.concatenate([meta, jnp.broadcast_to(extra, (*meta.shape[:2], 3))], axis=-1)
-    if backend == "tpu":
-        return lowered(lambda interpret: functools.partial(
-            tpu_attention.cached_call, scale=float(scale), precision=precision,
-            interpret=interpret), backend, q_BxHxCxK, kv.k_NxBxSxJxK, kv.v_NxBxSxJxK, *wins,
-            meta, mask)
-    q = jnp.swapaxes(q_BxHxCxK, 1, 2).reshape(M, C, H * K)  # unpadded: rows masked in-kernel
     caches = [c.reshape(N * Bc, S, J * K) for c in (kv.k_NxBxSxJxK, kv.v_NxBxSxJxK)]
     out = lowered(lambda interpret: functools.partial(
         _call, H=H, J=J, scale=float(scale), precision=precision, rotated=False,
