@@ -8,10 +8,12 @@ MICRO_ROWS x 1024, each the forward and gradient of one loop's selected-token lo
 (`looprl.aot.programs`, phase `learner_step`); and a decode step of 256 rows over a 2,048-slot
 KV cache (phase `decode`). Each is compiled at 1 and 2 layers; a layer's cost is the difference
 and a step is T x (head + L layers) per program run, times the microbatches. Per step: kernel
-launches (while loops by their trip counts), FLOPs and bytes accessed (`cost_analysis`; on the
-compile-only GPU XLA's HLO cost analysis; looprl matmul kernels' FLOPs from their shapes),
-peak memory of one program run (`memory_analysis`), and a structural time estimate: max(FLOPs /
-peak FLOP/s, bytes / HBM bandwidth) at the published peaks plus a fixed cost per launch
+launches, bytes moved and FLOPs, each counted from the optimized HLO with while loops by their
+trip counts (`looprl.aot.traffic`: a launch's operands and result, slices and in-place updates
+counted as what they touch; dots, convolutions and looprl kernels' FLOPs from their shapes; XLA's
+own cost analysis, which counts a loop body once, is kept beside as `xla_cost`), peak memory of
+one program run (`memory_analysis`), and a structural time estimate: max(FLOPs / peak FLOP/s,
+bytes / HBM bandwidth) at the published peaks plus a fixed cost per launch
 (`looprl.aot.targets.TARGETS`). Figures `*_vs_stock_*_est` are invariant / stock, lower is
 better. The estimate leaves out each kernel's efficiency (a Pallas kernel's achieved fraction of
 peak, occupancy, tile padding beyond the shapes), overlap of launches with work, caches, and
@@ -31,6 +33,7 @@ import looprl  # noqa: E402,F401 - sets XLA's flags before jax starts
 from looprl.aot import inspect as I  # noqa: E402
 from looprl.aot import programs as PR  # noqa: E402
 from looprl.aot import targets as T  # noqa: E402
+from looprl.aot import traffic as TR  # noqa: E402
 from looprl.determinism import environment  # noqa: E402
 from looprl.kernels import forms  # noqa: E402
 from looprl.model.config import preset  # noqa: E402
@@ -52,10 +55,13 @@ def _measure(target: str, form: str, phase, layers: int) -> dict:
     with forms.use_form(form):
         c = T.compile_for(target, fn, *args)
     p = I.program(c)
-    cost = I.cost(c)
-    return {"launches": I.launches(p)["total"], "flops": cost["flops"],
-            "bytes": cost["bytes_accessed"], "peak_bytes": I.memory(c)["peak_bytes"],
-            "interpreted": bool(I.interpreted(p))}
+    cost, moved = I.cost(c), TR.traffic(p)
+    return {"launches": I.launches(p)["total"], "flops": moved["flops"],
+            "bytes": moved["bytes"], "xla_cost_flops": cost["flops"],
+            "xla_cost_bytes": cost["bytes_accessed"], "peak_bytes": I.memory(c)["peak_bytes"],
+            "interpreted": bool(I.interpreted(p)),
+            "by_kind": {k: {"bytes": v["bytes"], "launches": v["launches"]}
+                        for k, v in moved["by_kind"].items()}}
 
 
 def _step(target: str, form: str, phase, runs: int) -> dict:
@@ -63,10 +69,12 @@ def _step(target: str, form: str, phase, runs: int) -> dict:
     one, two = _measure(target, form, phase, 1), _measure(target, form, phase, 2)
     t = T.target(target)
     out = {}
-    for k in ("launches", "flops", "bytes"):
+    for k in ("launches", "flops", "bytes", "xla_cost_flops", "xla_cost_bytes"):
         layer = two[k] - one[k]
         out[k] = runs * FULL.total_ut_steps * (one[k] + (FULL.num_layers - 1) * layer)
     out["peak_bytes_one_run_2_layers"] = two["peak_bytes"]
+    out["layer_bytes_by_kind"] = {k: v["bytes"] - one["by_kind"].get(k, {}).get("bytes", 0.0)
+                                  for k, v in two["by_kind"].items()}
     out["interpreted"] = one["interpreted"] or two["interpreted"]
     compute = out["flops"] / t.peak_flops[DTYPE]
     memory = out["bytes"] / t.hbm_bytes_per_s

@@ -22,7 +22,9 @@ from pathlib import Path
 LOOPRL_PREFIX = "looprl_"  # every looprl Pallas kernel's name
 FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
             "conditional", "call", "after-all", "add-dependency", "opt-barrier", "partition-id",
-            "replica-id", "copy-start", "copy-done", "domain"}
+            "replica-id", "copy-start", "copy-done", "domain", "slice-done"}
+# custom calls that move no data: the TPU compiler's buffer allocation and bitcast of a concat
+FREE_CUSTOM_CALLS = ('custom_call_target="AllocateBuffer"', 'custom_call_target="ConcatBitcast"')
 PALLAS_TARGETS = ("__gpu$xla.gpu.triton", "tpu_custom_call")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cudnn$")
 _COMP = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
@@ -40,6 +42,7 @@ class Instr:
     opcode: str
     rest: str  # the operands and attributes as printed
     computation: str
+    root: bool = False  # the computation's ROOT
 
     def attr(self, key: str) -> str | None:
         """The value of attribute `key=` (up to the next top-level comma), or None."""
@@ -117,10 +120,47 @@ def program(compiled_or_text) -> Program:
         mi = _INSTR.match(line)
         if mi:
             comps[current].append(Instr(mi.group(2), mi.group(3), mi.group(4), mi.group(5),
-                                        current))
+                                        current, bool(mi.group(1))))
     if not entry:
         raise ValueError("no ENTRY computation in the compiled text")
     return Program(comps, entry, text)
+
+
+def _constant(p: Program, comp: str, name: str) -> int | None:
+    """The integer value of scalar `name` in `comp` where it is a constant (through copies)."""
+    i = next((j for j in p.computations.get(comp, []) if j.name == name), None)
+    while i is not None and i.opcode in ("copy", "bitcast"):
+        src = re.match(r"\s*%([\w.\-]+)\)", i.rest)
+        i = next((j for j in p.computations.get(comp, []) if src and j.name == src.group(1)),
+                 None)
+    m = re.match(r"\s*(-?\d+)\)", i.rest) if i is not None and i.opcode == "constant" else None
+    return int(m.group(1)) if m else None
+
+
+def trip_count(p: Program, loop: Instr) -> int | None:
+    """A while loop's trip count: XLA's `known_trip_count` where the GPU compiler records it,
+    else read from the loop (the TPU's): the condition `i < N` on tuple element k with N a
+    constant and element k of the initial tuple a constant c (counting up by one: N - c).
+    None when neither is found."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.rest)
+    if m:
+        return int(m.group(1))
+    cond = loop.attr("condition").lstrip("%")
+    body = p.computations.get(cond, [])
+    root = next((j for j in body if j.root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.rest:
+        return None
+    lhs, rhs = re.findall(r"%([\w.\-]+)", root.rest.split(")", 1)[0])[:2]
+    gte = next((j for j in body if j.name == lhs and j.opcode == "get-tuple-element"), None)
+    limit = _constant(p, cond, rhs)
+    init = re.match(r"\s*%([\w.\-]+)\)", loop.rest)
+    tup = p.instr(init.group(1)) if init else None
+    if gte is None or limit is None or tup is None or tup.opcode != "tuple":
+        return None
+    k = int(re.search(r"index=(\d+)", gte.rest).group(1))
+    elems = re.findall(r"%([\w.\-]+)", tup.rest.split(")", 1)[0])
+    start = _constant(p, tup.computation, elems[k]) if k < len(elems) else None
+    return None if start is None else max(0, limit - start)
 
 
 def _control_flow(p: Program):
@@ -132,10 +172,10 @@ def _control_flow(p: Program):
         out.append((comp, mult))
         for i in p.computations.get(comp, []):
             if i.opcode == "while":
-                m = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.rest)
-                n = int(m.group(1)) if m else 1
-                if not m:
+                n = trip_count(p, i)
+                if n is None:
                     unknown.append(i.name)
+                    n = 1
                 walk(i.attr("body").lstrip("%"), mult * n)
                 walk(i.attr("condition").lstrip("%"), mult * (n + 1))
             elif i.opcode in ("conditional", "call"):
@@ -150,7 +190,8 @@ def kernels(p: Program) -> list[tuple[Instr, int]]:
     calls and the other non-free ops of the entry and its control-flow computations."""
     sites, _ = _control_flow(p)
     return [(i, mult) for comp, mult in sites for i in p.computations.get(comp, [])
-            if i.opcode not in FREE_OPS]
+            if i.opcode not in FREE_OPS
+            and not (i.opcode == "custom-call" and any(t in i.rest for t in FREE_CUSTOM_CALLS))]
 
 
 def launches(p: Program) -> dict:
@@ -303,7 +344,7 @@ def _shape_elems(s: str) -> tuple[str, list[int]]:
     return m.group(1), [int(x) for x in m.group(2).split(",") if x]
 
 
-def _gemm_flops(p: Program, i: Instr) -> float:
+def gemm_flops(p: Program, i: Instr) -> float:
     """2 x output elements x contraction length of a cuBLAS GEMM custom call (0 for another
     custom call)."""
     if not any(t in i.rest for t in GEMM_TARGETS[:2]):
@@ -355,7 +396,7 @@ def cost(compiled) -> dict:
             (_, (m, k)), (_, (_, o)) = _shape_elems(shapes[0]), _shape_elems(shapes[1])
             extra += 2.0 * m * k * o * d["launches"]
         elif not d["looprl"] and d.get("opcode") == "custom-call":
-            extra += _gemm_flops(p, p.instr(d["name"])) * d["launches"]
+            extra += gemm_flops(p, p.instr(d["name"])) * d["launches"]
     out["flops"] += extra
     out["custom_call_flops_added"] = extra
     return out

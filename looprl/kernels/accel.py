@@ -16,11 +16,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from looprl.kernels import pallas_attention_tpu as tpu_attention
 from looprl.kernels.pallas_attention import flash_attention, flash_attention_cached
 from looprl.kernels.pallas_matmul import pallas_matmul_for
 from looprl.kernels.pallas_rope import rope_for
 from looprl.kernels.pallas_rows import rowsum_form
 from looprl.kernels.pallas_target import opaque_on_cpu
+from looprl.kernels.operands import KeyRange
 from looprl.kernels.plain import rope_rotate_half
 
 
@@ -45,18 +47,24 @@ def attention_form(backend: str):
 
 def attention_cached_form(backend: str):
     """The form's attention_cached(q_MxHxCxK, kv: CachedKV, mask, scale, softmax) -> `[M, H, C,
-    K]` on the GPU: the cache read in place (`flash_attention_cached`), the same bits as the
-    attention over `kv.slots()` (fp32 dots at HIGHEST where q and the cache are fp32, as
-    `Form.fp32_precision` asks); `mask` bool `[M, C, S]` or a `KeyRange`. None on a TPU (Mosaic
-    needs aligned block loads: the slot copy, `kv.slots()`)."""
-    if backend != "gpu":
-        return None
-
-    def attention_cached_pallas(q, kv, mask, scale, softmax):
-        fp32 = q.dtype == jnp.float32 and kv.k_NxBxSxJxK.dtype == jnp.float32
-        return flash_attention_cached(q, kv, mask, scale, backend,
-                                      jax.lax.Precision.HIGHEST if fp32 else None)
-    return attention_cached_pallas
+    K]`, the same bits as the attention over `kv.slots()` (fp32 dots at HIGHEST where q and
+    the cache are fp32, as `Form.fp32_precision` asks); `mask` bool `[M, C, S]` or a
+    `KeyRange`. The cache read in place on the GPU (`pallas_attention.flash_attention_cached`)
+    and on the TPU for the decode step (one new key, a `KeyRange` mask:
+    `pallas_attention_tpu`); every other TPU call attends over `kv.slots()` (a copy)."""
+    def attention_cached(q, kv, mask, scale, softmax):
+        prec = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
+                and kv.k_NxBxSxJxK.dtype == jnp.float32 else None)
+        if backend == "gpu":
+            return flash_attention_cached(q, kv, mask, scale, backend, prec)
+        if tpu_attention.supports(kv, mask):
+            return tpu_attention.flash_attention_cached(q, kv, mask, scale, backend, prec)
+        k, v = kv.slots()
+        if isinstance(mask, KeyRange):
+            mask = mask.mask()
+        return flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale, backend,
+                               prec)
+    return attention_cached
 
 
 def rope_form(backend: str):

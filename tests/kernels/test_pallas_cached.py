@@ -45,18 +45,23 @@ def _case(rng, S, C, w0, pads, q_dtype, cache_dtype):
 CASES = [(300, 1, 299, (40, 250, 0)), (300, 1, 200, (40, 0, 250)),
          (300, 5, 165, (40, 150, 3)), (300, 5, 298, (250, 40, 0)),
          (300, 70, 200, (40, 250, 290)), (70, 70, 0, (0, 5, 69))]
-DTYPES = [("float32", "float32"), ("bfloat16", "bfloat16"),
-          pytest.param("float32", "bfloat16", marks=pytest.mark.slow)]
+_SLOW = pytest.mark.slow
+RUNS = [("pallas-gpu", "float32", "float32"), ("pallas-gpu", "bfloat16", "bfloat16"),
+        ("pallas-tpu", "float32", "float32"),
+        pytest.param("pallas-tpu", "bfloat16", "bfloat16", marks=_SLOW),
+        pytest.param("pallas-gpu", "float32", "bfloat16", marks=_SLOW),
+        pytest.param("pallas-tpu", "float32", "bfloat16", marks=_SLOW)]
 
 
-@pytest.mark.parametrize("q_dtype,cache_dtype", DTYPES)
-def test_cached_attention_equals_attention_over_the_slot(q_dtype, cache_dtype):
-    """Raw bits: for every case, `attention_cached` (the cache read in place, the window laid
-    over it in the kernel) equals `attention` over `kv.slots()` (the slot copied, the window
-    written, padded), fp32 and bf16, and a bf16 cache under fp32 queries; the values agree
-    with the plain attention over the slot (finite: no NaN row or slot was read)."""
+@pytest.mark.parametrize("form,q_dtype,cache_dtype", RUNS)
+def test_cached_attention_equals_attention_over_the_slot(form, q_dtype, cache_dtype):
+    """Raw bits: for every case, `attention_cached` (the GPU: the cache read in place, the
+    window laid over it in the kernel; the TPU: its decode kernel at C = 1, the slot copy
+    otherwise) equals `attention` over `kv.slots()` (the slot copied, the window written,
+    padded), fp32 and bf16, and a bf16 cache under fp32 queries; the values agree with the
+    plain attention over the slot (finite: no NaN row or slot was read)."""
     rng = np.random.default_rng(7)
-    with kn.use_form("pallas-gpu"):
+    with kn.use_form(form):
         assert forms.current().attention_cached is not None
         jax.clear_caches()
         for S, C, w0, pads in CASES:
@@ -99,11 +104,14 @@ def test_key_range_table_is_the_block_table_of_its_mask():
             assert layout.shape == (mask.shape[1], 1) and int(layout[C:].max(initial=-1)) == -1
 
 
-def test_cached_attention_exports_for_cuda_without_a_slot_copy():
-    """Lowering only: the decode's cached attention under `pallas-gpu` exports for CUDA as one
-    Triton call that takes both caches whole (`[N*B', S, J*K]`); no gather or dynamic slice
-    of a slot-sized array is left in the program (the fallback `kv.slots()` has both)."""
-    S, C = 2048, 1
+@pytest.mark.parametrize("form,platform,target", [
+    ("pallas-gpu", "cuda", "__gpu$xla.gpu.triton"), ("pallas-tpu", "tpu", "tpu_custom_call")])
+def test_cached_attention_exports_without_a_slot_copy(form, platform, target):
+    """Lowering only: the decode's cached attention exports for CUDA (`pallas-gpu`: the caches
+    whole as `[N*B', S, J*K]`) and for a TPU (`pallas-tpu`) as one kernel call each; no gather
+    or dynamic slice of a slot-sized array is left in the program (the fallback `kv.slots()`
+    has both)."""
+    S, C, K = 2048, 1, 128  # a TPU block's lanes: 128
     sds = jax.ShapeDtypeStruct
     cache = sds((N, B, S, J, K), jnp.bfloat16)
     win = sds((3, C, J, K), jnp.bfloat16)
@@ -113,15 +121,15 @@ def test_cached_attention_exports_for_cuda_without_a_slot_copy():
     def fn(q, kc, vc, slot, rows, w0, kw, vw, pads):
         kv = kn.CachedKV(kc, vc, slot, rows, w0, kw, vw)
         return kn.attention_cached(q, kv, kn.KeyRange(pads, w0 + jnp.arange(C), S), 0.25)
-    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with kn.use_form("pallas-gpu"):
+    check = export.DisabledSafetyCheck.custom_call(target)
+    with kn.use_form(form):
         jax.clear_caches()
-        text = export.export(jax.jit(fn), platforms=("cuda",),
+        text = export.export(jax.jit(fn), platforms=(platform,),
                              disabled_checks=[check])(*args).mlir_module()
     jax.clear_caches()
-    calls = re.findall(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\((.*?)\)\s*\{", text)
-    assert len(calls) == 1, len(calls)
-    assert text.count(f"tensor<{N * B}x{S}x{J * K}xbf16>") >= 2
+    assert text.count(f"stablehlo.custom_call @{target}(") == 1, form
+    if platform == "cuda":
+        assert text.count(f"tensor<{N * B}x{S}x{J * K}xbf16>") >= 2
     slot = f"{S}x{J}x{K}xbf16"
     assert not re.search(rf"(gather|dynamic_slice|dynamic_update_slice).*tensor<\d+x{slot}>",
                          text), "a slot-sized gather or slice is left"

@@ -1,5 +1,5 @@
 """The Pallas kernel set end to end on XLA CPU (interpreted): with `kernels.use_form("pallas-gpu")`
-the sampler (prefill, one-query decode steps, deferred chunks, the cache read by slot) and the
+(and `pallas-tpu`, whose decode steps read the KV cache in place) the sampler (prefill, one-query decode steps, deferred chunks, the cache read by slot) and the
 learner's teacher-forced replay both run the Pallas kernels, and the replay's log-probs equal
 the sampler's bit for bit, for a one-row and a five-row batch, while the stock control
 mismatches. The default suite runs one small case (GQA, fp32, the deferred KV policy); the
@@ -23,10 +23,10 @@ def _bits(a):
     return np.asarray(a, np.float32).view(np.uint32)
 
 
-def _replays(cfg, policy, dtype, rows_list, new_tokens):
+def _replays(cfg, policy, dtype, rows_list, new_tokens, form="pallas-gpu"):
     params = init_params(cfg, 0)
     params["early_exit_gate"]["bias"] = np.zeros_like(np.asarray(params["early_exit_gate"]["bias"]))
-    with kn.use_form("pallas-gpu"):
+    with kn.use_form(form):
         jax.clear_caches()  # the form is read when a program is traced
         try:
             scfg = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, exit_threshold=0.5,
@@ -39,7 +39,7 @@ def _replays(cfg, policy, dtype, rows_list, new_tokens):
                            for _ in range(rows)]
                 rb = generate(cfg, params, prompts, scfg, seed=rows)
                 assert rb.schedule.kernel_version == \
-                    f"{kn.KERNEL_VERSION_ACCEL}/pallas-gpu-interpret"
+                    f"{kn.KERNEL_VERSION_ACCEL}/{form}-interpret"
                 assert rb.schedule.row_tile == kn.ROW_TILE
                 emit = np.asarray(rb.exit_loop_BxS) > 0
                 assert emit.sum() == rows * new_tokens
@@ -57,6 +57,12 @@ def _replays(cfg, policy, dtype, rows_list, new_tokens):
 
 def test_a_pallas_rollout_replays_bit_for_bit():
     _replays(SMALL, "deferred", "float32", (1, 5), 6)
+
+
+def test_a_tpu_form_rollout_replays_bit_for_bit():
+    """`pallas-tpu`: the sampler's decode steps read the cache in place
+    (`pallas_attention_tpu`), the learner attends over whole rows (`flash_attention`)."""
+    _replays(SMALL, "copy", "bfloat16", (1, 5), 6, form="pallas-tpu")
 
 
 @pytest.mark.slow

@@ -1,0 +1,227 @@
+"""Bytes moved and FLOPs per program run, counted from the optimized HLO with every while body
+multiplied by its trip count (XLA's own cost analysis counts a loop body once, and the layer
+stack and the learner's microbatches are loops).
+
+Per kernel launch (`inspect.kernels`): bytes = what it reads + what it writes, from the
+operands' and the result's shapes. A fusion operand read only through slices (dynamic-slice,
+slice, gather) counts the slices' sizes; a fusion whose result is a dynamic-update-slice of one
+of its operands (updated in place) writes the update only and does not read that operand.
+A looprl attention kernel reads its rows' keys and values: q's rows x the key span (the mask's,
+or the cache's slot length) x the kv width, whatever the K/V operands' size (the cached kernel
+is handed the whole KV cache). FLOPs: 2 x output x contraction for each dot and convolution
+(inside fusions or as cuBLAS GEMMs; a convolution's window taps that read an input), a looprl
+matmul's 2 M I O, a looprl attention's
+4 x rows x query tile x keys x head width x heads. Elementwise arithmetic is not counted.
+What this cannot see: caches (L2 / VMEM reuse), a kernel reading less than its operands (a
+fusion reading part of an operand other than by slicing), and anything decided at run time
+(live key blocks: the attention is counted over every block its mask spans).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, gemm_flops, is_looprl_kernel,
+                                kernels)
+
+ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+              "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\]")
+SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of a printed HLO shape (an array or a tuple of arrays; token and opaque: 0)."""
+    return sum(ITEM_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _ARRAY.findall(shape))
+
+
+def dims(shape: str) -> list[int]:
+    """The dimensions of a printed array shape (`f32[64,2048]{1,0}` -> [64, 2048])."""
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def operands(p: Program, i: Instr) -> list[Instr]:
+    """`i`'s operand instructions, in order (from their definitions in `i`'s computation)."""
+    by_name = {j.name: j for j in p.computations.get(i.computation, [])}
+    depth, end = 0, len(i.rest)
+    for k, ch in enumerate(i.rest):  # the operand list ends at the first unmatched ')'
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            end = k
+            break
+    names = re.findall(r"%([\w.\-]+)", i.rest[:end])
+    return [by_name[n] for n in names if n in by_name]
+
+
+def _users(p: Program, body: list[Instr], prm: Instr) -> list[Instr]:
+    return [j for j in body if any(o.name == prm.name for o in operands(p, j))]
+
+
+def _fusion_bytes(p: Program, i: Instr) -> int:
+    body = [j for c in i.called for j in p.computations.get(c, [])]
+    params = {int(re.match(r"(\d+)", j.rest).group(1)): j for j in body
+              if j.opcode == "parameter"}
+    roots = _roots(p, body)
+    in_place = {operands(p, r)[0].name for r in roots if r.opcode == "dynamic-update-slice"}
+    total = 0
+    for k, op in enumerate(operands(p, i)):
+        prm = params.get(k)
+        if prm is None:
+            total += shape_bytes(op.shape)
+            continue
+        if prm.name in in_place:
+            continue
+        users = _users(p, body, prm)
+        if users and all(u.opcode in SLICING and operands(p, u)[:1] == [prm] for u in users):
+            total += min(shape_bytes(op.shape), sum(shape_bytes(u.shape) for u in users))
+        else:
+            total += shape_bytes(op.shape)
+    for r in roots:
+        if r.opcode == "dynamic-update-slice":
+            total += shape_bytes(operands(p, r)[1].shape)
+        else:
+            total += shape_bytes(r.shape)
+    return total
+
+
+def _roots(p: Program, body: list[Instr]) -> list[Instr]:
+    """A fused computation's root instruction, or the elements of its root tuple."""
+    out = []
+    for r in (j for j in body if j.root):
+        out += operands(p, r) if r.opcode == "tuple" else [r]
+    return out
+
+
+def _attention_operands(p: Program, i: Instr):
+    """(q, [k, v], the key span each row reads, the other operands) of a looprl attention
+    kernel: `looprl_flash_attention` (meta, q, k, v, mask: the span is the mask's key axis) or
+    `looprl_flash_attention_cached` (rows, n, q, last, k cache, v cache, k window, v window:
+    the span is the cache's slot length)."""
+    ops = operands(p, i)
+    if "looprl_flash_attention_cached" in i.op_name + i.rest:  # cache [.., S, J, K]
+        return ops[2], ops[4:6], dims(ops[4].shape)[-3], ops[:2] + [ops[3]] + ops[6:]
+    return ops[1], ops[2:4], dims(ops[-1].shape)[-1], [ops[0], ops[-1]]
+
+
+def _attention_bytes(p: Program, i: Instr) -> int:
+    """q, the small operands and the output as they are; K and V: q's rows x the key span x
+    the kv width (whatever the operands' size: the cached kernel is handed the whole cache)."""
+    q, kv, span, rest = _attention_operands(p, i)
+    total = shape_bytes(i.shape) + shape_bytes(q.shape) + sum(shape_bytes(o.shape) for o in rest)
+    rows = dims(q.shape)[0]
+    for x in kv:
+        d = dims(x.shape)
+        key = shape_bytes(x.shape) // math.prod(d) * (d[-1] * d[-2] if len(d) > 3 else d[-1])
+        total += min(shape_bytes(x.shape), rows * span * key)  # a key: every kv head
+    return total
+
+
+def _window(rest: str, n: int) -> list[dict]:
+    """A convolution's window attributes per spatial dimension (HLO defaults where absent)."""
+    m = re.search(r"window=\{([^}]*)\}", rest)
+    out = [dict(size=1, stride=1, lo=0, lhs_dilate=1, rhs_dilate=1) for _ in range(n)]
+    for key, val in re.findall(r"(\w+)=([\d_x]+)", m.group(1) if m else ""):
+        for d, v in enumerate(val.split("x")[:n]):
+            if key == "pad":
+                out[d]["lo"] = int(v.split("_")[0])
+            elif key in out[d]:
+                out[d][key] = int(v)
+    return out
+
+
+def _taps(w: dict, n_in: int, n_out: int) -> int:
+    """(output position, window tap) pairs that read an input element along one dimension."""
+    span = (n_in - 1) * w["lhs_dilate"]
+    count = 0
+    for o in range(n_out):
+        for k in range(w["size"]):
+            x = o * w["stride"] + k * w["rhs_dilate"] - w["lo"]
+            count += 0 <= x <= span and x % w["lhs_dilate"] == 0
+    return count
+
+
+def _dot_flops(p: Program, j: Instr) -> float:
+    """2 x output x contraction of a dot; for a convolution (the TPU's form of its dots),
+    2 x batch x output features x input features x the window taps that read an input."""
+    ops = operands(p, j)
+    if len(ops) < 2:
+        return 0.0
+    lhs, rhs, out = dims(ops[0].shape), dims(ops[1].shape), dims(j.shape)
+    if j.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", j.rest)
+        k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
+        return 2.0 * math.prod(out) * k
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", j.rest)
+    if not labels:
+        return 0.0
+    ll, rl, ol = labels.groups()
+    spatial = sorted(c for c in ol if c.isdigit())
+    window = _window(j.rest, len(spatial))
+    taps = math.prod(_taps(window[d], lhs[ll.index(c)], out[ol.index(c)])
+                     for d, c in enumerate(spatial))
+    return 2.0 * out[ol.index("b")] * out[ol.index("f")] * rhs[rl.index("i")] * taps
+
+
+def _flops(p: Program, i: Instr) -> float:
+    if is_looprl_kernel(i):
+        name = re.search(r"looprl_\w+", i.op_name + i.rest).group(0)
+        ops = operands(p, i)
+        if "matmul" in name and len(ops) >= 2:
+            (m, k), o = dims(ops[0].shape)[-2:], dims(ops[1].shape)[-1]
+            return 2.0 * m * k * o
+        if "attention" in name:
+            q, _, span, _ = _attention_operands(p, i)
+            b, cp, hk = dims(q.shape)
+            return 4.0 * b * cp * span * hk
+        return 0.0
+    if i.opcode == "custom-call":
+        if any(t in i.rest for t in GEMM_TARGETS[:2]):
+            return gemm_flops(p, i)
+        return 0.0
+    if i.opcode in ("dot", "convolution"):
+        return _dot_flops(p, i)
+    body = [j for c in i.called for j in p.computations.get(c, [])]
+    return sum(_dot_flops(p, j) for j in body if j.opcode in ("dot", "convolution"))
+
+
+def _bytes(p: Program, i: Instr) -> int:
+    if is_looprl_kernel(i) and "looprl_flash_attention" in i.op_name + i.rest:
+        return _attention_bytes(p, i)
+    if i.opcode == "fusion":
+        return _fusion_bytes(p, i)
+    ops = operands(p, i)
+    if i.opcode == "dynamic-update-slice":
+        return 2 * shape_bytes(ops[1].shape)
+    if i.opcode in SLICING:
+        return 2 * shape_bytes(i.shape)
+    if i.opcode == "slice-start":  # the TPU's async slice: ((operand), slice, context)
+        arrays = _ARRAY.findall(i.shape)
+        return 2 * shape_bytes("%s[%s]" % arrays[1]) if len(arrays) > 1 else 0
+    result = i.shape
+    if i.opcode == "custom-call" and i.shape.startswith("("):  # a library's scratch: no traffic
+        result = ", ".join(a for a in re.findall(r"\w+\[[\d,]*\]", i.shape)
+                           if not a.startswith("s8["))
+    return shape_bytes(result) + sum(shape_bytes(o.shape) for o in ops)
+
+
+def traffic(p: Program) -> dict:
+    """Per program run: `bytes` and `flops` (module doc), and `by_kind` ({looprl kernel name,
+    `gemm` or the opcode: {bytes, flops, launches}})."""
+    out = {"bytes": 0.0, "flops": 0.0, "by_kind": {}}
+    for i, mult in kernels(p):
+        b, f = _bytes(p, i) * mult, _flops(p, i) * mult
+        if is_looprl_kernel(i):
+            kind = re.search(r"looprl_\w+", i.op_name + i.rest).group(0)
+        elif i.opcode == "custom-call" and any(t in i.rest for t in GEMM_TARGETS):
+            kind = "gemm"
+        else:
+            kind = i.opcode
+        k = out["by_kind"].setdefault(kind, {"bytes": 0.0, "flops": 0.0, "launches": 0})
+        k["bytes"] += b
+        k["flops"] += f
+        k["launches"] += mult
+        out["bytes"] += b
+        out["flops"] += f
+    return out

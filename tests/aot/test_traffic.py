@@ -1,0 +1,116 @@
+"""`looprl.aot.traffic` on a hand-written optimized HLO module: a while loop of known trip
+count 3 whose body slices one layer of a stacked cache inside a fusion, updates the cache in
+place, and runs a cuBLAS GEMM (with its workspace). Exact byte and FLOP counts by hand."""
+from looprl.aot import inspect as I
+from looprl.aot import traffic as TR
+
+HLO = """HloModule m
+
+%fused_slice (param_0: f32[3,64,128], param_1: s32[]) -> f32[64,128] {
+  %param_0 = f32[3,64,128]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %ds = f32[1,64,128]{2,1,0} dynamic-slice(%param_0, %param_1, %c0, %c0), dynamic_slice_sizes={1,64,128}
+  ROOT %bc = f32[64,128]{1,0} bitcast(%ds)
+}
+
+%fused_update (param_0.1: f32[3,64,128], param_1.1: f32[1,64,128], param_2: s32[]) -> f32[3,64,128] {
+  %param_0.1 = f32[3,64,128]{2,1,0} parameter(0)
+  %param_1.1 = f32[1,64,128]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %c1 = s32[] constant(0)
+  ROOT %dus = f32[3,64,128]{2,1,0} dynamic-update-slice(%param_0.1, %param_1.1, %param_2, %c1, %c1)
+}
+
+%fused_dot (param_0.2: f32[64,128], param_1.2: f32[128,32]) -> f32[64,32] {
+  %param_0.2 = f32[64,128]{1,0} parameter(0)
+  %param_1.2 = f32[128,32]{1,0} parameter(1)
+  ROOT %dot = f32[64,32]{1,0} dot(%param_0.2, %param_1.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (arg: (s32[], f32[3,64,128], f32[128,32])) -> (s32[], f32[3,64,128], f32[128,32]) {
+  %arg = (s32[], f32[3,64,128]{2,1,0}, f32[128,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %cache = f32[3,64,128]{2,1,0} get-tuple-element(%arg), index=1
+  %w = f32[128,32]{1,0} get-tuple-element(%arg), index=2
+  %layer = f32[64,128]{1,0} fusion(%cache, %i), kind=kLoop, calls=%fused_slice
+  %prod = f32[64,32]{1,0} fusion(%layer, %w), kind=kOutput, calls=%fused_dot
+  %gemm = (f32[64,32]{1,0}, s8[4194304]{0}) custom-call(%layer, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %row = f32[1,64,128]{2,1,0} bitcast(%layer)
+  %new = f32[3,64,128]{2,1,0} fusion(%cache, %row, %i), kind=kLoop, calls=%fused_update
+  ROOT %out = (s32[], f32[3,64,128]{2,1,0}, f32[128,32]{1,0}) tuple(%i, %new, %w)
+}
+
+%cond (arg.1: (s32[], f32[3,64,128], f32[128,32])) -> pred[] {
+  %arg.1 = (s32[], f32[3,64,128]{2,1,0}, f32[128,32]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%arg.1), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (c: f32[3,64,128], w: f32[128,32]) -> f32[3,64,128] {
+  %c = f32[3,64,128]{2,1,0} parameter(0)
+  %w.1 = f32[128,32]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %t = (s32[], f32[3,64,128]{2,1,0}, f32[128,32]{1,0}) tuple(%zero, %c, %w.1)
+  %loop = (s32[], f32[3,64,128]{2,1,0}, f32[128,32]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %res = f32[3,64,128]{2,1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+LAYER = 64 * 128 * 4  # one f32 [64, 128] slice
+W = 128 * 32 * 4
+OUT = 64 * 32 * 4
+
+
+def test_shapes_count_bytes():
+    assert TR.shape_bytes("f32[64,128]{1,0}") == LAYER
+    assert TR.shape_bytes("(bf16[2,3]{1,0}, pred[5]{0})") == 12 + 5
+    assert TR.shape_bytes("s32[]") == 4
+
+
+def test_loop_bodies_count_by_trip_count():
+    """Per iteration: the slice fusion reads one layer (not the whole stack) and writes it; the
+    dot fusion reads the layer and W and writes [64, 32]; the GEMM the same (its s8 workspace
+    is no traffic); the in-place update reads the row and writes it (the stack is not read).
+    Three iterations; the condition runs 4 times (a compare of two s32 into a pred)."""
+    p = I.program(HLO)
+    t = TR.traffic(p)
+    per_iter = (LAYER + 4 + LAYER) + 2 * (LAYER + W + OUT) + (LAYER + 4 + LAYER)
+    cond = 4 * (4 + 4 + 1)
+    assert t["bytes"] == 3 * per_iter + cond
+    assert t["flops"] == 3 * 2 * (2.0 * 64 * 32 * 128)
+    assert t["by_kind"]["gemm"] == {"bytes": 3 * (LAYER + W + OUT), "flops": 3 * 2.0 * 64 * 32 * 128,
+                                    "launches": 3}
+    assert t["by_kind"]["fusion"]["launches"] == 9
+
+
+def test_a_loop_without_a_recorded_trip_count():
+    """The TPU compiler records no `known_trip_count`: the count comes from the condition
+    `i < 3` and the initial value (a copy of constant 0)."""
+    hlo = HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "").replace(
+        "  %t = (s32[], f32[3,64,128]{2,1,0}, f32[128,32]{1,0}) tuple(%zero, %c, %w.1)",
+        "  %zc = s32[] copy(%zero)\n"
+        "  %t = (s32[], f32[3,64,128]{2,1,0}, f32[128,32]{1,0}) tuple(%zc, %c, %w.1)")
+    p = I.program(hlo)
+    assert I.trip_count(p, p.instr("loop")) == 3
+    assert I.launches(p)["unknown_trip_loops"] == []
+    assert TR.traffic(p)["bytes"] == TR.traffic(I.program(HLO))["bytes"] + 8  # + the copy
+    p = I.program(hlo.replace("constant(3)", "constant(5)"))
+    assert I.trip_count(p, p.instr("loop")) == 5
+
+
+def test_a_tpu_dot_as_a_convolution():
+    """A batched matmul the TPU compiler writes as a convolution with the batch and head axes
+    as dilated windows: [8, 1024, 16, 128] x [8, 1024, 16, 128] -> [8, 16, 1024, 1024] is
+    2 x 8 x 16 x 1024 x 1024 x 128 FLOPs (one tap per output along each window)."""
+    hlo = """HloModule c
+
+ENTRY %main (q: bf16[8,1024,16,128], k: bf16[8,1024,16,128]) -> bf16[8,16,1024,1024] {
+  %q = bf16[8,1024,16,128]{3,2,1,0} parameter(0)
+  %k = bf16[8,1024,16,128]{3,2,1,0} parameter(1)
+  ROOT %s = bf16[8,16,1024,1024]{3,2,1,0} convolution(%q, %k), window={size=8x16 stride=7x15 lhs_dilate=8x16}, dim_labels=0b1f_0o1i->01bf
+}
+"""
+    p = I.program(hlo)
+    assert TR.traffic(p)["flops"] == 2.0 * 8 * 16 * 1024 * 1024 * 128
