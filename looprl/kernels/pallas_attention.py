@@ -85,8 +85,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
         offset, n = meta_ref[0], meta_ref[1]
     q = fence(interpret, q)
     if window:  # the cache row, the window's start and the kv head's columns
-        col = pl.multiple_of(jax.lax.div(pl.program_id(1), rep) * K, K)
-        cache_at = (meta_ref[2], meta_ref[3], col)
+        cache_at = (meta_ref[2], meta_ref[3], pl.multiple_of(jax.lax.div(h, rep) * K, K))
 
     def step(z, carry):
         m, l, acc = carry
