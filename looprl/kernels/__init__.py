@@ -267,10 +267,11 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
 
 def attention_cached(q_BxCxHxK, kv: CachedKV, mask_BxCxS, scale: float, stock: bool = False):
     """`attention` (or `stock_attention`) over the keys and values `kv` describes, the same
-    bits as `attention(q, *kv.slots(), ...)`. The ordered CPU form reads the cache in place
-    (no slot, sub-batch or K/V block copied; GQA kv heads read without repeating them); the
-    other forms make the slot first (`kv.slots()`). The sampler's form: not differentiable on
-    the ordered CPU form.
+    bits as `attention(q, *kv.slots(), ...)`. The ordered CPU form and the Pallas forms
+    (`pallas-gpu`; `pallas-tpu` in the decode step) read the cache in place (no slot,
+    sub-batch or K/V block copied; GQA kv heads read without repeating them); the others make
+    the slot first (`kv.slots()`). The sampler's form: not differentiable where it reads in
+    place.
 
     Args: q `[B, C, H, K]` (B = M rows); kv: `CachedKV`; mask `[B, C, S]` bool, or the
       `KeyRange` it comes from.

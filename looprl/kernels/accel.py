@@ -16,8 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from looprl.kernels.pallas_attention import flash_attention
-from looprl.kernels.pallas_attention_tpu import flash_attention_cached, supports
+from looprl.kernels import pallas_attention_tpu as tpu_attention
+from looprl.kernels.pallas_attention import flash_attention, flash_attention_cached
 from looprl.kernels.pallas_matmul import pallas_matmul_for
 from looprl.kernels.pallas_rope import rope_for
 from looprl.kernels.pallas_rows import rowsum_form
@@ -46,15 +46,19 @@ def attention_form(backend: str):
 
 
 def attention_cached_form(backend: str):
-    """The form's attention_cached(q_BxHxCxK, kv, mask, scale, softmax) -> `[B, H, C, K]`: on
-    the TPU the decode step (one new key, a `KeyRange` mask) reads the cache in place
-    (`pallas_attention_tpu`); every other call attends over `kv.slots()` (a copy), the same
-    bits."""
+    """The form's attention_cached(q_MxHxCxK, kv: CachedKV, mask, scale, softmax) -> `[M, H, C,
+    K]`, the same bits as the attention over `kv.slots()` (fp32 dots at HIGHEST where q and
+    the cache are fp32, as `Form.fp32_precision` asks); `mask` bool `[M, C, S]` or a
+    `KeyRange`. The cache read in place on the GPU (`pallas_attention.flash_attention_cached`)
+    and on the TPU for the decode step (one new key, a `KeyRange` mask:
+    `pallas_attention_tpu`); every other TPU call attends over `kv.slots()` (a copy)."""
     def attention_cached(q, kv, mask, scale, softmax):
         prec = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                 and kv.k_NxBxSxJxK.dtype == jnp.float32 else None)
-        if backend == "tpu" and supports(kv, mask):
+        if backend == "gpu":
             return flash_attention_cached(q, kv, mask, scale, backend, prec)
+        if tpu_attention.supports(kv, mask):
+            return tpu_attention.flash_attention_cached(q, kv, mask, scale, backend, prec)
         k, v = kv.slots()
         if isinstance(mask, KeyRange):
             mask = mask.mask()
