@@ -61,6 +61,38 @@ def _cached_block(refs, row, w0, col, start, dtype):
     return one(kc_ref, kw_ref), one(vc_ref, vw_ref)
 
 
+def online_init(R: int, K: int):
+    """The online softmax's state for R query rows of width K: (m, l, acc), fp32."""
+    return (jnp.full((R, 1), MASK_VALUE, jnp.float32), jnp.zeros((R, 1), jnp.float32),
+            jnp.zeros((R, K), jnp.float32))
+
+
+def online_step(q, k, v, live, carry, scale: float, precision):
+    """One key block of the online softmax (module doc): q `[R, K]`, k and v `[K_BLOCK, K]`,
+    live bool `[R, K_BLOCK]` (or broadcastable); rows with no live key keep their state bit
+    for bit. Every Pallas attention kernel runs this, so their blocks' arithmetic is one."""
+    m, l, acc = carry
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32, precision=precision)
+    s = jnp.where(live, s * jnp.float32(scale), jnp.float32(MASK_VALUE))
+    row_live = jnp.max(live.astype(jnp.int32), axis=1, keepdims=True) > 0
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)
+    a = jnp.exp(m - m_new)
+    l_new = a * l + jnp.sum(p, axis=1, keepdims=True)
+    acc_new = a * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                                precision=precision)
+    return (jnp.where(row_live, m_new, m), jnp.where(row_live, l_new, l),
+            jnp.where(row_live, acc_new, acc))
+
+
+def online_out(carry, dtype):
+    """out = acc / l, 0 for a row that saw no key, in `dtype`."""
+    _, l, acc = carry
+    seen = l > 0
+    return jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(dtype)
+
+
 def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, smem, rotated,
             interpret, rep, key_range):
     """One program (module doc). The cached form (`window`: the K and V windows follow):
@@ -88,7 +120,6 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
         cache_at = (meta_ref[2], meta_ref[3], pl.multiple_of(jax.lax.div(h, rep) * K, K))
 
     def step(z, carry):
-        m, l, acc = carry
         if rotated:  # aligned: the caller rotated the row so that its first live key is 0
             start = pl.multiple_of(z * K_BLOCK, K_BLOCK)
         else:  # the row where it lies: blocks start at its first live key
@@ -104,25 +135,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
         else:
             live = mask_ref[:, pl.ds(start, K_BLOCK)] != 0
         k, v, live = fence(interpret, k, v, live)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32, precision=precision)
-        s = jnp.where(live, s * jnp.float32(scale), jnp.float32(MASK_VALUE))
-        row_live = jnp.max(live.astype(jnp.int32), axis=1, keepdims=True) > 0
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        a = jnp.exp(m - m_new)
-        l_new = a * l + jnp.sum(p, axis=1, keepdims=True)
-        acc_new = a * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                    precision=precision)
-        return (jnp.where(row_live, m_new, m), jnp.where(row_live, l_new, l),
-                jnp.where(row_live, acc_new, acc))
+        return online_step(q, k, v, live, carry, scale, precision)
 
-    init = (jnp.full((R, 1), MASK_VALUE, jnp.float32), jnp.zeros((R, 1), jnp.float32),
-            jnp.zeros((R, K), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n, step, init)
-    seen = l > 0
-    out = fence(interpret, jnp.where(seen, acc / jnp.where(seen, l, 1.0),
-                                     0.0).astype(o_ref.dtype))
+    out = fence(interpret, online_out(jax.lax.fori_loop(0, n, step, online_init(R, K)),
+                                      o_ref.dtype))
     if window:
         pltriton.store(o_ref.at[tile], out, mask=rows < o_ref.shape[1])
     else:

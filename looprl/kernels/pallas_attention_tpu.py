@@ -22,11 +22,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from looprl.kernels.operands import CachedKV, KeyRange
+from looprl.kernels.pallas_attention import online_init, online_out, online_step
 from looprl.kernels.pallas_matmul import pad_to_multiple
 from looprl.kernels.pallas_target import compiler_params, fence, lowered
-from looprl.kernels.tiling import K_BLOCK, MASK_VALUE, ROW_TILE
+from looprl.kernels.tiling import K_BLOCK, ROW_TILE
 
 KV_GROUP = 8  # kv heads per program where J allows: a TPU tile's rows of the cache's (J, K)
+
 
 def _kernel(rows_ref, n_ref, q_ref, last_ref, k_hbm, v_hbm, kw_ref, vw_ref, o_ref, kbuf, vbuf,
             *, scale, precision, S, T, G, rep, interpret):
@@ -59,29 +61,14 @@ def _kernel(rows_ref, n_ref, q_ref, last_ref, k_hbm, v_hbm, kw_ref, vw_ref, o_re
         ks, vs = blocks(k_hbm, kbuf, kw_ref, start), blocks(v_hbm, vbuf, vw_ref, start)
         pos = start + jax.lax.broadcasted_iota(jnp.int32, (R, K_BLOCK), 1)
         out = []
-        for (j, r), q, (m_, l, acc) in zip(heads, qs, carry):
+        for (j, r), q, state in zip(heads, qs, carry):
             k, v, live = fence(interpret, ks[j], vs[j], (pos >= pad) & (pos <= last))
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32, precision=precision)
-            s = jnp.where(live, s * jnp.float32(scale), jnp.float32(MASK_VALUE))
-            row_live = jnp.max(live.astype(jnp.int32), axis=1, keepdims=True) > 0
-            m_new = jnp.maximum(m_, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.exp(s - m_new)
-            a = jnp.exp(m_ - m_new)
-            l_new = a * l + jnp.sum(p, axis=1, keepdims=True)
-            acc_new = a * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                                        precision=precision)
-            out.append((jnp.where(row_live, m_new, m_), jnp.where(row_live, l_new, l),
-                        jnp.where(row_live, acc_new, acc)))
+            out.append(online_step(q, k, v, live, state, scale, precision))
         return tuple(out)
 
-    init = tuple((jnp.full((R, 1), MASK_VALUE, jnp.float32), jnp.zeros((R, 1), jnp.float32),
-                  jnp.zeros((R, K), jnp.float32)) for _ in heads)
-    final = jax.lax.fori_loop(0, n, step, init)
-    for (j, r), (_, l, acc) in zip(heads, final):
-        seen = l > 0
-        o_ref[:, pl.ds((j * rep + r) * K, K)] = fence(interpret, jnp.where(
-            seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype))
+    final = jax.lax.fori_loop(0, n, step, tuple(online_init(R, K) for _ in heads))
+    for (j, r), state in zip(heads, final):
+        o_ref[:, pl.ds((j * rep + r) * K, K)] = fence(interpret, online_out(state, o_ref.dtype))
 
 
 def _call(rows, n, q, last, k, v, kw, vw, *, H, J, S, scale, precision, interpret, backend):
