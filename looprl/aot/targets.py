@@ -83,7 +83,9 @@ def missing(name: str) -> str | None:
 @functools.cache
 def devices(name: str) -> tuple:
     """The compile-only devices of target `name` (one device). Sets TPU_SKIP_MDS_QUERY for a
-    TPU target (libtpu otherwise asks a cloud metadata server for the host's TPU). Raises
+    TPU target (libtpu otherwise asks a cloud metadata server for the host's TPU) and
+    ALLOW_MULTIPLE_LIBTPU_LOAD (libtpu otherwise takes a lockfile, and a second process
+    compiling for a TPU at the same time, a test worker, fails to load it). Raises
     RuntimeError with `missing`'s reason when the target's packages are absent."""
     reason = missing(name)
     if reason:
@@ -95,6 +97,7 @@ def devices(name: str) -> tuple:
                                             target_config=H100_CONFIG.read_text())
     else:
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no device: nothing shared
         topo = topologies.get_topology_desc(topology_name=t.topology, platform="tpu",
                                             chips_per_host_bounds=[1, 1, 1])
     return tuple(topo.devices)
