@@ -96,13 +96,16 @@ def _roots(p: Program, body: list[Instr]) -> list[Instr]:
 
 def _attention_operands(p: Program, i: Instr):
     """(q, [k, v], the key span each row reads, the other operands) of a looprl attention
-    kernel: `looprl_flash_attention` (meta, q, k, v, mask: the span is the mask's key axis) or
-    `looprl_flash_attention_cached` (rows, n, q, last, k cache, v cache, k window, v window:
-    the span is the cache's slot length)."""
+    kernel: `looprl_flash_attention` (meta, q, k, v, mask: the span is the mask's key axis;
+    the GPU's cached form adds the k and v windows: its k, v are the caches `[N*B', S, J*K]`,
+    the span S) or `looprl_flash_attention_cached` (the TPU's: rows, n, q, last, k cache, v
+    cache `[N, B', S, J, K]`, k window, v window: the span S)."""
     ops = operands(p, i)
-    if "looprl_flash_attention_cached" in i.op_name + i.rest:  # cache [.., S, J, K]
+    if "looprl_flash_attention_cached" in i.op_name + i.rest:
         return ops[2], ops[4:6], dims(ops[4].shape)[-3], ops[:2] + [ops[3]] + ops[6:]
-    return ops[1], ops[2:4], dims(ops[-1].shape)[-1], [ops[0], ops[-1]]
+    if len(ops) == 7:  # the GPU's cached form: the windows follow the mask
+        return ops[1], ops[2:4], dims(ops[2].shape)[-2], [ops[0]] + ops[4:]
+    return ops[1], ops[2:4], dims(ops[4].shape)[-1], [ops[0], ops[4]]
 
 
 def _attention_bytes(p: Program, i: Instr) -> int:

@@ -114,3 +114,50 @@ ENTRY %main (q: bf16[8,1024,16,128], k: bf16[8,1024,16,128]) -> bf16[8,16,1024,1
 """
     p = I.program(hlo)
     assert TR.traffic(p)["flops"] == 2.0 * 8 * 16 * 1024 * 1024 * 128
+
+
+def _attention_call(target, name, params, result):
+    """An ENTRY with one looprl attention kernel call over `params` [(name, shape)]."""
+    sig = ", ".join(f"{n}: {s.split('{')[0]}" for n, s in params)
+    lines = [f"  %{n} = {s} parameter({k})" for k, (n, s) in enumerate(params)]
+    args = ", ".join(f"%{n}" for n, _ in params)
+    lines.append(f'  ROOT %call = {result} custom-call({args}), custom_call_target="{target}", '
+                 f'metadata={{op_name="jit(f)/{name}/pallas_call"}}')
+    return I.program(f"HloModule a\n\nENTRY %main ({sig}) -> {result.split('{')[0]} {{\n"
+                     + "\n".join(lines) + "\n}\n")
+
+
+# 4 rows, H = 2 heads of K = 128, J = 1 kv head, S = 512 cache slots (S != J * K), 2 slots
+# of 4 batch rows; decode: C = 1 query
+ROWS, S, KW, HK = 4, 512, 128, 256
+KV_READ = ROWS * S * KW * 2  # a row's keys: S x J*K bf16, for each of 4 rows (half the cache)
+
+
+def test_the_gpu_cached_attention_reads_its_rows_span():
+    """The GPU's in-place attention (`looprl_flash_attention` with the cache whole and the
+    windows last: meta, q, k cache, v cache, key range, k window, v window): K and V are
+    rows x S x J*K, the span the cache's S (not the window's width); FLOPs 4 x rows x C x S x
+    H*K."""
+    p = _attention_call("__gpu$xla.gpu.triton", "looprl_flash_attention", [
+        ("meta", "s32[4,1,5]{2,1,0}"), ("q", "bf16[4,1,256]{2,1,0}"),
+        ("kc", "bf16[8,512,128]{2,1,0}"), ("vc", "bf16[8,512,128]{2,1,0}"),
+        ("last", "s32[64,1]{1,0}"), ("kw", "bf16[4,1,128]{2,1,0}"),
+        ("vw", "bf16[4,1,128]{2,1,0}")], "bf16[4,1,256]{2,1,0}")
+    t = TR.traffic(p)
+    small = 4 * 5 * 4 + 64 * 4 + 2 * (4 * 128 * 2) + 2 * (4 * HK * 2)  # + q and out
+    assert t["bytes"] == 2 * KV_READ + small
+    assert t["flops"] == 4.0 * ROWS * 1 * S * HK
+
+
+def test_the_tpu_cached_attention_reads_its_rows_span():
+    """The TPU's decode kernel (`looprl_flash_attention_cached`: rows, n, q padded to a row
+    tile, last, k cache, v cache `[N, B', S, J, K]`, k window, v window)."""
+    p = _attention_call("tpu_custom_call", "looprl_flash_attention_cached", [
+        ("rows", "s32[20]{0}"), ("n", "s32[4]{0}"), ("q", "bf16[4,64,256]{2,1,0}"),
+        ("last", "s32[64,1]{1,0}"), ("kc", "bf16[2,4,512,1,128]{4,3,2,1,0}"),
+        ("vc", "bf16[2,4,512,1,128]{4,3,2,1,0}"), ("kw", "bf16[4,1,128]{2,1,0}"),
+        ("vw", "bf16[4,1,128]{2,1,0}")], "bf16[4,64,256]{2,1,0}")
+    t = TR.traffic(p)
+    small = 20 * 4 + 4 * 4 + 64 * 4 + 2 * (4 * 128 * 2) + 2 * (4 * 64 * HK * 2)
+    assert t["bytes"] == 2 * KV_READ + small
+    assert t["flops"] == 4.0 * ROWS * 64 * S * HK
