@@ -161,3 +161,26 @@ def test_the_tpu_cached_attention_reads_its_rows_span():
     small = 20 * 4 + 4 * 4 + 64 * 4 + 2 * (4 * 128 * 2) + 2 * (4 * 64 * HK * 2)
     assert t["bytes"] == 2 * KV_READ + small
     assert t["flops"] == 4.0 * ROWS * 64 * S * HK
+
+
+def test_tpu_vmem_arrays_are_no_hbm_traffic():
+    """A TPU program prefetches `a` into VMEM (S(1)) with an async copy and two ops read it
+    there: the copy reads `a` from HBM once; negate and multiply read nothing from HBM for it
+    and write their HBM results (multiply also reads negate's)."""
+    t = "{1,0:T(8,128)(2,1)}"
+    v = "{1,0:T(8,128)(2,1)S(1)}"
+    hlo = f"""HloModule v
+
+ENTRY %main (a: bf16[64,128]) -> bf16[64,128] {{
+  %a = bf16[64,128]{t} parameter(0)
+  %cs = (bf16[64,128]{t}, bf16[64,128]{v}, u32[]{{:S(2)}}) copy-start(%a)
+  %cd = bf16[64,128]{v} copy-done(%cs)
+  %n = bf16[64,128]{t} negate(%cd)
+  ROOT %m = bf16[64,128]{t} multiply(%cd, %n)
+}}
+"""
+    x = 64 * 128 * 2
+    out = TR.traffic(I.program(hlo))
+    assert out["by_kind"]["copy-start"] == {"bytes": x, "flops": 0.0, "launches": 0}
+    assert out["bytes"] == x + x + 2 * x
+    assert TR.shape_bytes(f"(bf16[64,128]{t}, bf16[64,128]{v})") == x
