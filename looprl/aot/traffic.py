@@ -195,8 +195,17 @@ def _flops(p: Program, i: Instr) -> float:
         return 0.0
     if i.opcode in ("dot", "convolution"):
         return _dot_flops(p, i)
-    body = [j for c in i.called for j in p.computations.get(c, [])]
-    return sum(_dot_flops(p, j) for j in body if j.opcode in ("dot", "convolution"))
+    return sum(_dot_flops(p, j) for j in _fused(p, i) if j.opcode in ("dot", "convolution"))
+
+
+def _fused(p: Program, i: Instr) -> list[Instr]:
+    """The instructions of the computations `i` calls, a nested fusion's (the TPU's) included."""
+    out, todo = [], list(i.called)
+    while todo:
+        for j in p.computations.get(todo.pop(), []):
+            out.append(j)
+            todo += j.called if j.opcode == "fusion" else []
+    return out
 
 
 def _bytes(p: Program, i: Instr) -> int:

@@ -184,3 +184,32 @@ ENTRY %main (a: bf16[64,128]) -> bf16[64,128] {{
     assert out["by_kind"]["copy-start"] == {"bytes": x, "flops": 0.0, "launches": 0}
     assert out["bytes"] == x + x + 2 * x
     assert TR.shape_bytes(f"(bf16[64,128]{t}, bf16[64,128]{v})") == x
+
+
+def test_a_dot_in_a_nested_fusion_counts():
+    """The TPU compiler nests fusions (a score dot inside the softmax's fusion): the inner
+    fusion's dot counts, 2 x 64 x 32 x 128 FLOPs."""
+    hlo = """HloModule n
+
+%inner (p0: f32[64,128], p1: f32[128,32]) -> f32[64,32] {
+  %p0 = f32[64,128]{1,0} parameter(0)
+  %p1 = f32[128,32]{1,0} parameter(1)
+  ROOT %d = f32[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%outer (q0: f32[64,128], q1: f32[128,32]) -> f32[64,32] {
+  %q0 = f32[64,128]{1,0} parameter(0)
+  %q1 = f32[128,32]{1,0} parameter(1)
+  %f = f32[64,32]{1,0} fusion(%q0, %q1), kind=kOutput, calls=%inner
+  ROOT %e = f32[64,32]{1,0} exponential(%f)
+}
+
+ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %b = f32[128,32]{1,0} parameter(1)
+  ROOT %o = f32[64,32]{1,0} fusion(%a, %b), kind=kLoop, calls=%outer
+}
+"""
+    t = TR.traffic(I.program(hlo))
+    assert t["flops"] == 2.0 * 64 * 32 * 128
+    assert t["bytes"] == LAYER + W + OUT
