@@ -6,6 +6,8 @@ Per kernel launch (`inspect.kernels`): bytes = what it reads + what it writes, f
 operands' and the result's shapes. A fusion operand read only through slices (dynamic-slice,
 slice, gather) counts the slices' sizes; a fusion whose result is a dynamic-update-slice of one
 of its operands (updated in place) writes the update only and does not read that operand.
+An array a TPU keeps in VMEM (memory space S(1) in its layout) is no HBM traffic; the async
+copy that brings it there or back (`copy-start`) counts its HBM side.
 A looprl attention kernel reads its rows' keys and values: q's rows x the key span (the mask's,
 or the cache's slot length) x the kv width, whatever the K/V operands' size (the cached kernel
 is handed the whole KV cache). FLOPs: 2 x output x contraction for each dot and convolution
@@ -23,17 +25,25 @@ import re
 
 from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, gemm_flops, is_looprl_kernel,
                                 kernels)
+from looprl.aot.inspect import _control_flow as control_flow
 
 ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\](\{[^}]*\})?")  # type, dims, layout
+VMEM = "S(1)"  # a TPU layout's memory space 1: the core's VMEM, not HBM
 SLICING = ("dynamic-slice", "slice", "gather")
 
 
 def shape_bytes(shape: str) -> int:
-    """Bytes of a printed HLO shape (an array or a tuple of arrays; token and opaque: 0)."""
+    """HBM bytes of a printed HLO shape (an array or a tuple of arrays; token, opaque and an
+    array laid out in a TPU's VMEM, memory space S(1): 0)."""
     return sum(ITEM_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
-               for t, dims in _ARRAY.findall(shape))
+               for t, dims, layout in _ARRAY.findall(shape) if VMEM not in layout)
+
+
+def _elements(shape: str) -> list[str]:
+    """The arrays of a printed (tuple) shape, each with its layout."""
+    return [m.group(0) for m in _ARRAY.finditer(shape)]
 
 
 def dims(shape: str) -> list[int]:
@@ -96,13 +106,16 @@ def _roots(p: Program, body: list[Instr]) -> list[Instr]:
 
 def _attention_operands(p: Program, i: Instr):
     """(q, [k, v], the key span each row reads, the other operands) of a looprl attention
-    kernel: `looprl_flash_attention` (meta, q, k, v, mask: the span is the mask's key axis) or
-    `looprl_flash_attention_cached` (rows, n, q, last, k cache, v cache, k window, v window:
-    the span is the cache's slot length)."""
+    kernel: `looprl_flash_attention` (meta, q, k, v, mask: the span is the mask's key axis;
+    the GPU's cached form adds the k and v windows: its k, v are the caches `[N*B', S, J*K]`,
+    the span S) or `looprl_flash_attention_cached` (the TPU's: rows, n, q, last, k cache, v
+    cache `[N, B', S, J, K]`, k window, v window: the span S)."""
     ops = operands(p, i)
-    if "looprl_flash_attention_cached" in i.op_name + i.rest:  # cache [.., S, J, K]
+    if "looprl_flash_attention_cached" in i.op_name + i.rest:
         return ops[2], ops[4:6], dims(ops[4].shape)[-3], ops[:2] + [ops[3]] + ops[6:]
-    return ops[1], ops[2:4], dims(ops[-1].shape)[-1], [ops[0], ops[-1]]
+    if len(ops) == 7:  # the GPU's cached form: the windows follow the mask
+        return ops[1], ops[2:4], dims(ops[2].shape)[-2], [ops[0]] + ops[4:]
+    return ops[1], ops[2:4], dims(ops[4].shape)[-1], [ops[0], ops[4]]
 
 
 def _attention_bytes(p: Program, i: Instr) -> int:
@@ -182,8 +195,17 @@ def _flops(p: Program, i: Instr) -> float:
         return 0.0
     if i.opcode in ("dot", "convolution"):
         return _dot_flops(p, i)
-    body = [j for c in i.called for j in p.computations.get(c, [])]
-    return sum(_dot_flops(p, j) for j in body if j.opcode in ("dot", "convolution"))
+    return sum(_dot_flops(p, j) for j in _fused(p, i) if j.opcode in ("dot", "convolution"))
+
+
+def _fused(p: Program, i: Instr) -> list[Instr]:
+    """The instructions of the computations `i` calls, a nested fusion's (the TPU's) included."""
+    out, todo = [], list(i.called)
+    while todo:
+        for j in p.computations.get(todo.pop(), []):
+            out.append(j)
+            todo += j.called if j.opcode == "fusion" else []
+    return out
 
 
 def _bytes(p: Program, i: Instr) -> int:
@@ -197,8 +219,11 @@ def _bytes(p: Program, i: Instr) -> int:
     if i.opcode in SLICING:
         return 2 * shape_bytes(i.shape)
     if i.opcode == "slice-start":  # the TPU's async slice: ((operand), slice, context)
-        arrays = _ARRAY.findall(i.shape)
-        return 2 * shape_bytes("%s[%s]" % arrays[1]) if len(arrays) > 1 else 0
+        arrays = _elements(i.shape)
+        if len(arrays) < 2:
+            return 0
+        read = shape_bytes(arrays[1].split("{")[0]) if VMEM not in arrays[0] else 0
+        return read + shape_bytes(arrays[1])
     result = i.shape
     if i.opcode == "custom-call" and i.shape.startswith("("):  # a library's scratch: no traffic
         result = ", ".join(a for a in re.findall(r"\w+\[[\d,]*\]", i.shape)
@@ -206,22 +231,30 @@ def _bytes(p: Program, i: Instr) -> int:
     return shape_bytes(result) + sum(shape_bytes(o.shape) for o in ops)
 
 
+def _add(out: dict, kind: str, b: float, f: float, launches: int):
+    k = out["by_kind"].setdefault(kind, {"bytes": 0.0, "flops": 0.0, "launches": 0})
+    k["bytes"] += b
+    k["flops"] += f
+    k["launches"] += launches
+    out["bytes"] += b
+    out["flops"] += f
+
+
 def traffic(p: Program) -> dict:
     """Per program run: `bytes` and `flops` (module doc), and `by_kind` ({looprl kernel name,
-    `gemm` or the opcode: {bytes, flops, launches}})."""
+    `gemm` or the opcode: {bytes, flops, launches}}). A TPU's async copies between HBM and
+    VMEM (`copy-start`, no launch) count their HBM side."""
     out = {"bytes": 0.0, "flops": 0.0, "by_kind": {}}
     for i, mult in kernels(p):
-        b, f = _bytes(p, i) * mult, _flops(p, i) * mult
         if is_looprl_kernel(i):
             kind = re.search(r"looprl_\w+", i.op_name + i.rest).group(0)
         elif i.opcode == "custom-call" and any(t in i.rest for t in GEMM_TARGETS):
             kind = "gemm"
         else:
             kind = i.opcode
-        k = out["by_kind"].setdefault(kind, {"bytes": 0.0, "flops": 0.0, "launches": 0})
-        k["bytes"] += b
-        k["flops"] += f
-        k["launches"] += mult
-        out["bytes"] += b
-        out["flops"] += f
+        _add(out, kind, _bytes(p, i) * mult, _flops(p, i) * mult, mult)
+    for comp, mult in control_flow(p)[0]:
+        for i in p.computations.get(comp, []):
+            if i.opcode == "copy-start":  # ((from), to, context)
+                _add(out, i.opcode, sum(map(shape_bytes, _elements(i.shape)[:2])) * mult, 0.0, 0)
     return out

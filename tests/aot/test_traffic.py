@@ -114,3 +114,102 @@ ENTRY %main (q: bf16[8,1024,16,128], k: bf16[8,1024,16,128]) -> bf16[8,16,1024,1
 """
     p = I.program(hlo)
     assert TR.traffic(p)["flops"] == 2.0 * 8 * 16 * 1024 * 1024 * 128
+
+
+def _attention_call(target, name, params, result):
+    """An ENTRY with one looprl attention kernel call over `params` [(name, shape)]."""
+    sig = ", ".join(f"{n}: {s.split('{')[0]}" for n, s in params)
+    lines = [f"  %{n} = {s} parameter({k})" for k, (n, s) in enumerate(params)]
+    args = ", ".join(f"%{n}" for n, _ in params)
+    lines.append(f'  ROOT %call = {result} custom-call({args}), custom_call_target="{target}", '
+                 f'metadata={{op_name="jit(f)/{name}/pallas_call"}}')
+    return I.program(f"HloModule a\n\nENTRY %main ({sig}) -> {result.split('{')[0]} {{\n"
+                     + "\n".join(lines) + "\n}\n")
+
+
+# 4 rows, H = 2 heads of K = 128, J = 1 kv head, S = 512 cache slots (S != J * K), 2 slots
+# of 4 batch rows; decode: C = 1 query
+ROWS, S, KW, HK = 4, 512, 128, 256
+KV_READ = ROWS * S * KW * 2  # a row's keys: S x J*K bf16, for each of 4 rows (half the cache)
+
+
+def test_the_gpu_cached_attention_reads_its_rows_span():
+    """The GPU's in-place attention (`looprl_flash_attention` with the cache whole and the
+    windows last: meta, q, k cache, v cache, key range, k window, v window): K and V are
+    rows x S x J*K, the span the cache's S (not the window's width); FLOPs 4 x rows x C x S x
+    H*K."""
+    p = _attention_call("__gpu$xla.gpu.triton", "looprl_flash_attention", [
+        ("meta", "s32[4,1,5]{2,1,0}"), ("q", "bf16[4,1,256]{2,1,0}"),
+        ("kc", "bf16[8,512,128]{2,1,0}"), ("vc", "bf16[8,512,128]{2,1,0}"),
+        ("last", "s32[64,1]{1,0}"), ("kw", "bf16[4,1,128]{2,1,0}"),
+        ("vw", "bf16[4,1,128]{2,1,0}")], "bf16[4,1,256]{2,1,0}")
+    t = TR.traffic(p)
+    small = 4 * 5 * 4 + 64 * 4 + 2 * (4 * 128 * 2) + 2 * (4 * HK * 2)  # + q and out
+    assert t["bytes"] == 2 * KV_READ + small
+    assert t["flops"] == 4.0 * ROWS * 1 * S * HK
+
+
+def test_the_tpu_cached_attention_reads_its_rows_span():
+    """The TPU's decode kernel (`looprl_flash_attention_cached`: rows, n, q padded to a row
+    tile, last, k cache, v cache `[N, B', S, J, K]`, k window, v window)."""
+    p = _attention_call("tpu_custom_call", "looprl_flash_attention_cached", [
+        ("rows", "s32[20]{0}"), ("n", "s32[4]{0}"), ("q", "bf16[4,64,256]{2,1,0}"),
+        ("last", "s32[64,1]{1,0}"), ("kc", "bf16[2,4,512,1,128]{4,3,2,1,0}"),
+        ("vc", "bf16[2,4,512,1,128]{4,3,2,1,0}"), ("kw", "bf16[4,1,128]{2,1,0}"),
+        ("vw", "bf16[4,1,128]{2,1,0}")], "bf16[4,64,256]{2,1,0}")
+    t = TR.traffic(p)
+    small = 20 * 4 + 4 * 4 + 64 * 4 + 2 * (4 * 128 * 2) + 2 * (4 * 64 * HK * 2)
+    assert t["bytes"] == 2 * KV_READ + small
+    assert t["flops"] == 4.0 * ROWS * 64 * S * HK
+
+
+def test_tpu_vmem_arrays_are_no_hbm_traffic():
+    """A TPU program prefetches `a` into VMEM (S(1)) with an async copy and two ops read it
+    there: the copy reads `a` from HBM once; negate and multiply read nothing from HBM for it
+    and write their HBM results (multiply also reads negate's)."""
+    t = "{1,0:T(8,128)(2,1)}"
+    v = "{1,0:T(8,128)(2,1)S(1)}"
+    hlo = f"""HloModule v
+
+ENTRY %main (a: bf16[64,128]) -> bf16[64,128] {{
+  %a = bf16[64,128]{t} parameter(0)
+  %cs = (bf16[64,128]{t}, bf16[64,128]{v}, u32[]{{:S(2)}}) copy-start(%a)
+  %cd = bf16[64,128]{v} copy-done(%cs)
+  %n = bf16[64,128]{t} negate(%cd)
+  ROOT %m = bf16[64,128]{t} multiply(%cd, %n)
+}}
+"""
+    x = 64 * 128 * 2
+    out = TR.traffic(I.program(hlo))
+    assert out["by_kind"]["copy-start"] == {"bytes": x, "flops": 0.0, "launches": 0}
+    assert out["bytes"] == x + x + 2 * x
+    assert TR.shape_bytes(f"(bf16[64,128]{t}, bf16[64,128]{v})") == x
+
+
+def test_a_dot_in_a_nested_fusion_counts():
+    """The TPU compiler nests fusions (a score dot inside the softmax's fusion): the inner
+    fusion's dot counts, 2 x 64 x 32 x 128 FLOPs."""
+    hlo = """HloModule n
+
+%inner (p0: f32[64,128], p1: f32[128,32]) -> f32[64,32] {
+  %p0 = f32[64,128]{1,0} parameter(0)
+  %p1 = f32[128,32]{1,0} parameter(1)
+  ROOT %d = f32[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%outer (q0: f32[64,128], q1: f32[128,32]) -> f32[64,32] {
+  %q0 = f32[64,128]{1,0} parameter(0)
+  %q1 = f32[128,32]{1,0} parameter(1)
+  %f = f32[64,32]{1,0} fusion(%q0, %q1), kind=kOutput, calls=%inner
+  ROOT %e = f32[64,32]{1,0} exponential(%f)
+}
+
+ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %b = f32[128,32]{1,0} parameter(1)
+  ROOT %o = f32[64,32]{1,0} fusion(%a, %b), kind=kLoop, calls=%outer
+}
+"""
+    t = TR.traffic(I.program(hlo))
+    assert t["flops"] == 2.0 * 64 * 32 * 128
+    assert t["bytes"] == LAYER + W + OUT
