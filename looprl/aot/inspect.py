@@ -163,7 +163,7 @@ def trip_count(p: Program, loop: Instr) -> int | None:
     return None if start is None else max(0, limit - start)
 
 
-def _control_flow(p: Program):
+def control_flow(p: Program):
     """(computation, multiplier) for the entry and every computation run as control flow
     (while bodies and conditions, conditional branches, calls), with launch multipliers."""
     out, unknown = [], []
@@ -188,7 +188,7 @@ def _control_flow(p: Program):
 def kernels(p: Program) -> list[tuple[Instr, int]]:
     """Every kernel launch site: (instruction, launches per program run) for fusions, custom
     calls and the other non-free ops of the entry and its control-flow computations."""
-    sites, _ = _control_flow(p)
+    sites, _ = control_flow(p)
     return [(i, mult) for comp, mult in sites for i in p.computations.get(comp, [])
             if i.opcode not in FREE_OPS
             and not (i.opcode == "custom-call" and any(t in i.rest for t in FREE_CUSTOM_CALLS))]
@@ -197,7 +197,7 @@ def kernels(p: Program) -> list[tuple[Instr, int]]:
 def launches(p: Program) -> dict:
     """Kernel launches per run: `total`, by kind (`fusion`, `custom-call`, other opcodes), and
     `unknown_trip_loops` (while loops without a known trip count, counted once)."""
-    _, unknown = _control_flow(p)
+    _, unknown = control_flow(p)
     by: dict[str, int] = {}
     for i, mult in kernels(p):
         by[i.opcode] = by.get(i.opcode, 0) + mult

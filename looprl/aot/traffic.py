@@ -25,7 +25,7 @@ import re
 
 from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, gemm_flops, is_looprl_kernel,
                                 kernels)
-from looprl.aot.inspect import _control_flow as control_flow
+from looprl.aot.inspect import control_flow
 
 ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
