@@ -79,12 +79,28 @@ class CtrlC:
                 bar.update(n)
         return progress
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         if self._prev is not None:
             signal.signal(signal.SIGINT, self._prev)
         if self._prev_hook is not None:
             sys.unraisablehook = self._prev_hook
+        if (self.pending is not None and exc is not None
+                and not isinstance(exc, KeyboardInterrupt) and _from_interrupt(exc)):
+            # Python wraps a KeyboardInterrupt raised in some hooks (a dataclass field's
+            # __set_name__ while a module imports): the Ctrl-C is still a Ctrl-C
+            raise KeyboardInterrupt from exc
         return False
+
+
+def _from_interrupt(exc: BaseException) -> bool:
+    """True when a KeyboardInterrupt is in `exc`'s chain of causes and contexts."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class DeferredSignals:

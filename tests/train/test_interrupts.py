@@ -155,3 +155,22 @@ def test_a_ctrl_c_in_the_last_grpo_step_stops_the_run_after_it(tmp_path, monkeyp
     assert pre["exit_status"] == 130 and saved == [3]
     assert pre["resume"] == f"looprl train {tmp_path}/config.json resume={tmp_path}"
     assert json.loads((tmp_path / "preempted.json").read_text()) == pre
+
+
+def test_a_ctrl_c_python_wraps_in_another_error_is_still_a_ctrl_c():
+    """A SIGINT during an import whose dataclass runs `__set_name__` reaches the caller as
+    RuntimeError("Error calling __set_name__ ...") caused by the KeyboardInterrupt; `CtrlC`
+    turns it back into a KeyboardInterrupt (exit 130 with the resume line, not a traceback).
+    An error with no Ctrl-C behind it passes through unchanged."""
+    class Interrupting:
+        def __set_name__(self, owner, name):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        with CtrlC():
+            type("Config", (), {"field": Interrupting()})
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "__set_name__" in str(info.value.__cause__)
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        with CtrlC():
+            raise RuntimeError("not an interrupt")
