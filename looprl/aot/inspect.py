@@ -210,6 +210,11 @@ def is_looprl_kernel(i: Instr) -> bool:
             and (f"/{LOOPRL_PREFIX}" in i.op_name or f'name = "{LOOPRL_PREFIX}' in i.rest))
 
 
+def looprl_name(i: Instr) -> str:
+    """The looprl kernel's name (`looprl_flash_attention`, ...) of a looprl kernel's launch."""
+    return re.search(rf"{LOOPRL_PREFIX}\w+", i.op_name + i.rest).group(0)
+
+
 def interpreted(p: Program) -> list[str]:
     """Launches that run a looprl kernel's body as XLA ops (Pallas interpret mode compiled for
     the target: the kernel form was not bound to the target's platform)."""
@@ -226,7 +231,7 @@ def dots(p: Program) -> list[dict]:
     for i, mult in kernels(p):
         if is_looprl_kernel(i):
             shapes = re.findall(r"(\w+\[[\d,]*\])\{", i.attr("operand_layout_constraints") or "")
-            name = re.search(rf"{LOOPRL_PREFIX}\w+", i.op_name + i.rest).group(0)
+            name = looprl_name(i)
             tune = tuple(re.findall(r"(num_warps|num_stages) = (\d+)", i.rest))
             config = (name, tuple(s.split("[")[0] + "[M," + s.split(",", 1)[1]
                                   if "," in s else s for s in shapes[:1]) + tuple(shapes[1:]),

@@ -23,9 +23,8 @@ from __future__ import annotations
 import math
 import re
 
-from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, gemm_flops, is_looprl_kernel,
-                                kernels)
-from looprl.aot.inspect import control_flow
+from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, control_flow, gemm_flops,
+                                is_looprl_kernel, kernels, looprl_name)
 
 ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -111,7 +110,7 @@ def _attention_operands(p: Program, i: Instr):
     the span S) or `looprl_flash_attention_cached` (the TPU's: rows, n, q, last, k cache, v
     cache `[N, B', S, J, K]`, k window, v window: the span S)."""
     ops = operands(p, i)
-    if "looprl_flash_attention_cached" in i.op_name + i.rest:
+    if looprl_name(i) == "looprl_flash_attention_cached":
         return ops[2], ops[4:6], dims(ops[4].shape)[-3], ops[:2] + [ops[3]] + ops[6:]
     if len(ops) == 7:  # the GPU's cached form: the windows follow the mask
         return ops[1], ops[2:4], dims(ops[2].shape)[-2], [ops[0]] + ops[4:]
@@ -179,7 +178,7 @@ def _dot_flops(p: Program, j: Instr) -> float:
 
 def _flops(p: Program, i: Instr) -> float:
     if is_looprl_kernel(i):
-        name = re.search(r"looprl_\w+", i.op_name + i.rest).group(0)
+        name = looprl_name(i)
         ops = operands(p, i)
         if "matmul" in name and len(ops) >= 2:
             (m, k), o = dims(ops[0].shape)[-2:], dims(ops[1].shape)[-1]
@@ -209,7 +208,7 @@ def _fused(p: Program, i: Instr) -> list[Instr]:
 
 
 def _bytes(p: Program, i: Instr) -> int:
-    if is_looprl_kernel(i) and "looprl_flash_attention" in i.op_name + i.rest:
+    if is_looprl_kernel(i) and looprl_name(i).startswith("looprl_flash_attention"):
         return _attention_bytes(p, i)
     if i.opcode == "fusion":
         return _fusion_bytes(p, i)
@@ -226,8 +225,7 @@ def _bytes(p: Program, i: Instr) -> int:
         return read + shape_bytes(arrays[1])
     result = i.shape
     if i.opcode == "custom-call" and i.shape.startswith("("):  # a library's scratch: no traffic
-        result = ", ".join(a for a in re.findall(r"\w+\[[\d,]*\]", i.shape)
-                           if not a.startswith("s8["))
+        result = ", ".join(a for a in _elements(i.shape) if not a.startswith("s8["))
     return shape_bytes(result) + sum(shape_bytes(o.shape) for o in ops)
 
 
@@ -247,7 +245,7 @@ def traffic(p: Program) -> dict:
     out = {"bytes": 0.0, "flops": 0.0, "by_kind": {}}
     for i, mult in kernels(p):
         if is_looprl_kernel(i):
-            kind = re.search(r"looprl_\w+", i.op_name + i.rest).group(0)
+            kind = looprl_name(i)
         elif i.opcode == "custom-call" and any(t in i.rest for t in GEMM_TARGETS):
             kind = "gemm"
         else:

@@ -52,6 +52,8 @@ def attention_cached_form(backend: str):
     `KeyRange`. The cache read in place on the GPU (`pallas_attention.flash_attention_cached`)
     and on the TPU for the decode step (one new key, a `KeyRange` mask:
     `pallas_attention_tpu`); every other TPU call attends over `kv.slots()` (a copy)."""
+    over_slot = attention_form(backend)
+
     def attention_cached(q, kv, mask, scale, softmax):
         prec = (jax.lax.Precision.HIGHEST if q.dtype == jnp.float32
                 and kv.k_NxBxSxJxK.dtype == jnp.float32 else None)
@@ -59,11 +61,8 @@ def attention_cached_form(backend: str):
             return flash_attention_cached(q, kv, mask, scale, backend, prec)
         if tpu_attention.supports(kv, mask):
             return tpu_attention.flash_attention_cached(q, kv, mask, scale, backend, prec)
-        k, v = kv.slots()
-        if isinstance(mask, KeyRange):
-            mask = mask.mask()
-        return flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale, backend,
-                               prec)
+        return over_slot(q, *kv.slots(), mask.mask() if isinstance(mask, KeyRange) else mask,
+                         scale, softmax, prec)
     return attention_cached
 
 

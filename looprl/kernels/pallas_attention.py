@@ -201,7 +201,8 @@ def _mask_operands(mask_BxCxS):
     return jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32), meta
 
 
-def _check_heads(H, J, name):
+def check_heads(H: int, J: int, name: str) -> None:
+    """Raises ValueError naming `name` when H query heads are not a multiple of J kv heads."""
     if H % J:
         raise ValueError(f"{name}: {H} query heads are not a multiple of {J} kv heads")
 
@@ -218,7 +219,7 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     Raises ValueError when H is not a multiple of J."""
     B, H, C, K = q_BxHxCxK.shape
     J = k_BxSxJxK.shape[2]
-    _check_heads(H, J, "flash_attention")
+    check_heads(H, J, "flash_attention")
     q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE)
     q = q.reshape(B, q.shape[1], H * K)
     mask, meta = _mask_operands(mask_BxCxS)
@@ -281,7 +282,7 @@ def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, prec
                          "the GPU's (a TPU reads the slot copy, kv.slots())")
     N, Bc, S, J, K = kv.k_NxBxSxJxK.shape
     M, H, C, _ = q_BxHxCxK.shape
-    _check_heads(H, J, "flash_attention_cached")
+    check_heads(H, J, "flash_attention_cached")
     dtype = kv.k_NxBxSxJxK.dtype
     wins = [w.astype(dtype) for w in (kv.k_win_MxCxJxK, kv.v_win_MxCxJxK)]
     key_range = isinstance(mask, KeyRange)

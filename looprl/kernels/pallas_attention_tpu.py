@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from looprl.kernels.operands import CachedKV, KeyRange
-from looprl.kernels.pallas_attention import online_init, online_out, online_step
+from looprl.kernels.pallas_attention import (check_heads, key_range_table, online_init,
+                                             online_out, online_step)
 from looprl.kernels.pallas_matmul import pad_to_multiple
 from looprl.kernels.pallas_target import compiler_params, fence, lowered
 from looprl.kernels.tiling import K_BLOCK, ROW_TILE
@@ -116,19 +117,12 @@ def flash_attention_cached(q_MxHxCxK, kv: CachedKV, mask: KeyRange, scale: float
                          f"{tuple(kv.k_win_MxCxJxK.shape)})")
     M, H, C, K = q_MxHxCxK.shape
     N, B, S, J, _ = kv.k_NxBxSxJxK.shape
-    if H % J:
-        raise ValueError(f"flash_attention_cached: {H} query heads are not a multiple of {J} "
-                         "kv heads")
+    check_heads(H, J, "flash_attention_cached")
     q = pad_to_multiple(jnp.swapaxes(q_MxHxCxK, 1, 2), 1, ROW_TILE).reshape(M, -1, H * K)
-    Cp = q.shape[1]
+    meta, layout = key_range_table(mask, q.shape[1])  # the slot path's block table
+    last = jnp.minimum(layout, S - 1)  # each query's last visible key (-1: a padded query)
+    offset, n = meta[:, 0, 0], meta[..., 1]
     pad = mask.pad_B.astype(jnp.int32)
-    last_C = jnp.minimum(mask.layout_C.astype(jnp.int32), S - 1)
-    last = jnp.pad(last_C, (0, Cp - C), constant_values=-1)  # padded queries see nothing
-    any_M = pad <= jnp.max(last_C)
-    offset = jnp.where(any_M, pad, 0)
-    end_T = jnp.max(last.reshape(-1, ROW_TILE), axis=1) + 1  # per query tile
-    n = jnp.maximum(end_T[None, :] - offset[:, None] + K_BLOCK - 1, 0) // K_BLOCK
-    n = jnp.where(any_M[:, None], n, 0).astype(jnp.int32)
     w0 = jnp.clip(kv.w0, 0, S - C).astype(jnp.int32)
     rows = jnp.stack([jnp.broadcast_to(kv.slot, (M,)), kv.rows_M.astype(jnp.int32), offset,
                       pad, jnp.broadcast_to(w0, (M,))], axis=1).astype(jnp.int32).reshape(-1)
@@ -137,5 +131,5 @@ def flash_attention_cached(q_MxHxCxK, kv: CachedKV, mask: KeyRange, scale: float
            for w in (kv.k_win_MxCxJxK, kv.v_win_MxCxJxK)]
     out = lowered(lambda interpret: functools.partial(
         _call, H=H, J=J, S=S, scale=float(scale), precision=precision, interpret=interpret,
-        backend=backend), backend, rows, n.reshape(-1), q, last[:, None], *cache, *win)
-    return jnp.swapaxes(out.reshape(M, Cp, H, K)[:, :C], 1, 2)
+        backend=backend), backend, rows, n.reshape(-1), q, last, *cache, *win)
+    return jnp.swapaxes(out.reshape(M, -1, H, K)[:, :C], 1, 2)
