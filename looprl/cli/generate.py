@@ -28,7 +28,8 @@ from looprl.tokenizer import chat_prompt, tokenizer_from_json
 def check_args(args) -> None:
     """Checks that need no model, done before loading one. Raises SamplingError when both
     `--exit-threshold` and `--fixed-depth` are given (the fixed depth would silently override
-    the threshold) or when the directory of `--save-rollout FILE` does not exist."""
+    the threshold), when `--save-rollout FILE` is a directory or its directory does not
+    exist."""
     if args.fixed_depth is not None and args.exit_threshold is not None:
         raise SamplingError(f"--fixed-depth {args.fixed_depth} and --exit-threshold "
                             f"{args.exit_threshold} both given: a fixed depth replaces the "
@@ -36,7 +37,11 @@ def check_args(args) -> None:
     if args.num_samples < 1:
         raise SamplingError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.save_rollout:
-        parent = Path(args.save_rollout).expanduser().parent
+        target = Path(args.save_rollout).expanduser()
+        parent = target.parent
+        if target.is_dir():
+            raise SamplingError(f"--save-rollout {args.save_rollout}: is a directory; name the "
+                                f"rollout file to write, e.g. {str(target / 'rollout.npz')!r}")
         if not parent.is_dir():
             raise SamplingError(f"--save-rollout {args.save_rollout}: directory {str(parent)!r} "
                                 f"does not exist")
