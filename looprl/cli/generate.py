@@ -47,6 +47,25 @@ def check_args(args) -> None:
                                 f"does not exist")
 
 
+FLAGS = {"exit_threshold q": "--exit-threshold", "fixed_depth": "--fixed-depth",
+         "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+         "max_new_tokens": "--max-new-tokens", "kv_policy": "--kv-policy",
+         "compute_dtype": "--dtype", "kernels": "--kernels"}
+
+
+def check_sampling(scfg: SamplingConfig, T: int) -> None:
+    """`scfg.validate(T)`, its SamplingError naming the command-line flag instead of the
+    field (`--exit-threshold must lie in (0, 1], got 1.5`)."""
+    try:
+        scfg.validate(T)
+    except SamplingError as e:
+        msg = str(e)
+        for field, flag in FLAGS.items():
+            if msg.startswith(field + " "):
+                raise SamplingError(flag + msg[len(field):]) from None
+        raise
+
+
 def recorded_prompt_style(meta: dict, checkpoint) -> str:
     """The prompt style a checkpoint records; ChatML when none is (a converted model, an HF
     directory), with a one-line warning on stderr for a run's checkpoint written before the
@@ -146,6 +165,7 @@ def run(args) -> int:
                           top_k=args.top_k, top_p=args.top_p, exit_threshold=q,
                           fixed_depth=fixed_depth, kv_policy=st["kv_policy"],
                           compute_dtype=st["dtype"], stop_ids=stop_ids, kernels=st["kernels"])
+    check_sampling(scfg, cfg.total_ut_steps)
     bar = tqdm(total=args.max_new_tokens, desc="decode", unit="tok", disable=not sys.stderr.isatty()
                or args.max_new_tokens < 64, leave=False)
 

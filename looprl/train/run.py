@@ -372,11 +372,11 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
                "inexact_replay_steps": replay.get("inexact_replay_steps"),
                "model_config": model_cfg.to_dict(), "num_params": model_cfg.num_params,
                "environment": {**environment(), "kernel_version": kernel_version()}}
+    if not summary["complete"] and exp_cfg.run.stop_after is not None:  # the output's last line
+        summary["stopped"] = (f"stopped after GRPO step {n_steps} of {exp_cfg.run.grpo_steps} "
+                              f"(stop_after); continue with: {resume_command(out)}")
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if not summary["complete"] and exp_cfg.run.stop_after is not None:
-        say(f"stopped after GRPO step {n_steps} of {exp_cfg.run.grpo_steps} (stop_after); "
-            f"continue with: {resume_command(out)}")
     return summary
 
 
