@@ -29,7 +29,7 @@ import numpy as np
 from looprl.determinism import environment
 from looprl.errors import CheckpointError, ConfigError, SamplingError, create_dir
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
-from looprl.io.hf import check_not_run_directory
+from looprl.io.hf import check_not_run_directory, hf_usage_settings
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
 from looprl.rl.evaluation import pass_at_k_summary
 from looprl.sampling.resident import load_for_sampling
@@ -71,15 +71,15 @@ DATA_FLAGS = {"data_dir": "--data-dir", "source": "--source"}  # a task's `data_
 
 
 def recorded_meta(checkpoint: str) -> dict[str, Any]:
-    """`looprl_meta.json` of a looprl checkpoint (read without loading the weights), {} for an
-    HF directory. Raises CheckpointError for a path that is no directory at all."""
+    """`looprl_meta.json` of a looprl checkpoint (read without loading the weights); for an HF
+    directory the settings its `config.json` keeps (`hf_usage_settings`), else {}. Raises CheckpointError for a path that is no directory at all."""
     path = Path(checkpoint).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"--checkpoint {checkpoint}: not a checkpoint directory (does "
                               f"not exist or is a file); pass a looprl checkpoint or an HF "
                               f"directory")
     if not (path / META_FILE).exists():
-        return {}
+        return hf_usage_settings(path)  # what `looprl convert --to-hf` kept, or {}
     return read_checkpoint_meta(path)
 
 

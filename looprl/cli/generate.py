@@ -20,6 +20,7 @@ from pathlib import Path
 
 from looprl.errors import CheckpointError, SamplingError
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
+from looprl.io.hf import hf_usage_settings
 from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tokenizer import chat_prompt, tokenizer_from_json
@@ -85,7 +86,7 @@ def recorded_settings(checkpoint, args) -> dict:
     float32, invariant kernels. A fixed depth and a threshold exclude each other: a flag for
     either drops the recorded other. Reads only `looprl_meta.json` (no weights)."""
     path = Path(checkpoint).expanduser()
-    rec = {}
+    rec = dict(hf_usage_settings(path).get("eval") or {})  # an HF directory's, if it keeps them
     if (path / META_FILE).is_file():
         rec = dict(read_checkpoint_meta(path).get("eval") or {})
     flag_depth = args.fixed_depth is not None or args.exit_threshold is not None
