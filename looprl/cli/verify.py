@@ -158,6 +158,7 @@ def run(args) -> int:
         read_report(compare[0], "--compare OLD")  # before the run, not after it
 
     t_start = time.time()
+    env = report_environment()  # before the run writes into --out (a tracked report folder)
     out = Path(args.out)
     check_out_dir(out)
     if args.rollout and args.config:
@@ -197,7 +198,7 @@ def run(args) -> int:
     summary = summarize(cells)
     report = {"format_version": 1, "command": "looprl verify " + " ".join(sys.argv[2:])
               if sys.argv[1:2] == ["verify"] else "looprl verify",
-              "env": report_environment(), "setup": setup, "summary": summary, "cells": cells,
+              "env": env, "setup": setup, "summary": summary, "cells": cells,
               "negative_control": [c for c in cells if c["method"] == "stock"],
               "notes": notes, "wall_s": round(time.time() - t_start, 1)}
     write_report(out, report)
