@@ -1,5 +1,5 @@
 """looprl: bit-exact RL (GRPO) for looped language models (Ouro and its kind)."""
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from looprl.determinism import configure_xla as _configure_xla  # noqa: E402
 

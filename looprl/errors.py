@@ -2,6 +2,8 @@
 and `create_dir`, the one place a command's output directory is created."""
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 
@@ -38,14 +40,21 @@ def create_dir(path: str | Path, what: str) -> Path:
     """`path` created with its parents (an existing directory is fine), returned as a Path.
 
     Raises:
-      ConfigError: the OS refused (a parent that is a file, no permission, a read-only file
-        system), naming `what` (the config key or flag that gave the path), the path and the
-        OS's reason, instead of a traceback.
+      ConfigError: the OS refused to create it or a file in it (a parent that is a file, no
+        permission, a read-only file system), naming `what` (the config key or flag that gave
+        the path), the path and the OS's reason, instead of a traceback.
     """
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"{what}: cannot create directory {str(path)!r}: "
+                          f"{e.strerror or e}") from None
+    try:  # an existing directory the user cannot write into: found now, not at the first file
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".looprl-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write into directory {str(path)!r}: "
                           f"{e.strerror or e}") from None
     return path

@@ -204,7 +204,9 @@ def coverage_note(tokenizer_json: str, vocab_size: int) -> str | None:
         return None
     if n < vocab_size:
         return (f"the tokenizer covers {n} ids, the model's vocabulary has {vocab_size}: ids "
-                f"{n}..{vocab_size - 1} cannot be decoded")
+                f"{n}..{vocab_size - 1} cannot be decoded (embedding rows no token uses, as "
+                f"where a vocabulary is padded to a round size; `generate` shows a sampled one "
+                f"as <id N: not in the tokenizer>)")
     if n > vocab_size:
         return (f"the tokenizer has {n} ids, the model's vocabulary only {vocab_size}: ids "
                 f"{vocab_size}..{n - 1} cannot be fed to the model")

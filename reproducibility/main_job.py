@@ -1,6 +1,6 @@
 """Re-run the README's main job on this CPU and compare it with the documented run, bit for bit.
 
-    python reproducibility/main_job.py                 # re-run, then compare (about 4 minutes)
+    python reproducibility/main_job.py                 # re-run, then compare (README: 2-13 min)
     python reproducibility/main_job.py --run-dir DIR   # compare a finished run, no re-run
     python reproducibility/main_job.py --record DIR    # write the documented digests from DIR
 
@@ -26,12 +26,41 @@ EXPECTED = ROOT / "reproducibility" / "cpu" / "main_job.json"
 CONFIG = "experiments/tiny_arith.py"
 
 
+class RunDirError(Exception):
+    """A --run-dir that is no finished run of the main job: the message says what is missing."""
+
+
+def _read(path: Path, run_dir: Path):
+    if not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir}: no such directory")
+    if not path.is_file():
+        raise RunDirError(f"--run-dir {run_dir}: no {path.relative_to(run_dir)} (not a finished "
+                          f"run of {CONFIG}; run `looprl train {CONFIG} out_dir={run_dir}` first, "
+                          f"or leave out --run-dir to run it here)")
+    return path.read_text()
+
+
+def config_differences(run_dir: Path) -> list[str]:
+    """The config keys (outside those a resume may change) whose values in the run's
+    `config.json` differ from the main job's, as `key (main job -> run)`; [] without the file."""
+    from looprl.config import load_experiment, load_json, to_dict
+    from looprl.train.resume import RESUMABLE_KEYS, _flat
+
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return []
+    a, b = _flat(to_dict(load_experiment(ROOT / CONFIG))), _flat(to_dict(load_json(path)))
+    return [f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k not in RESUMABLE_KEYS]
+
+
 def digests(run_dir: Path) -> dict:
-    """The run's parameter digests: warm start, per GRPO step, final; and its accuracies."""
-    meta = json.loads((run_dir / "warm_start" / "looprl_meta.json").read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if line.strip()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    """The run's parameter digests: warm start, per GRPO step, final; and its accuracies.
+    Raises RunDirError naming the first file a finished run has and `run_dir` lacks."""
+    meta = json.loads(_read(run_dir / "warm_start" / "looprl_meta.json", run_dir))
+    metrics = _read(run_dir / "metrics.jsonl", run_dir)
+    summary = json.loads(_read(run_dir / "summary.json", run_dir))
+    steps = [json.loads(line) for line in metrics.splitlines() if line.strip()]
     return {"config": CONFIG, "warm_start_params_sha256": meta["params_sha256"],
             "step_params_fingerprint": [s.get("params_fingerprint") for s in steps],
             "params_sha256": summary["params_sha256"],
@@ -77,8 +106,17 @@ def main(argv=None) -> int:
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         subprocess.run([sys.executable, "-m", "looprl.cli", "train", str(ROOT / CONFIG),
                         f"out_dir={run_dir}", "progress_bar=False"], check=True, env=env)
-    mine, theirs = digests(run_dir), json.loads(args.expected.read_text())
+    try:
+        mine = digests(run_dir)
+    except RunDirError as e:
+        print(f"main_job.py: error: {e}", file=sys.stderr)
+        return 2
+    theirs = json.loads(args.expected.read_text())
     diff = first_difference(mine, theirs)
+    other = config_differences(run_dir) if diff else []
+    if other:
+        diff += (f"; the run's config.json differs from {CONFIG} in {len(other)} key(s): "
+                 + ", ".join(other[:6]))
     print("reproduced" if diff is None else f"not reproduced: {diff}")
     print(f"params_sha256 {mine['params_sha256']}; held-out accuracy "
           f"{mine['eval_accuracy_before']:.3f} -> {mine['eval_accuracy_after']:.3f}")

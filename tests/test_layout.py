@@ -127,12 +127,13 @@ def test_file_size(path):
                                 f"concepts, or name it in LONG_FILES with a reason")
 
 
-@pytest.mark.parametrize("rel", sorted(LONG_FILES))
-def test_long_files_list_is_current(rel):
-    """Each LONG_FILES entry names a file that exists and needs the exception."""
-    path = REPO / rel
-    assert path.is_file(), f"LONG_FILES names {rel}, which does not exist"
-    assert path.read_text().count("\n") > MAX_LINES, f"{rel} fits in {MAX_LINES} lines now"
+def test_long_files_list_is_current():
+    """Each LONG_FILES entry names a file that exists and needs the exception (one test over
+    the list: parametrized over an empty list, pytest would report a skip with no reason)."""
+    for rel in sorted(LONG_FILES):
+        path = REPO / rel
+        assert path.is_file(), f"LONG_FILES names {rel}, which does not exist"
+        assert path.read_text().count("\n") > MAX_LINES, f"{rel} fits in {MAX_LINES} lines now"
 
 
 # String constants that are data, not prose (a version names the day its bits were fixed):

@@ -34,5 +34,6 @@ def run(args) -> int:
         print(f"looprl convert: warning: {s['tokenizer_note']}", file=sys.stderr, flush=True)
     print(f"looprl convert: {s['source']} -> {s['out']} ({s['direction']}; {s['params']:,} "
           f"params, L={cfg.num_layers} T={cfg.total_ut_steps} D={cfg.hidden_size} "
-          f"V={cfg.vocab_size}; {what}; tokenizer {'yes' if s['tokenizer'] else 'none'})")
+          f"V={cfg.vocab_size}; {what}; tokenizer {'yes' if s['tokenizer'] else 'none'}; "
+          f"settings {', '.join(s['settings']) or 'none recorded'})")
     return 0

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from looprl.determinism import environment
-from looprl.errors import CheckpointError, ConfigError, create_dir
+from looprl.errors import CheckpointError, ConfigError, SamplingError, create_dir
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
-from looprl.io.hf import check_not_run_directory
+from looprl.io.hf import check_not_run_directory, hf_usage_settings
 from looprl.rl.evaluation import evaluate_problems as generate_and_grade
 from looprl.rl.evaluation import pass_at_k_summary
 from looprl.sampling.resident import load_for_sampling
@@ -71,11 +71,15 @@ DATA_FLAGS = {"data_dir": "--data-dir", "source": "--source"}  # a task's `data_
 
 
 def recorded_meta(checkpoint: str) -> dict[str, Any]:
-    """`looprl_meta.json` of a looprl checkpoint (read without loading the weights), {} for an
-    HF directory."""
+    """`looprl_meta.json` of a looprl checkpoint (read without loading the weights); for an HF
+    directory the settings its `config.json` keeps (`hf_usage_settings`), else {}. Raises CheckpointError for a path that is no directory at all."""
     path = Path(checkpoint).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"--checkpoint {checkpoint}: not a checkpoint directory (does "
+                              f"not exist or is a file); pass a looprl checkpoint or an HF "
+                              f"directory")
     if not (path / META_FILE).exists():
-        return {}
+        return hf_usage_settings(path)  # what `looprl convert --to-hf` kept, or {}
     return read_checkpoint_meta(path)
 
 
@@ -305,6 +309,19 @@ def write_results(out: Path, args, st: dict[str, Any], task, total_loops: int, p
     return results
 
 
+def check_prompt_lengths(task, tok, problems, max_new_tokens: int, cfg, checkpoint) -> None:
+    """Raise SamplingError when the longest prompt's tokens plus `max_new_tokens` exceed the
+    model's positions (`max_position_embeddings`), naming the problem, as `looprl generate`
+    checks its prompt."""
+    n, problem = max((len(tok.encode(task.format_prompt(p))), p.id) for p in problems)
+    if n + max_new_tokens > cfg.max_position_embeddings:
+        raise SamplingError(f"problem {problem}'s prompt has {n} tokens and --max-new-tokens is "
+                            f"{max_new_tokens}: {n + max_new_tokens} positions, more than the "
+                            f"{cfg.max_position_embeddings} of {checkpoint}'s model "
+                            f"(max_position_embeddings); pass --max-new-tokens "
+                            f"{max(cfg.max_position_embeddings - n, 1)} or less")
+
+
 def run(args) -> int:
     """CLI entry (`looprl eval`); see the module docstring."""
     _check_args(args)
@@ -314,6 +331,7 @@ def run(args) -> int:
     held_out = task.eval_problems()
     problems = held_out[:st["limit"]] if st["limit"] else held_out
     params, cfg, tok, fingerprint = _load(args.checkpoint, st["compute_dtype"])
+    check_prompt_lengths(task, tok, problems, st["max_new_tokens"], cfg, args.checkpoint)
     out = Path(args.out).expanduser()
     create_dir(out, "--out")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from looprl.errors import CheckpointError, SamplingError
 from looprl.io.checkpoint import META_FILE, read_checkpoint_meta
+from looprl.io.hf import hf_usage_settings
 from looprl.sampling.resident import load_for_sampling
 from looprl.sampling.sampler import SamplingConfig, generate
 from looprl.tokenizer import chat_prompt, tokenizer_from_json
@@ -28,7 +29,8 @@ from looprl.tokenizer import chat_prompt, tokenizer_from_json
 def check_args(args) -> None:
     """Checks that need no model, done before loading one. Raises SamplingError when both
     `--exit-threshold` and `--fixed-depth` are given (the fixed depth would silently override
-    the threshold) or when the directory of `--save-rollout FILE` does not exist."""
+    the threshold), when `--save-rollout FILE` is a directory or its directory does not
+    exist."""
     if args.fixed_depth is not None and args.exit_threshold is not None:
         raise SamplingError(f"--fixed-depth {args.fixed_depth} and --exit-threshold "
                             f"{args.exit_threshold} both given: a fixed depth replaces the "
@@ -36,10 +38,33 @@ def check_args(args) -> None:
     if args.num_samples < 1:
         raise SamplingError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.save_rollout:
-        parent = Path(args.save_rollout).expanduser().parent
+        target = Path(args.save_rollout).expanduser()
+        parent = target.parent
+        if target.is_dir():
+            raise SamplingError(f"--save-rollout {args.save_rollout}: is a directory; name the "
+                                f"rollout file to write, e.g. {str(target / 'rollout.npz')!r}")
         if not parent.is_dir():
             raise SamplingError(f"--save-rollout {args.save_rollout}: directory {str(parent)!r} "
                                 f"does not exist")
+
+
+FLAGS = {"exit_threshold q": "--exit-threshold", "fixed_depth": "--fixed-depth",
+         "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+         "max_new_tokens": "--max-new-tokens", "kv_policy": "--kv-policy",
+         "compute_dtype": "--dtype", "kernels": "--kernels"}
+
+
+def check_sampling(scfg: SamplingConfig, T: int) -> None:
+    """`scfg.validate(T)`, its SamplingError naming the command-line flag instead of the
+    field (`--exit-threshold must lie in (0, 1], got 1.5`)."""
+    try:
+        scfg.validate(T)
+    except SamplingError as e:
+        msg = str(e)
+        for field, flag in FLAGS.items():
+            if msg.startswith(field + " "):
+                raise SamplingError(flag + msg[len(field):]) from None
+        raise
 
 
 def recorded_prompt_style(meta: dict, checkpoint) -> str:
@@ -61,7 +86,7 @@ def recorded_settings(checkpoint, args) -> dict:
     float32, invariant kernels. A fixed depth and a threshold exclude each other: a flag for
     either drops the recorded other. Reads only `looprl_meta.json` (no weights)."""
     path = Path(checkpoint).expanduser()
-    rec = {}
+    rec = dict(hf_usage_settings(path).get("eval") or {})  # an HF directory's, if it keeps them
     if (path / META_FILE).is_file():
         rec = dict(read_checkpoint_meta(path).get("eval") or {})
     flag_depth = args.fixed_depth is not None or args.exit_threshold is not None
@@ -141,6 +166,7 @@ def run(args) -> int:
                           top_k=args.top_k, top_p=args.top_p, exit_threshold=q,
                           fixed_depth=fixed_depth, kv_policy=st["kv_policy"],
                           compute_dtype=st["dtype"], stop_ids=stop_ids, kernels=st["kernels"])
+    check_sampling(scfg, cfg.total_ut_steps)
     bar = tqdm(total=args.max_new_tokens, desc="decode", unit="tok", disable=not sys.stderr.isatty()
                or args.max_new_tokens < 64, leave=False)
 

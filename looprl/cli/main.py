@@ -60,7 +60,11 @@ def _add_verify(sub):
     p.add_argument("--replay-impl", default="invariant", choices=["invariant", "auto"],
                    help="auto: where the invariant replay is not exact, replay by re-running the "
                         "sampler in forced mode (recorded per cell as replay_impl)")
-    p.add_argument("--out", metavar="DIR", required=True, help="directory for report.json/.md")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="directory for report.json/.md (required, except with --compare NEW OLD)")
+    p.add_argument("--compare", metavar="DIR", nargs="+", default=None,
+                   help="NEW OLD: whether two report directories hold the same cells and bits "
+                        "(or the first difference); OLD with --out NEW: verify, then compare")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print every cell's line (default: one line per weights, dtype and KV "
                         "policy, and the verdict table)")

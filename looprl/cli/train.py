@@ -60,8 +60,11 @@ def run(args) -> int:
             print(json.dumps(summary))
         return summary.get("exit_status", 128 + signal.SIGTERM)
     if is_main_process():
-        print_summary_table(summary, cfg.run.out_dir)
+        if "stopped" not in summary:  # a stopped run's table would read as a finished one's
+            print_summary_table(summary, cfg.run.out_dir)
         print(json.dumps({k: summary[k] for k in HEADLINE_KEYS}))
+        if "stopped" in summary:
+            print(summary["stopped"], flush=True)
     return 0
 
 

@@ -24,7 +24,8 @@ from looprl.tasks.arithmetic import ArithmeticTask
 from looprl.tokenizer import tokenizer_from_json
 from looprl.train.warm_start import warm_start
 from looprl.verify.matrix import VerifyOptions, run_matrix, task_prompts, verify_rollout
-from looprl.verify.report import summarize, write_report
+from looprl.verify.compare import compare_lines, read_report
+from looprl.verify.report import report_environment, summarize, write_report
 
 
 def verify_model_config(config: str | None, vocab_size: int) -> OuroConfig:
@@ -144,8 +145,20 @@ def run(args) -> int:
     ScheduleError for an unreadable rollout or one sampled with other parameters,
     CheckpointError for a bad `--checkpoint`."""
     determinism.configure_xla(pin_threads=True)  # one intra-op thread + looprl's required flags
+    compare = getattr(args, "compare", None) or []
+    if len(compare) > 2 or (len(compare) == 2 and args.out):
+        raise ConfigError("--compare takes NEW OLD (two report directories, no --out), or OLD "
+                          "with --out NEW (verify, then compare)")
+    if len(compare) == 2:
+        return print_comparison(*compare)
+    if not args.out:
+        raise ConfigError("--out DIR is required (where the report goes), except with "
+                          "--compare NEW OLD")
+    if compare:
+        read_report(compare[0], "--compare OLD")  # before the run, not after it
 
     t_start = time.time()
+    env = report_environment()  # before the run writes into --out (a tracked report folder)
     out = Path(args.out)
     check_out_dir(out)
     if args.rollout and args.config:
@@ -185,7 +198,7 @@ def run(args) -> int:
     summary = summarize(cells)
     report = {"format_version": 1, "command": "looprl verify " + " ".join(sys.argv[2:])
               if sys.argv[1:2] == ["verify"] else "looprl verify",
-              "env": determinism.environment(), "setup": setup, "summary": summary, "cells": cells,
+              "env": env, "setup": setup, "summary": summary, "cells": cells,
               "negative_control": [c for c in cells if c["method"] == "stock"],
               "notes": notes, "wall_s": round(time.time() - t_start, 1)}
     write_report(out, report)
@@ -201,4 +214,13 @@ def run(args) -> int:
                f"{out / 'report.json'}")
     log(verdict)
     print(verdict, flush=True)  # stdout too: the verdict of a run whose stderr is a log file
+    if compare:
+        return print_comparison(out, compare[0]) or (0 if summary["passed"] else 1)
     return 0 if summary["passed"] else 1
+
+
+def print_comparison(new, old) -> int:
+    """`--compare`: print `same cells, same bits` or the first difference; 0 when the same."""
+    same, lines = compare_lines(new, old)
+    print("\n".join(lines), flush=True)
+    return 0 if same else 1

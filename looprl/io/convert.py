@@ -3,6 +3,9 @@
 
 The source dtype (`source_dtype`, and `source_dtypes` per tensor when the source mixed dtypes)
 is recorded in the checkpoint's `looprl_meta.json`, so HF -> looprl -> HF is bit-identical.
+The settings a model is used with (`hf.USAGE_KEYS`: prompt style, stop ids, task, the
+evaluation's exit threshold, KV policy and the rest) travel both ways: in the HF `config.json`
+under "looprl", in the checkpoint's meta, so a converted model answers as its source.
 A checkpoint without a recorded source dtype (e.g. one a training run wrote) exports as fp32.
 """
 from __future__ import annotations
@@ -14,7 +17,8 @@ from tokenizers import Tokenizer
 
 from looprl.errors import CheckpointError
 from looprl.io.checkpoint import load_model_checkpoint, save_model_checkpoint
-from looprl.io.hf import check_not_run_directory, read_hf, save_hf
+from looprl.io.hf import (check_not_run_directory, hf_usage_settings, read_hf, save_hf,
+                          usage_settings)
 from looprl.tokenizer import coverage_note
 
 
@@ -48,13 +52,14 @@ def hf_to_checkpoint(hf_dir: str | Path, out: str | Path, tokenizer: str | Path 
     tok = _read_tokenizer(tokenizer) if tokenizer else ckpt.tokenizer_json
     if tok is not None and not tokenizer:
         _check_tokenizer(tok, str(Path(hf_dir) / "tokenizer.json"))
-    meta = {"source": str(hf_dir), "source_dtype": ckpt.source_dtype}
+    meta = {"source": str(hf_dir), "source_dtype": ckpt.source_dtype,
+            **hf_usage_settings(hf_dir)}
     if len(set(ckpt.source_dtypes.values())) > 1:
         meta["source_dtypes"] = ckpt.source_dtypes
     save_model_checkpoint(out, ckpt.params, ckpt.cfg, tok, extra_meta=meta)
     return {"direction": "hf->looprl", "source": str(hf_dir), "out": str(out),
             "source_dtype": ckpt.source_dtype, "params": _n_params(ckpt.params),
-            "tokenizer": tok is not None, "cfg": ckpt.cfg,
+            "tokenizer": tok is not None, "cfg": ckpt.cfg, "settings": usage_settings(meta),
             "tokenizer_note": tok and coverage_note(tok, ckpt.cfg.vocab_size)}
 
 
@@ -71,10 +76,11 @@ def checkpoint_to_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str | N
         dtype_arg = meta.get("source_dtypes") or meta.get("source_dtype") or "float32"
     else:
         dtype_arg = dtype
-    save_hf(params, cfg, out_dir, dtype_arg, tokenizer_json=tok)
+    save_hf(params, cfg, out_dir, dtype_arg, tokenizer_json=tok, usage=usage_settings(meta))
     shown = dtype_arg if isinstance(dtype_arg, str) else "mixed (as the source)"
     return {"direction": "looprl->hf", "source": str(checkpoint), "out": str(out_dir),
             "dtype": shown, "params": _n_params(params), "tokenizer": tok is not None,
+            "settings": usage_settings(meta),
             "cfg": cfg, "tokenizer_note": tok and coverage_note(tok, cfg.vocab_size)}
 
 
@@ -89,7 +95,8 @@ def load_any_checkpoint(path: str, leaf_fn=None):
     check_not_run_directory(p)
     if (p / "config.json").exists() and not (p / "looprl_meta.json").exists():
         ckpt = read_hf(p, leaf_fn=leaf_fn)
-        return ckpt.params, ckpt.cfg, ckpt.tokenizer_json, {"source": "hf"}
+        return ckpt.params, ckpt.cfg, ckpt.tokenizer_json, {"source": "hf",
+                                                            **hf_usage_settings(p)}
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint directory")
     return load_model_checkpoint(p, leaf_fn=leaf_fn)

@@ -51,6 +51,10 @@ from looprl.tokenizer import coverage_note
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# what a checkpoint records for its use (`train.setup.checkpoint_task_meta`): an HF
+# `config.json` keeps it under "looprl", so a converted model answers as its source
+USAGE_KEY = "looprl"
+USAGE_KEYS = ("prompt_style", "stop_ids", "task", "eval")
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -348,9 +352,28 @@ def _commit_dir(tmp: Path, out_dir: Path):
     os.replace(tmp, out_dir)
 
 
+def usage_settings(meta: dict[str, Any]) -> dict[str, Any]:
+    """The `USAGE_KEYS` a checkpoint's meta records (prompt style, stop ids, task, the
+    evaluation's sampling settings): what `generate` and `eval` take from a checkpoint."""
+    return {k: meta[k] for k in USAGE_KEYS if meta.get(k) is not None}
+
+
+def hf_usage_settings(hf_dir: str | Path) -> dict[str, Any]:
+    """The usage settings an HF directory's `config.json` keeps under "looprl" (written by
+    `looprl convert --to-hf`); {} when it keeps none or cannot be read."""
+    try:
+        hf_cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    rec = hf_cfg.get(USAGE_KEY) if isinstance(hf_cfg, dict) else None
+    return usage_settings(rec) if isinstance(rec, dict) else {}
+
+
 def save_hf(params: dict[str, Any], cfg: OuroConfig, out_dir: str | Path,
-            dtype: str | dict[str, str] = "float32", tokenizer_json: str | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` (+ `tokenizer.json` if given) into `out_dir`.
+            dtype: str | dict[str, str] = "float32", tokenizer_json: str | None = None,
+            usage: dict[str, Any] | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (+ `tokenizer.json` if given) into `out_dir`;
+    `usage` (`usage_settings` of a looprl checkpoint) goes into `config.json` under "looprl".
 
     Tensors are written in `dtype` (a name, or `{hf_name: name}` to restore a mixed source),
     one at a time (`write_safetensors`: the host holds `params` plus one tensor);
@@ -363,6 +386,8 @@ def save_hf(params: dict[str, Any], cfg: OuroConfig, out_dir: str | Path,
     try:
         hf_cfg = cfg.to_hf_config()
         hf_cfg["torch_dtype"] = hf_dtype(dtype, "model.embed_tokens.weight")
+        if usage:
+            hf_cfg[USAGE_KEY] = usage
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         write_safetensors(tmp / SAFETENSORS_FILE, shapes, hf_tensors(params, cfg, dtype),
                           metadata={"format": "pt"})

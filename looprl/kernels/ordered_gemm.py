@@ -21,6 +21,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -76,9 +77,13 @@ def _cache_dir() -> Path:
                                Path.home() / ".cache" / "looprl" / "kernels"))
 
 
+BUILD_S = "10-100"  # the first build's seconds: an idle 2-core host, a loaded one
+
+
 def build() -> Path:
-    """The compiled kernel library, built on first use (module doc). Raises ConfigError naming
-    the compiler command and its output when the build fails."""
+    """The compiled kernel library, built on first use (module doc), with one line on stderr
+    before the compiler starts. Raises ConfigError naming the compiler command and its output
+    when the build fails."""
     cxx = _compiler()
     include = jax.ffi.include_dir()
     flags = compile_flags()
@@ -99,6 +104,8 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     cmd = [cxx, *flags, f"-I{include}", *map(str, SOURCES), "-o", tmp]
+    print(f"looprl: compiling looprl's CPU kernels (first run, about {BUILD_S} s; cached in "
+          f"{cache})...", file=sys.stderr, flush=True)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -202,12 +202,15 @@ class RolloutBatch:
     def load(cls, path: str | Path) -> "RolloutBatch":
         """Read a file written by `save`. Raises ScheduleError naming the file and problem
         (missing, truncated or corrupt file, not a rollout file, other format version)."""
-        path = Path(path)
+        if not (path := Path(path)).is_file():
+            raise ScheduleError(f"{path}: no such rollout file")
         try:
             with np.load(path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
             meta = json.loads(str(data.pop("meta"))) if "meta" in data else None
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            if "pickle" in str(e):  # no numpy advice to unpickle: that runs the file's code
+                raise ScheduleError(f"{path}: not a looprl rollout file (no .npz)") from None
             raise ScheduleError(f"{path}: cannot read rollout file (truncated or corrupt?): "
                                 f"{type(e).__name__}: {e}") from e
         if not isinstance(meta, dict):

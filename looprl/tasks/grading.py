@@ -40,7 +40,11 @@ _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorn
 _LATEX_EXPRESSION_RE = re.compile(r"[-+]?\s*\\(?:frac|sqrt)")
 _OPERAND = r"\(?\s*[-+]?(?:\d+(?:\.\d+)?|\.\d+)\s*\)?"
 _ARITHMETIC_RE = re.compile(rf"[-+]?\s*{_OPERAND}(?:\s*[-+*/^]\s*{_OPERAND})+")
-_THOUSANDS_RE = re.compile(r"(?<=\d)(?:,|\{,\}|\\,|\\ |\\!|\u2009|\u202f|\u00a0)(?=\d{3}(?!\d))")
+_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}|\\,|\\ |\\!|\u2009|\u202f|\u00a0)(?=\d{3}(?!\d))")
+_COMMA_RUN_RE = re.compile(r"(?<!\d)\d+(?:,\d+)+")  # digits joined by commas: `1,234`, `2,3,5`
+_COMMA_GROUPS_RE = re.compile(r"\d{1,3}(?:,\d{3})+")  # `1,234`, `12,345,678`: one number
+_PLAIN_GOLD_RE = re.compile(r"\s*[-+]?(?:\d{1,3}(?:,\d{3})+|\d*)(?:\.\d*)?\s*")
+_LATEX_DELIMITERS = ("\\(", "\\)", "\\[", "\\]")  # inline and display math, like `$`
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)(?!\d)")
 _BRACED_EXPONENT_RE = re.compile(r"\^\s*\{\s*([-+]?\d+)\s*\}")  # `10^{3}` -> `10^3`
 _TIMES_RE = re.compile(r"(?<=[\d)])\s*[x\u00d7]\s*(?=\(?[-+]?\.?\d)")  # `5 x 3`, `5×3`
@@ -105,10 +109,19 @@ def _correction_candidates(text: str) -> list[tuple[int, str]]:
             if _BARE_ANSWER_RE.fullmatch(_clean(tail))]
 
 
+def _drop_thousands_commas(text: str) -> str:
+    """`1,234` -> `1234`: the commas of a digit run whose groups say thousands (one to three
+    digits, then groups of three); a list keeps its commas (`1,2`, `2,3,5`, `1234,567`)."""
+    return _COMMA_RUN_RE.sub(lambda m: m.group(0).replace(",", "")
+                             if _COMMA_GROUPS_RE.fullmatch(m.group(0)) else m.group(0), text)
+
+
 def _clean(candidate: str) -> str:
-    c = _THOUSANDS_RE.sub("", candidate[:_MAX_CANDIDATE_CHARS])
+    c = _THOUSANDS_RE.sub("", _drop_thousands_commas(candidate[:_MAX_CANDIDATE_CHARS]))
     for _ in range(3):  # nested \text{\textbf{...}}
         c = _TEXT_CMD_RE.sub(r" \1 ", c)
+    for old in _LATEX_DELIMITERS:  # `\\(\\frac{5}{6}\\)` reads as `$\\frac{5}{6}$`
+        c = c.replace(old, " ")
     for old, new in (("\\$", ""), ("$", ""), ("\\%", "%"), ("{,}", ""), ("\\,", ""), ("\\!", ""),
                      ("\\;", " "), ("\\ ", " "), ("~", " "), ("\\left", ""), ("\\right", ""),
                      ("**", ""), ("\u2212", "-"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"),
@@ -142,8 +155,9 @@ def candidate_value(candidate: str, words: bool = True, latex: bool = False) -> 
     """Return the value of one answer candidate: a plain number string, LaTeX for math-verify, or
     None; number words are read only when `words`; `latex` marks the content of a `\\boxed{}`.
 
-    The candidate loses its LaTeX and Markdown dressing (`$`, `\\$`, `\\text{}`, `\\left`,
-    `**`), thousands separators dropped (`,`, `{,}`, `\\,`, `\\ `, thin and no-break spaces between
+    The candidate loses its LaTeX and Markdown dressing (`$`, `\\(..\\)`, `\\[..\\]`, `\\$`,
+    `\\text{}`, `\\left`, `**`), thousands separators dropped (`,` where the digit groups say
+    thousands: `1,234`, not the lists `1,2`, `2,3,5`, `{,}`, `\\,`, `\\ `, thin and no-break spaces between
     digit groups of three, and plain spaces when every group after the first has exactly three
     digits: `1 000`, `12 345 678`; the last-number fallback drops these too), the part after its
     last `=` kept when the part before the first `=` is equation-like (`x = 7`, `\\boxed{48 + 24 =
@@ -254,7 +268,8 @@ def _extract(text: str) -> tuple[str | None, bool]:
 def _last_number(text: str) -> str | None:
     """The last number of `text` (thousands separators dropped); a fraction `a/b` is its exact
     decimal (`1/2` -> `0.5`), or `a/b` for math-verify when it has none (`1/3`)."""
-    text = _THOUSANDS_RE.sub("", text.replace("\\$", "").replace("$", "").replace("\u2212", "-"))
+    text = _THOUSANDS_RE.sub("", _drop_thousands_commas(
+        text.replace("\\$", "").replace("$", "").replace("\u2212", "-")))
     text = _SPACE_THOUSANDS_RE.sub(lambda m: m.group(0).replace(" ", ""), text)
     last = None
     for last in _FALLBACK_RE.finditer(text):
@@ -323,12 +338,11 @@ def grade_answer(completion: str, gold: str) -> float:
     """Return 1.0 if `completion`'s final answer equals `gold` (a number string), else 0.0.
 
     Raises:
-      TaskError: `gold` is not a number (after dropping thousands separators).
+      TaskError: `gold` is not a number (after dropping thousands separators; `1,2` is a list).
     """
-    try:
-        gold_value = Decimal(gold.replace(",", ""))
-    except InvalidOperation:
-        raise TaskError(f"gold answer is not a number: {gold!r}") from None
+    gold_value = _gold_decimal(gold)
+    if gold_value is None:
+        raise TaskError(f"gold answer is not a number: {gold!r}")
     value = extract_answer(completion)
     if value is None:
         return 0.0
@@ -338,12 +352,22 @@ def grade_answer(completion: str, gold: str) -> float:
         return 1.0 if _math_verify_equal(gold.replace(",", ""), value) else 0.0
 
 
-def is_plain_number(gold: str) -> bool:
-    """True for a gold answer `grade_answer` takes: a number once thousands separators go."""
+def _gold_decimal(gold: str) -> Decimal | None:
+    """The value of a plain-number gold (`1,080` -> 1080), or None: a comma is a thousands
+    separator only between groups of three digits (`1,2` and `2,3,5` are lists)."""
+    if "," in gold and not _PLAIN_GOLD_RE.fullmatch(gold):
+        return None
     try:
-        return Decimal(gold.replace(",", "")).is_finite()
+        return Decimal(gold.replace(",", ""))
     except InvalidOperation:
-        return False
+        return None
+
+
+def is_plain_number(gold: str) -> bool:
+    """True for a gold answer `grade_answer` takes: a number once thousands separators go
+    (`1,080`; not the lists `1,2`, `2,3,5`, `1, 2`)."""
+    value = _gold_decimal(gold)
+    return value is not None and value.is_finite()
 
 
 def _unwrap_text(s: str) -> str:

@@ -116,11 +116,14 @@ def resolve_data_dir(data_dir: str | os.PathLike, required: Iterable[str] = (),
     """
     given = Path(data_dir).expanduser()
     tried = [given] if given.is_absolute() else [Path.cwd() / given, REPO_ROOT / given]
-    for candidate in tried:
+    tried = list(dict.fromkeys(os.path.normpath(t) for t in tried))  # the cwd may be the root
+    for candidate in map(Path, tried):
         if candidate.is_dir() and all((candidate / f).is_file() for f in required):
             return candidate.resolve()
     raise ConfigError(f"{task} data_dir {os.fspath(data_dir)!r}: no directory with "
-                      f"{list(required)} among {[os.fspath(t) for t in tried]}")
+                      f"{list(required)} among {tried}; link a directory that holds them "
+                      f"(ln -s DIR {tried[-1]}) or pass its path as --data-dir / "
+                      f"task.data_dir=")
 
 
 class GSM8KTask(Task):

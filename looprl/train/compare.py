@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from looprl.errors import ConfigError, create_dir
+from looprl.train.plots import read_metrics
 
 CURVES = (("eval_accuracy", "held-out accuracy (greedy, fraction)"),
           ("reward_mean", "rollout reward (mean, fraction correct)"),
@@ -39,8 +40,7 @@ def load_groups(seed_dirs: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
         if not runs:
             raise ConfigError(f"{sd}: no variant run directories (*/metrics.jsonl) to compare")
         for d in runs:
-            rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()
-                    if x.strip()]
+            rows = read_metrics(d)
             if not rows:  # the shared warm start's run (no GRPO step)
                 continue
             summary = json.loads((d / "summary.json").read_text()) \

@@ -15,6 +15,7 @@ step, which includes the compilation; its value is written on the plot.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +35,23 @@ PANELS = {
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's `metrics.jsonl`. A last line cut short (a run killed mid-write) is
+    skipped with a warning on stderr naming the file and line. Raises ConfigError for a missing
+    file or a line before the last that is not JSON."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{path}: no metrics.jsonl (not a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise ConfigError(f"{path}:{n}: not JSON ({e.msg}); the file is damaged") from None
+            print(f"looprl plot: warning: {path}:{n}: the last line is cut short (a run stopped "
+                  f"mid-write?); plotting the {len(rows)} rows before it", file=sys.stderr)
+    return rows
 
 
 def _read_json(path: Path) -> dict:

@@ -32,7 +32,7 @@ from looprl.config import ExperimentConfig, load_json, save_json
 from looprl.determinism import environment
 from looprl.distributed.mesh import to_host
 from looprl.distributed.multihost import is_main_process, sync
-from looprl.errors import CheckpointError, ConfigError, TrainingError
+from looprl.errors import CheckpointError, ConfigError, LooprlError, TrainingError
 from looprl.io.checkpoint import load_model_checkpoint, params_sha256, save_model_checkpoint
 from looprl.io.hf import check_not_run_directory
 from looprl.kernels import kernel_version
@@ -286,13 +286,18 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
     sync("looprl-out-dir")  # every process checked out_dir before process 0 writes into it
     if not resume_from and main:
         save_json(without_run_control(exp_cfg), out / "config.json")
-    warm_task, rl_task = build_tasks(exp_cfg)
-    eval_set = warm_task.eval_problems(exp_cfg.eval.eval_problems)
-    ckpt_meta = checkpoint_task_meta(exp_cfg, warm_task, len(eval_set))
-    begin = (_resumed_start(out, warm_task) if resume_from
-             else _fresh_start(exp_cfg, out, warm_task, eval_set, main, say, ckpt_meta,
-                               bars=exp_cfg.run.progress_bar and not quiet and main,
-                               ctrl_c=ctrl_c))
+    try:
+        warm_task, rl_task = build_tasks(exp_cfg)
+        eval_set = warm_task.eval_problems(exp_cfg.eval.eval_problems)
+        ckpt_meta = checkpoint_task_meta(exp_cfg, warm_task, len(eval_set))
+        begin = (_resumed_start(out, warm_task) if resume_from
+                 else _fresh_start(exp_cfg, out, warm_task, eval_set, main, say, ckpt_meta,
+                                   bars=exp_cfg.run.progress_bar and not quiet and main,
+                                   ctrl_c=ctrl_c))
+    except LooprlError:  # a failed start leaves out_dir as it found it: empty, re-runnable
+        if not resume_from and main:
+            _remove_start_outputs(out, ("config.json",) + _START_OUTPUTS)
+        raise
     ctrl_c.check()
     model_cfg, tokenizer, before = begin.model_cfg, begin.tokenizer, begin.before
     ref_sha = begin.params_sha256
@@ -367,11 +372,11 @@ def _train(exp_cfg: ExperimentConfig, quiet: bool, t_start: float | None,
                "inexact_replay_steps": replay.get("inexact_replay_steps"),
                "model_config": model_cfg.to_dict(), "num_params": model_cfg.num_params,
                "environment": {**environment(), "kernel_version": kernel_version()}}
+    if not summary["complete"] and exp_cfg.run.stop_after is not None:  # the output's last line
+        summary["stopped"] = (f"stopped after GRPO step {n_steps} of {exp_cfg.run.grpo_steps} "
+                              f"(stop_after); continue with: {resume_command(out)}")
     if main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if not summary["complete"] and exp_cfg.run.stop_after is not None:
-        say(f"stopped after GRPO step {n_steps} of {exp_cfg.run.grpo_steps} (stop_after); "
-            f"continue with: {resume_command(out)}")
     return summary
 
 
@@ -392,9 +397,12 @@ def _restart_interrupted_start(out: Path, exp_cfg: ExperimentConfig, main: bool,
     check_resume_config(load_json(out / "config.json"), exp_cfg, str(out / "config.json"))
     say(f"resume: {out} stopped before its first training checkpoint; running its start (warm "
         f"start, evaluation before GRPO) again from the beginning")
-    if not main:
-        return
-    for name in _START_OUTPUTS:
+    if main:
+        _remove_start_outputs(out, _START_OUTPUTS)
+
+
+def _remove_start_outputs(out: Path, names) -> None:
+    for name in names:
         p = out / name
         if p.is_dir():
             shutil.rmtree(p)

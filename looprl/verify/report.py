@@ -1,11 +1,23 @@
 """The report of `looprl verify` (docs/DESIGN.md §5-§6): the summary verdict, `report.json` and
-`report.md` (the environment the bits hold for is `looprl.determinism.environment`).
+`report.md`, and their `env` (`report_environment`: the environment the bits hold for).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+import looprl
+from looprl import determinism
+from looprl.kernels import current_form, kernel_version
+
+
+def report_environment() -> dict[str, Any]:
+    """A report's `env`: `looprl.determinism.environment()` (versions, machine, flags, git
+    commit) with looprl's version, the kernel version the rollouts record and the kernel form
+    that ran (`cpu-ordered`, `cpu-xla`, `pallas-gpu`, ...)."""
+    return {**determinism.environment(), "looprl_version": looprl.__version__,
+            "kernel_version": kernel_version(), "kernel_form": current_form().name}
 
 
 def summarize(cells: list[dict]) -> dict[str, Any]:

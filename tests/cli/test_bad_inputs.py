@@ -192,7 +192,8 @@ SIGNAL_CASES = {
                                              "looprl.train.console.evaluate", "resume="),
     "generate, while sampling": (["generate", "--prompt", "1+2"],
                                  "looprl.cli.generate.generate", "looprl generate: interrupted"),
-    "eval, while sampling": (["eval", "--task", "arithmetic", "--limit", "2"],
+    "eval, while sampling": (["eval", "--task", "arithmetic", "--limit", "2",
+                              "--max-new-tokens", "8"],
                              "looprl.rl.evaluation.generate", "looprl eval: interrupted"),
     "convert, while writing": (["convert", "--to-hf", "HF"], "looprl.io.convert.save_hf",
                                "looprl convert: interrupted"),
@@ -224,7 +225,7 @@ def test_ctrl_c_is_one_line_and_exit_130(case, ckpt, tmp_path, capsys, monkeypat
 
 ARG_CASES = {
     "threshold above 1": (["generate", "--prompt", "1", "--exit-threshold", "1.5"],
-                          "exit_threshold"),
+                          "--exit-threshold must lie in"),
     "fixed depth with a threshold": (["generate", "--prompt", "1", "--fixed-depth", "2",
                                       "--exit-threshold", "0.5"], "both given"),
     "negative temperature": (["generate", "--prompt", "1", "--temperature", "-1"],

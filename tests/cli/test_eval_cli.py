@@ -14,7 +14,8 @@ from looprl.tasks.gsm8k import REPO_ROOT
 
 TEST_FILE = REPO_ROOT / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
 needs_data = pytest.mark.skipif(not TEST_FILE.is_file(),
-                                reason=f"GSM8K test file not found at {TEST_FILE}")
+                                reason=f"GSM8K test file not found at {TEST_FILE}: the data is "
+                                "not in the repository (docs/GUIDE.md, 'Install')")
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def test_generate_json_reports_one_exit_loop_per_token(ckpt, capsys):
 def test_generate_bad_threshold_is_a_clear_error(ckpt, capsys):
     rc = main(["generate", "--checkpoint", str(ckpt), "--prompt", "1", "--exit-threshold", "1.5"])
     assert rc == 2
-    assert "exit_threshold" in capsys.readouterr().err
+    assert "--exit-threshold must lie in (0, 1]" in capsys.readouterr().err
 
 
 def test_generate_missing_checkpoint_names_the_path(tmp_path, capsys):

@@ -2,7 +2,8 @@
 negated markers, and the unmarked last-number fallback that must stay as it was."""
 import pytest
 
-from looprl.tasks.grading import extract_answer, grade_answer
+from looprl.errors import TaskError
+from looprl.tasks.grading import extract_answer, grade_answer, grade_symbolic, is_plain_number
 
 
 # Three false positives to guard against: each would be graded by an earlier (or the negated)
@@ -221,3 +222,49 @@ def test_near_misses_keep_their_number(completion, value):
 def test_a_huge_exponent_is_not_written_out():
     assert extract_answer("\\boxed{10^{100}}") == "1" + "0" * 100
     assert extract_answer("\\boxed{10^{999999999}}") == "10^999999999"  # math-verify's, as is
+
+
+# A comma separates thousands only where the digit groups say so; other commas keep a list.
+@pytest.mark.parametrize("gold, plain", [
+    ("1,234", True), ("12,345,678", True), ("-1,080.5", True), ("1080", True),
+    ("1,2", False), ("2,3,5", False), ("1, 2", False), ("1234,567", False), ("1,23", False),
+])
+def test_a_gold_comma_is_a_thousands_separator_only_between_groups_of_three(gold, plain):
+    assert is_plain_number(gold) is plain
+
+
+@pytest.mark.parametrize("completion, gold, score", [
+    ("\\boxed{1, 2}", "1,2", 1.0), ("\\boxed{12}", "1,2", 0.0), ("\\boxed{2,1}", "1,2", 1.0),
+    ("\\boxed{2,3,5}", "2,3,5", 1.0), ("\\boxed{235}", "2,3,5", 0.0),
+    ("The answer is 2, 3 and 5.", "2,3,5", 0.0),  # an unboxed phrase reads its first form
+    ("\\boxed{1,234}", "1234", 1.0), ("The answer is 1,080 dollars.", "1,080", 1.0),
+    ("\\boxed{1,2}", "12", 0.0),  # a list is never the number its digits spell
+])
+def test_a_list_keeps_its_items(completion, gold, score):
+    assert grade_symbolic(completion, gold) == score
+
+
+@pytest.mark.parametrize("completion, value", [
+    ("she sold 1,2 and 3", "3"), ("she sold 1,234 apples", "1234"),
+    ("the items 1234,567", "567"), ("so 1,234.", "1234"), ("is 1,234.5", "1234.5"),
+])
+def test_the_last_number_fallback_reads_commas_by_their_groups(completion, value):
+    assert extract_answer(completion) == value
+
+
+@pytest.mark.parametrize("completion, gold, score", [
+    ("Final Answer: \\(\\frac{5}{6}\\)", "5", 0.0),
+    ("Final Answer: $\\frac{5}{6}$", "5", 0.0),
+    ("Final Answer: \\(\\frac{5}{6}\\)", "\\frac{5}{6}", 1.0),
+    ("The answer is \\[ \\frac{5}{6} \\]", "6", 0.0),
+    ("The answer is \\( 2\\sqrt{3} \\).", "2", 0.0),
+    ("The answer is \\(42\\).", "42", 1.0), ("The answer is \\[-7\\]", "-7", 1.0),
+    ("\\boxed{\\(3\\pi\\)}", "3", 0.0),
+])
+def test_inline_and_display_math_read_like_dollars(completion, gold, score):
+    assert grade_symbolic(completion, gold) == score
+
+
+def test_a_list_gold_is_no_number_for_grade_answer():
+    with pytest.raises(TaskError, match="'1,2'"):
+        grade_answer("\\boxed{12}", "1,2")

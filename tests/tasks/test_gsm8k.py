@@ -16,7 +16,8 @@ from looprl.tasks.gsm8k import REPO_ROOT, parse_gsm8k_answer, read_gsm8k_jsonl
 DATA_DIR = REPO_ROOT / ".." / "shared" / "data" / "gsm8k"
 TRAIN_FILE = DATA_DIR / "train.jsonl"
 needs_data = pytest.mark.skipif(not TRAIN_FILE.is_file(),
-                                reason=f"GSM8K train file not found at {TRAIN_FILE}")
+                                reason=f"GSM8K train file not found at {TRAIN_FILE}: the data is "
+                                "not in the repository (docs/GUIDE.md, 'Install')")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ CFG_1P4B = EXPERIMENTS / "ouro_1p4b_gsm8k_grpo.py"
 CFG_2P6B = EXPERIMENTS / "ouro_2p6b_gsm8k_grpo.py"
 DATA = REPO_ROOT / ".." / "shared" / "data" / "gsm8k"
 needs_data = pytest.mark.skipif(not (DATA / "train.jsonl").is_file(),
-                                reason=f"GSM8K files not found in {DATA}")
+                                reason=f"GSM8K files not found in {DATA}: the data is not in the "
+                                "repository (docs/GUIDE.md, 'Install')")
 TINY_RUN = ["grpo_steps=1", "prompts_per_step=2", "group_size=4", "max_new_tokens=6",
             "minibatches=1", "microbatch_size=4", "eval.eval_problems=2", "eval_batch_size=2",
             "tensorboard=false", "progress_bar=false"]
