@@ -32,7 +32,9 @@ from looprl.logprobs.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.dynamic_sampling import dynamic_rollout
-from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
+from looprl.rl.losses import LossSettings
+from looprl.rl.objective import (LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad,
+                                   old_loop_pass)
 from looprl.rl.replay_choice import resolve_replay_impl, resolve_require_exact
 from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
 from looprl.rl.rollout import (completion_rewards, interrupted_fraction, loss_exit_loops,
@@ -118,13 +120,12 @@ class GRPOLearner:
         self.spec = LossSpec(
             cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=exp_cfg.model.compute_dtype,
             temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
-            method=lc.logprob_method, eps_low=g.eps_low, eps_high=g.eps_high,
-            loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens, kl_beta=g.kl_beta,
-            tis_cap=g.tis_cap, loop_credit=g.loop_credit, loop_credit_alpha=g.loop_credit_alpha,
-            train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef,
+            method=lc.logprob_method, loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens,
+            kl_beta=g.kl_beta, tis_cap=g.tis_cap, loop_credit=g.loop_credit,
+            loop_credit_alpha=g.loop_credit_alpha, train_gate=lc.train_gate,
+            gate_loss_coef=lc.gate_loss_coef,
             forced_replay=self.replay_impl == "forced", loss=g.loss,
-            cispo_clip_low=g.cispo_clip_low, cispo_clip_high=g.cispo_clip_high,
-            mask_truncated=g.mask_truncated)
+            settings=LossSettings.from_section(g), mask_truncated=g.mask_truncated)
         # hybrid's value is the sampler re-run in forced mode (at every update's parameters)
         self.hybrid_forced = self.replay_impl == "forced" and self.spec.method == "hybrid"
 
