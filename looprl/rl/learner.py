@@ -1,8 +1,8 @@
 """The GRPO learner: `GRPOLearner.step` runs one GRPO step in five phases.
 
-1. rollout (`_rollout`): G completions for each of N train problems, sampled with the learner's
-   parameters, the schedule recorded;
-2. rewards (`completion_rewards`) and group advantages (`_advantages`);
+1. rollout (`rollout`): G completions for each of N train problems, sampled with the learner's
+   parameters, the schedule recorded (with `grpo.dynamic_sampling`, `dynamic_rollout`);
+2. rewards (`completion_rewards`) and group advantages (`advantages`);
 3. replay check at the sampler's parameters (`_at_sampler`): `replay_exact_fraction` (with
    `learner.require_exact`, an inexact step raises TrainingError before any update),
    `stock_max_abs_diff`, the k3 KL to the frozen reference, the learner's mismatch;
@@ -42,7 +42,7 @@ from looprl.rl.rollout import (completion_rewards, interrupted_fraction, loss_ex
 from looprl.rl.signal import has_signal, step_advantages, truncated_rows
 from looprl.rl.step_metrics import step_metrics, token_entropy
 from looprl.sampling.sampler import generate
-from looprl.sampling.schedule import params_fingerprint
+from looprl.sampling.fingerprint import params_fingerprint
 
 
 @dataclasses.dataclass
@@ -225,13 +225,13 @@ class GRPOLearner:
         if self.exp_cfg.grpo.dynamic_sampling:
             problems, batch, ds = dynamic_rollout(self, step)
         else:
-            problems, batch = self._rollout(step)
+            problems, batch = self.rollout(step)
         rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch,
                                         self.exp_cfg.rollout.group_size)
         rollout_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        adv = self._advantages(rewards)
+        adv = self.advantages(rewards)
         at = self._at_sampler(batch, step)
         arrays = self._loss_arrays(batch, adv, at)
         g = self.exp_cfg.grpo
@@ -254,22 +254,28 @@ class GRPOLearner:
         return step_metrics(self, step, batch, rewards, adv, at, upd, extra, rollout_s,
                             learner_s)
 
-    def _rollout(self, step: int):
+    # --- the sampler interface (`looprl.rl.dynamic_sampling.StepSampler`) ----------------------
+    def rollout(self, step: int):
         """(problems, RolloutBatch): the next `prompts_per_step` train problems, G samples each
-        (noise keyed by run seed, step and the problems' global ids), sampled with the
-        learner's parameters (`_check_handoff`)."""
-        N, G = self.exp_cfg.rollout.prompts_per_step, self.exp_cfg.rollout.group_size
+        (`sample`); advances `data_position` past them."""
+        N = self.exp_cfg.rollout.prompts_per_step
         problems = self.task.train_problems(N, self.data_position)
         self.data_position += N
-        prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
-        batch = generate(self.model_cfg, self.params, prompts, self.scfg, group_size=G,
-                         seed=self.exp_cfg.run.seed, step=step,
-                         prompt_indices=[p.id for p in problems], mesh=self.mesh)
-        self._check_handoff(batch, step)
-        return problems, batch
+        return problems, self.sample(problems, step)
 
-    def _advantages(self, rewards_B) -> grpo.GroupAdvantages:
-        """`step_advantages` of the rewards, one group of G rows per prompt."""
+    def sample(self, problems, step: int):
+        """The RolloutBatch of `problems`, G samples each, at GRPO step `step`: noise keyed by
+        run seed, step and the problems' global ids, sampled with the learner's parameters.
+        Raises TrainingError when the rollout's parameters or mesh are not the learner's."""
+        prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
+        batch = generate(self.model_cfg, self.params, prompts, self.scfg,
+                         group_size=self.exp_cfg.rollout.group_size, seed=self.exp_cfg.run.seed,
+                         step=step, prompt_indices=[p.id for p in problems], mesh=self.mesh)
+        self._check_handoff(batch, step)
+        return batch
+
+    def advantages(self, rewards_B) -> grpo.GroupAdvantages:
+        """`step_advantages` of the rewards `[B]`, one group of G rows per prompt."""
         g = self.exp_cfg.grpo
         N, G = self.exp_cfg.rollout.prompts_per_step, self.exp_cfg.rollout.group_size
         return step_advantages(jnp.asarray(rewards_B.reshape(N, G)),
