@@ -14,44 +14,50 @@ checkpoint stores: a resumed run draws the same rounds.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-import jax.numpy as jnp
+import numpy as np
 
+from looprl.config import ExperimentConfig
+from looprl.rl.grpo import GroupAdvantages
 from looprl.rl.rollout import completion_rewards
-from looprl.rl.signal import step_advantages
-from looprl.sampling.sampler import generate
+from looprl.sampling.schedule import RolloutBatch
+from looprl.tasks.base import Problem, Task
 
 
-def _sample(learner, problems, step: int):
-    """The rollout of `problems` (G samples each) at `step`, as `GRPOLearner._rollout` draws it."""
-    prompts = [learner.tokenizer.encode(learner.task.format_prompt(p)) for p in problems]
-    batch = generate(learner.model_cfg, learner.params, prompts, learner.scfg,
-                     group_size=learner.exp_cfg.rollout.group_size, seed=learner.exp_cfg.run.seed,
-                     step=step, prompt_indices=[p.id for p in problems], mesh=learner.mesh)
-    learner._check_handoff(batch, step)
-    return batch
+class StepSampler(Protocol):
+    """What dynamic sampling asks of a learner (`looprl.rl.learner.GRPOLearner` is one)."""
+    exp_cfg: ExperimentConfig
+    task: Task
+    tokenizer: Any
+
+    def rollout(self, step: int) -> tuple[list[Problem], RolloutBatch]:
+        """The next `prompts_per_step` train problems and their rollout; advances the stream."""
+
+    def sample(self, problems: list[Problem], step: int) -> RolloutBatch:
+        """The rollout of `problems` (G samples each) at GRPO step `step`."""
+
+    def advantages(self, rewards_B: np.ndarray) -> GroupAdvantages:
+        """The step's group advantages of rewards `[B]`."""
 
 
-def dynamic_rollout(learner, step: int) -> tuple[list, Any, dict[str, Any]]:
-    """(problems, RolloutBatch, figures) of step `step` with dynamic sampling, `learner` a
-    `GRPOLearner` (its `_rollout` draws each round and advances `data_position`). Figures:
-    `dynamic_sampling_rounds` (rounds sampled), `dynamic_sampling_kept` (groups with signal
-    found, at most N) and `dynamic_sampling_resampled` (whether the kept groups were sampled
-    again as one batch)."""
+def dynamic_rollout(learner: StepSampler, step: int
+                    ) -> tuple[list[Problem], RolloutBatch, dict[str, Any]]:
+    """(problems, RolloutBatch, figures) of step `step` with dynamic sampling. Each round is
+    `learner.rollout`; kept groups not all from round one are sampled again (`learner.sample`).
+    Figures: `dynamic_sampling_rounds` (rounds sampled), `dynamic_sampling_kept` (groups with
+    signal found, at most N) and `dynamic_sampling_resampled` (whether the kept groups were
+    sampled again as one batch)."""
     cfg = learner.exp_cfg
     N, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    g = cfg.grpo
     kept, dropped, first = [], [], None
     rounds = 0
-    while rounds < g.dynamic_sampling_max_batches and len(kept) < N:
-        problems, batch = learner._rollout(step)
+    while rounds < cfg.grpo.dynamic_sampling_max_batches and len(kept) < N:
+        problems, batch = learner.rollout(step)
         rounds += 1
         first = first or (problems, batch)
         rewards, _ = completion_rewards(learner.task, learner.tokenizer, problems, batch, G)
-        scale = g.scale_rewards if g.scale_adv_by_std else "none"
-        degenerate = step_advantages(jnp.asarray(rewards.reshape(N, G)), scale,
-                                     g.adv_std_floor).degenerate_N
+        degenerate = learner.advantages(rewards).degenerate_N
         for i, (p, d) in enumerate(zip(problems, [bool(x) for x in degenerate])):
             (dropped if d else kept).append(((rounds - 1) * N + i, p))  # (stream order, problem)
     chosen = sorted((kept + dropped)[:N], key=lambda x: x[0])
@@ -59,4 +65,4 @@ def dynamic_rollout(learner, step: int) -> tuple[list, Any, dict[str, Any]]:
     if [i for i, _ in chosen] == list(range(N)):  # round one's problems: its rollout
         return first[0], first[1], {**figures, "dynamic_sampling_resampled": False}
     chosen = [p for _, p in chosen]
-    return chosen, _sample(learner, chosen, step), {**figures, "dynamic_sampling_resampled": True}
+    return chosen, learner.sample(chosen, step), {**figures, "dynamic_sampling_resampled": True}

@@ -1,5 +1,6 @@
-"""GRPO math: group advantages, the PPO-clip policy loss, loss aggregation, k3 KL, RLTT loop
-credit, and Ouro's stage-I / stage-II losses. Pure jax functions of arrays; every reduction in fp32.
+"""GRPO math: group advantages, loss aggregation, k3 KL, RLTT loop credit, and Ouro's stage-I /
+stage-II losses. Pure jax functions of arrays; every reduction in fp32. The policy losses
+(PPO-clip, CISPO, GSPO) are `looprl.rl.losses`.
 
 Axes: N groups, G group size, B sequences (B = N * G), S positions, T loops. `mask_BxS` is 1 on
 positions whose emitted token belongs to the completion (docs/DESIGN.md §3: position i emits
@@ -8,10 +9,9 @@ Per-token losses `loss_BxS` become a scalar in `aggregate_loss`, divided by a no
 once over the whole minibatch (`loss_normalizer`), so microbatch results add up to the same loss
 and gradient for any split.
 
-Sources: GRPO (Shao et al. 2024, arXiv 2402.03300); PPO clip (Schulman et al. 2017); eps_low /
-eps_high and token-mean (DAPO, arXiv 2503.14476); Dr.GRPO (arXiv 2503.20783); k3 KL (Schulman,
-"Approximating KL divergence", 2020); truncated importance sampling (Yao et al. 2025); loop
-credit (RLTT, arXiv 2602.10520); Ouro's stage-I and stage-II losses (docs/DESIGN.md §1).
+Sources: GRPO (Shao et al. 2024, arXiv 2402.03300); token-mean (DAPO, arXiv 2503.14476);
+Dr.GRPO (arXiv 2503.20783); k3 KL (Schulman, "Approximating KL divergence", 2020); loop credit
+(RLTT, arXiv 2602.10520); Ouro's stage-I and stage-II losses (docs/DESIGN.md §1).
 """
 from __future__ import annotations
 
@@ -79,79 +79,7 @@ def group_advantages(rewards_NxG: jax.Array, scale_by_std: bool = True, std_floo
     return GroupAdvantages(adv, degenerate, jnp.sum(degenerate).astype(jnp.int32))
 
 
-# --- PPO-clip policy loss -----------------------------------------------------------------------
-
-def ppo_clip_loss(logprobs_BxS: jax.Array, old_logprobs_BxS: jax.Array, advantages_B: jax.Array,
-                  mask_BxS: jax.Array, *, eps_low: float = 0.2, eps_high: float = 0.2,
-                  sampler_logprobs_BxS: jax.Array | None = None, tis_cap: float | None = None
-                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-token PPO-clip loss `-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)`,
-    `rho = exp(logprobs - old_logprobs)`.
-
-    Args:
-      logprobs_BxS: the learner's log-probs of the sampled tokens at the current parameters
-        (differentiable; `hybrid` by default, so the first update's ratio is exactly 1).
-      old_logprobs_BxS: the behaviour log-probs the ratio is taken against: the rollout's
-        recorded ones (the processed ones if top-p/top-k truncation was on; the caller picks),
-        or, with loop credit, the learner's pass at the sampler's parameters. No gradient flows
-        into them (stop_gradient is applied).
-      advantages_B: one advantage per sequence (fp32), broadcast over its tokens.
-      mask_BxS: 1 on completion tokens.
-      eps_low, eps_high: the ratio is clipped to `[1 - eps_low, 1 + eps_high]` (DAPO's
-        clip-higher uses eps_high > eps_low).
-      sampler_logprobs_BxS, tis_cap: truncated importance sampling (TIS). When the learner's
-        old-policy log-probs (`old_logprobs_BxS`) differ from the sampler's (another engine, or
-        the `stock` learner), the loss is multiplied per token by the stop-gradient weight
-        `min(exp(old_logprobs - sampler_logprobs), tis_cap)`, which corrects for sampling from
-        the sampler's distribution while bounding the variance. Both or neither must be given.
-        With `hybrid` log-probs the weight is exactly 1.
-
-    Returns:
-      `(loss_BxS, stats)`: loss fp32, 0 on masked positions. `stats` (fp32 scalars over the
-      valid tokens of these arrays; means are 0 when there are none): `tokens` (the count, to
-      weight microbatch means), `clip_frac_low` (A < 0 and rho < 1 - eps_low: clipped, no
-      gradient), `clip_frac_high` (A > 0 and rho > 1 + eps_high), `clip_frac` (their sum),
-      `ratio_mean`, `ratio_min`, `ratio_max` (+inf/-inf when there are no tokens),
-      `approx_kl` (k3 estimate of KL(old || current): mean of `rho - 1 - log rho`) and, with TIS,
-      `tis_weight_mean` and `tis_capped_frac`.
-    """
-    if (sampler_logprobs_BxS is None) != (tis_cap is None):
-        raise ValueError("truncated importance sampling needs both sampler_logprobs_BxS and tis_cap")
-    valid = mask_BxS.astype(bool)
-    lp = jnp.where(valid, logprobs_BxS.astype(_F32), 0.0)
-    old = jnp.where(valid, jax.lax.stop_gradient(old_logprobs_BxS).astype(_F32), 0.0)
-    log_ratio = lp - old
-    ratio = jnp.exp(log_ratio)
-    adv = jax.lax.stop_gradient(advantages_B).astype(_F32)[:, None]
-    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = -jnp.minimum(ratio * adv, clipped * adv)
-
-    n = jnp.sum(valid).astype(_F32)
-    denom = jnp.maximum(n, 1.0)
-
-    def mean(x):
-        return jnp.sum(_masked(x, valid)) / denom
-
-    stats = {
-        "tokens": n,
-        "clip_frac_low": mean((adv < 0) & (ratio < 1.0 - eps_low)),
-        "clip_frac_high": mean((adv > 0) & (ratio > 1.0 + eps_high)),
-        "ratio_mean": mean(ratio),
-        "ratio_min": jnp.min(jnp.where(valid, ratio, jnp.inf)),
-        "ratio_max": jnp.max(jnp.where(valid, ratio, -jnp.inf)),
-        "approx_kl": mean(jnp.expm1(log_ratio) - log_ratio),
-    }
-    stats["clip_frac"] = stats["clip_frac_low"] + stats["clip_frac_high"]
-    if tis_cap is not None:
-        samp = jnp.where(valid, sampler_logprobs_BxS.astype(_F32), 0.0)
-        raw = jnp.exp(old - jax.lax.stop_gradient(samp))
-        weight = jnp.minimum(raw, tis_cap)
-        loss = loss * weight
-        stats["tis_weight_mean"] = mean(weight)
-        stats["tis_capped_frac"] = mean(raw > tis_cap)
-    stats = {k: jax.lax.stop_gradient(v) for k, v in stats.items()}
-    return _masked(loss, valid), stats
-
+# --- KL to the reference ------------------------------------------------------------------------
 
 def k3_kl(logprobs_BxS: jax.Array, ref_logprobs_BxS: jax.Array, mask_BxS: jax.Array) -> jax.Array:
     """Per-token k3 estimate of KL(current || reference), fp32, 0 on masked positions:

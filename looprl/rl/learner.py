@@ -1,8 +1,8 @@
 """The GRPO learner: `GRPOLearner.step` runs one GRPO step in five phases.
 
-1. rollout (`_rollout`): G completions for each of N train problems, sampled with the learner's
-   parameters, the schedule recorded;
-2. rewards (`completion_rewards`) and group advantages (`_advantages`);
+1. rollout (`rollout`): G completions for each of N train problems, sampled with the learner's
+   parameters, the schedule recorded (with `grpo.dynamic_sampling`, `dynamic_rollout`);
+2. rewards (`completion_rewards`) and group advantages (`advantages`);
 3. replay check at the sampler's parameters (`_at_sampler`): `replay_exact_fraction` (with
    `learner.require_exact`, an inexact step raises TrainingError before any update),
    `stock_max_abs_diff`, the k3 KL to the frozen reference, the learner's mismatch;
@@ -32,7 +32,9 @@ from looprl.logprobs.mismatch import bits_equal_fraction, mismatch_stats
 from looprl.model.config import OuroConfig
 from looprl.rl import grpo
 from looprl.rl.dynamic_sampling import dynamic_rollout
-from looprl.rl.loss import LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad, old_loop_pass
+from looprl.rl.losses import LossSettings
+from looprl.rl.objective import (LOOP_KEYS, LossSpec, loss_and_grad, mesh_loss_and_grad,
+                                   old_loop_pass)
 from looprl.rl.replay_choice import resolve_replay_impl, resolve_require_exact
 from looprl.rl.optimizer import accumulate_grads, apply_update, make_optimizer, nonfinite_leaves
 from looprl.rl.rollout import (completion_rewards, interrupted_fraction, loss_exit_loops,
@@ -40,7 +42,7 @@ from looprl.rl.rollout import (completion_rewards, interrupted_fraction, loss_ex
 from looprl.rl.signal import has_signal, step_advantages, truncated_rows
 from looprl.rl.step_metrics import step_metrics, token_entropy
 from looprl.sampling.sampler import generate
-from looprl.sampling.schedule import params_fingerprint
+from looprl.sampling.fingerprint import params_fingerprint
 
 
 @dataclasses.dataclass
@@ -118,13 +120,12 @@ class GRPOLearner:
         self.spec = LossSpec(
             cfg=model_cfg, kv_policy=r.kv_policy, compute_dtype=exp_cfg.model.compute_dtype,
             temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
-            method=lc.logprob_method, eps_low=g.eps_low, eps_high=g.eps_high,
-            loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens, kl_beta=g.kl_beta,
-            tis_cap=g.tis_cap, loop_credit=g.loop_credit, loop_credit_alpha=g.loop_credit_alpha,
-            train_gate=lc.train_gate, gate_loss_coef=lc.gate_loss_coef,
+            method=lc.logprob_method, loss_agg=g.loss_agg, max_new_tokens=r.max_new_tokens,
+            kl_beta=g.kl_beta, tis_cap=g.tis_cap, loop_credit=g.loop_credit,
+            loop_credit_alpha=g.loop_credit_alpha, train_gate=lc.train_gate,
+            gate_loss_coef=lc.gate_loss_coef,
             forced_replay=self.replay_impl == "forced", loss=g.loss,
-            cispo_clip_low=g.cispo_clip_low, cispo_clip_high=g.cispo_clip_high,
-            mask_truncated=g.mask_truncated)
+            settings=LossSettings.from_section(g), mask_truncated=g.mask_truncated)
         # hybrid's value is the sampler re-run in forced mode (at every update's parameters)
         self.hybrid_forced = self.replay_impl == "forced" and self.spec.method == "hybrid"
 
@@ -224,13 +225,13 @@ class GRPOLearner:
         if self.exp_cfg.grpo.dynamic_sampling:
             problems, batch, ds = dynamic_rollout(self, step)
         else:
-            problems, batch = self._rollout(step)
+            problems, batch = self.rollout(step)
         rewards, _ = completion_rewards(self.task, self.tokenizer, problems, batch,
                                         self.exp_cfg.rollout.group_size)
         rollout_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        adv = self._advantages(rewards)
+        adv = self.advantages(rewards)
         at = self._at_sampler(batch, step)
         arrays = self._loss_arrays(batch, adv, at)
         g = self.exp_cfg.grpo
@@ -253,22 +254,28 @@ class GRPOLearner:
         return step_metrics(self, step, batch, rewards, adv, at, upd, extra, rollout_s,
                             learner_s)
 
-    def _rollout(self, step: int):
+    # --- the sampler interface (`looprl.rl.dynamic_sampling.StepSampler`) ----------------------
+    def rollout(self, step: int):
         """(problems, RolloutBatch): the next `prompts_per_step` train problems, G samples each
-        (noise keyed by run seed, step and the problems' global ids), sampled with the
-        learner's parameters (`_check_handoff`)."""
-        N, G = self.exp_cfg.rollout.prompts_per_step, self.exp_cfg.rollout.group_size
+        (`sample`); advances `data_position` past them."""
+        N = self.exp_cfg.rollout.prompts_per_step
         problems = self.task.train_problems(N, self.data_position)
         self.data_position += N
-        prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
-        batch = generate(self.model_cfg, self.params, prompts, self.scfg, group_size=G,
-                         seed=self.exp_cfg.run.seed, step=step,
-                         prompt_indices=[p.id for p in problems], mesh=self.mesh)
-        self._check_handoff(batch, step)
-        return problems, batch
+        return problems, self.sample(problems, step)
 
-    def _advantages(self, rewards_B) -> grpo.GroupAdvantages:
-        """`step_advantages` of the rewards, one group of G rows per prompt."""
+    def sample(self, problems, step: int):
+        """The RolloutBatch of `problems`, G samples each, at GRPO step `step`: noise keyed by
+        run seed, step and the problems' global ids, sampled with the learner's parameters.
+        Raises TrainingError when the rollout's parameters or mesh are not the learner's."""
+        prompts = [self.tokenizer.encode(self.task.format_prompt(p)) for p in problems]
+        batch = generate(self.model_cfg, self.params, prompts, self.scfg,
+                         group_size=self.exp_cfg.rollout.group_size, seed=self.exp_cfg.run.seed,
+                         step=step, prompt_indices=[p.id for p in problems], mesh=self.mesh)
+        self._check_handoff(batch, step)
+        return batch
+
+    def advantages(self, rewards_B) -> grpo.GroupAdvantages:
+        """`step_advantages` of the rewards `[B]`, one group of G rows per prompt."""
         g = self.exp_cfg.grpo
         N, G = self.exp_cfg.rollout.prompts_per_step, self.exp_cfg.rollout.group_size
         return step_advantages(jnp.asarray(rewards_B.reshape(N, G)),

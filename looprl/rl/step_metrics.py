@@ -27,7 +27,7 @@ from looprl.rl.rollout import mean_exit_loop, rollout_sha256
 from looprl.rl.signal import zero_std_fraction
 from looprl.sampling.kv_policies import policy_named
 from looprl.sampling.processing import process_logits
-from looprl.sampling.schedule import params_fingerprint
+from looprl.sampling.fingerprint import params_fingerprint
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

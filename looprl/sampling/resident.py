@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from looprl.io.convert import load_any_checkpoint
 from looprl.io.slabs import LeafSlabs
 from looprl.model.looped import PARAM_PATHS
-from looprl.sampling.schedule import FingerprintStream
+from looprl.sampling.fingerprint import FingerprintStream
 
 
 class ComputeWeights:

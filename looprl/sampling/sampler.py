@@ -38,8 +38,9 @@ from looprl.sampling import thinking
 from looprl.sampling.chunk import run_chunk
 from looprl.sampling.compaction import row_menu
 from looprl.sampling.config import SamplingConfig
+from looprl.sampling.fingerprint import params_fingerprint
 from looprl.sampling.kv_policies import auto_max_pending, policy_named
-from looprl.sampling.schedule import RolloutBatch, Schedule, params_fingerprint
+from looprl.sampling.schedule import RolloutBatch, Schedule
 from looprl.sampling.state import DecodeState, RowInfo, Static, kv_cache_bytes
 
 

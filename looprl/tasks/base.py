@@ -1,9 +1,9 @@
 """The task interface: problems, a resumable train stream, a fixed held-out set, rewards.
 
 A `Task` owns two sets of problems that never overlap:
-  * the **train stream**, infinite (procedural tasks) or cycled in seeded epochs (datasets):
-    `train_problem(index)` is a pure function of the task's configuration and `index`, so the
-    trainer's data position is one integer (`ProblemIterator.position`);
+  * the **train stream**, infinite (procedural tasks) or cycled in seeded epochs (datasets:
+    `ShuffledStream`). `train_problem(index)` is a pure function of the task's configuration
+    and `index`, so the trainer's data position is one integer (`ProblemIterator.position`);
   * the **held-out set**, fixed by the configuration: `eval_problems(n)` is its first `n`.
 The seed is part of the task's configuration (`get_task(name, seed=...)`).
 
@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import random
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 from looprl.errors import ConfigError
@@ -59,6 +60,42 @@ class Problem:
     prompt: str
     answer: str
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def without_held_out(train: Sequence["Problem"], held_out: Sequence["Problem"]
+                     ) -> list["Problem"]:
+    """The train problems whose prompt is not a held-out prompt (whitespace normalised)."""
+    held = {" ".join(p.prompt.split()) for p in held_out}
+    return [p for p in train if " ".join(p.prompt.split()) not in held]
+
+
+class ShuffledStream:
+    """A dataset's train stream: its problems cycled in epochs, each shuffled with
+    `random.Random(seed * 1_000_003 + epoch)`. `stream[index]` is a pure function of the
+    problems, `seed` and `index`; the orders of the last two epochs are kept, since a stream
+    moves forward and a batch may straddle an epoch boundary.
+    """
+
+    def __init__(self, problems: Sequence["Problem"], seed: int):
+        self.problems, self.seed = list(problems), seed
+        self._orders: dict[int, list[int]] = {}
+
+    def __getitem__(self, index: int) -> "Problem":
+        """Problem `index` of the stream (epoch `index // len(problems)`).
+
+        Raises:
+          ConfigError: a negative index.
+        """
+        if index < 0:
+            raise ConfigError(f"train problem index must be >= 0, found {index}")
+        epoch, offset = divmod(index, len(self.problems))
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self.problems)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = order
+        return self.problems[order[offset]]
 
 
 class Task(abc.ABC):

@@ -8,8 +8,8 @@ each on first use, so the held-out set needs only `test.jsonl`; `source="hub"` r
 naming the file and line.
 
 Splits: the held-out set is the test file in file order; the train stream cycles the train file
-in seeded epochs (`random.Random(seed * 1_000_003 + epoch)`), skipping any train question that
-is also in the test file. `Problem.id` is the record's 0-based index in its file.
+in seeded epochs (`looprl.tasks.base.ShuffledStream`), skipping any train question that is also
+in the test file. `Problem.id` is the record's 0-based index in its file.
 Prompts follow Ouro's chat template (ChatML, no system prompt; `prompt_style="thinking"` ends
 with `<think>\\n`). Grading: `looprl.tasks.grading.grade_answer`.
 """
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 from pathlib import Path
 from typing import Any, Iterable
 
 from looprl.errors import ConfigError, TaskError
-from looprl.tasks.base import EVAL, TRAIN, Problem, Task, first_problems
+from looprl.tasks.base import (EVAL, TRAIN, Problem, ShuffledStream, Task, first_problems,
+                               without_held_out)
 from looprl.tasks.grading import grade_answer
 from looprl.tokenizer import chat_prompt
 
@@ -187,9 +187,8 @@ class GSM8KTask(Task):
         # the held-out file must exist now; the train file only once train problems are asked for
         self.resolved_dir = (resolve_data_dir(data_dir, (eval_file,))
                              if source == "jsonl" else None)
-        self._train: list[Problem] | None = None   # train records not held out
+        self._train: ShuffledStream | None = None   # train records not held out
         self._eval: list[Problem] | None = None
-        self._epoch_order: dict[int, list[int]] = {}
 
     def _load_eval(self) -> None:
         if self._eval is not None:
@@ -218,8 +217,7 @@ class GSM8KTask(Task):
             train = read_gsm8k_jsonl(path, TRAIN)
         else:
             train = _hub_problems(self.hub_dataset, "train", TRAIN)
-        questions = {" ".join(p.prompt.split()) for p in self._eval}
-        self._train = [p for p in train if " ".join(p.prompt.split()) not in questions]
+        self._train = ShuffledStream(without_held_out(train, self._eval), self.seed)
 
     def eval_problems(self, n: int | None = None) -> list[Problem]:
         """Return the first `n` test problems in file order (all when None).
@@ -236,18 +234,8 @@ class GSM8KTask(Task):
         Raises:
           ConfigError: negative index, or no train file. TaskError: a malformed data file.
         """
-        if index < 0:
-            raise ConfigError(f"train problem index must be >= 0, found {index}")
         self._load_train()
-        epoch, offset = divmod(index, len(self._train))
-        order = self._epoch_order.get(epoch)
-        if order is None:
-            order = list(range(len(self._train)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            # keep two epochs: a stream moves forward, a batch may straddle an epoch boundary
-            self._epoch_order = {e: o for e, o in self._epoch_order.items() if e == epoch - 1}
-            self._epoch_order[epoch] = order
-        return self._train[order[offset]]
+        return self._train[index]
 
     def format_prompt(self, problem: Problem) -> str:
         """Return the ChatML prompt: question, blank line, instruction (see `chat_prompt`)."""

@@ -4,7 +4,7 @@ Data: one JSON object per line with a problem, a gold answer and an optional dif
 each field's name is configurable (`problem_key`, `answer_key`, `level_key`; MATH-500 uses
 `problem`/`answer`/`level`, DeepMath `question`/`final_answer`/`difficulty`). The held-out set is
 `eval_file` in file order; the train stream cycles `train_file` in seeded epochs
-(`random.Random(seed * 1_000_003 + epoch)`), skipping any train problem also held out. Both are
+(`looprl.tasks.base.ShuffledStream`), skipping any train problem also held out. Both are
 read from `data_dir` (a relative path: the working directory, then the repository root), each
 on first use. A level is a number or a string holding one (`"Level 3"`); `min_level` /
 `max_level` keep the records inside the bounds (inclusive) and drop those without a level. A
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 from typing import Any
 
 from looprl.errors import ConfigError, TaskError
-from looprl.tasks.base import EVAL, TRAIN, Problem, Task, first_problems
+from looprl.tasks.base import (EVAL, TRAIN, Problem, ShuffledStream, Task, first_problems,
+                               without_held_out)
 from looprl.tasks.grading import grade_symbolic
 from looprl.tasks.gsm8k import DEFAULT_INSTRUCTION, resolve_data_dir
 from looprl.tokenizer import chat_prompt
@@ -154,9 +154,8 @@ class MathTask(Task):
         self.prompt_style = self._check_prompt_style(prompt_style)
         self.instruction = instruction
         self.resolved_dir = resolve_data_dir(data_dir, (eval_file,), "math")
-        self._train: list[Problem] | None = None
+        self._train: ShuffledStream | None = None
         self._eval: list[Problem] | None = None
-        self._epoch_order: dict[int, list[int]] = {}
 
     def _read(self, file: str, split: str) -> list[Problem]:
         path = self.resolved_dir / file
@@ -189,21 +188,12 @@ class MathTask(Task):
         Raises:
           ConfigError: negative index, no train file, or every train problem is held out.
         """
-        if index < 0:
-            raise ConfigError(f"train problem index must be >= 0, found {index}")
         if self._train is None:
-            held = {" ".join(p.prompt.split()) for p in self.eval_problems()}
-            self._train = [p for p in self._read(self.train_file, TRAIN)
-                           if " ".join(p.prompt.split()) not in held]
-            if not self._train:
+            train = without_held_out(self._read(self.train_file, TRAIN), self.eval_problems())
+            if not train:
                 raise ConfigError(f"math task: every problem of {self.train_file} is held out")
-        epoch, offset = divmod(index, len(self._train))
-        if epoch not in self._epoch_order:
-            order = list(range(len(self._train)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._epoch_order = {e: o for e, o in self._epoch_order.items() if e == epoch - 1}
-            self._epoch_order[epoch] = order
-        return self._train[self._epoch_order[epoch][offset]]
+            self._train = ShuffledStream(train, self.seed)
+        return self._train[index]
 
     def format_prompt(self, problem: Problem) -> str:
         """Return the ChatML prompt: problem, blank line, instruction (see `chat_prompt`)."""

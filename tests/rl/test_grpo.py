@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl.rl import grpo
+from looprl.rl import grpo, losses
 
 F32 = np.float32
 
@@ -69,75 +69,6 @@ def test_normal_group_hand_values_ddof1_ddof0_and_dr_grpo():
                                   [[0.75, -0.25, -0.25, -0.25]])
 
 
-# --- PPO clip ---------------------------------------------------------------------------------------
-
-def _clip_case():
-    ratios = np.array([[1.5, 0.5, 1.0, 1.0], [1.5, 0.5, 1.0, 1.0]], np.float64)
-    old = np.full((2, 4), -2.0, F32)
-    new = (old + np.log(ratios)).astype(F32)
-    new[:, 3] = np.nan                       # masked position holding garbage
-    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], F32)
-    adv = np.array([1.0, -1.0], F32)
-    return jnp.asarray(new), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask)
-
-
-def test_ppo_clip_both_sides_hand_values():
-    new, old, adv, mask = _clip_case()
-    loss, stats = grpo.ppo_clip_loss(new, old, adv, mask, eps_low=0.2, eps_high=0.28)
-    # A=+1: rho 1.5 -> clipped to 1.28 -> -1.28; rho 0.5 -> unclipped -0.5; rho 1 -> -1.
-    # A=-1: rho 1.5 -> unclipped +1.5; rho 0.5 -> clipped to 0.8 -> +0.8; rho 1 -> +1.
-    np.testing.assert_allclose(loss, [[-1.28, -0.5, -1.0, 0.0], [1.5, 0.8, 1.0, 0.0]], rtol=1e-6)
-    assert float(loss[0, 3]) == 0.0 and float(loss[1, 3]) == 0.0
-    assert float(stats["tokens"]) == 6
-    np.testing.assert_allclose(stats["clip_frac_high"], 1 / 6, rtol=1e-6)
-    np.testing.assert_allclose(stats["clip_frac_low"], 1 / 6, rtol=1e-6)
-    np.testing.assert_allclose(stats["clip_frac"], 2 / 6, rtol=1e-6)
-    np.testing.assert_allclose(stats["ratio_mean"], 1.0, rtol=1e-6)
-    np.testing.assert_allclose(stats["ratio_min"], 0.5, rtol=1e-6)
-    np.testing.assert_allclose(stats["ratio_max"], 1.5, rtol=1e-6)
-    # k3 of KL(old||new): mean of rho - 1 - log rho = (-log 1.5 - log 0.5) * 2 / 6 = -log(0.75)/3.
-    np.testing.assert_allclose(stats["approx_kl"], -math.log(0.75) / 3, rtol=1e-5)
-
-
-def test_ppo_clip_gradient_is_zero_exactly_on_clipped_tokens():
-    new, old, adv, mask = _clip_case()
-    new = jnp.where(mask > 0, new, 0.0)
-
-    def f(lp):
-        return jnp.sum(grpo.ppo_clip_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28)[0])
-
-    g = jax.grad(f)(new)
-    # d(-rho A)/d logprob = -rho A where unclipped, 0 where clipped or masked.
-    np.testing.assert_allclose(g, [[0.0, -0.5, -1.0, 0.0], [1.5, 0.0, 1.0, 0.0]], rtol=1e-6)
-
-
-def test_first_update_with_old_equal_stop_gradient_current_has_nonzero_gradient():
-    lp = jnp.array([[-1.0, -2.0], [-0.5, -3.0]])
-    adv = jnp.array([1.0, -1.0])
-    mask = jnp.ones((2, 2))
-
-    def f(lp):
-        loss, _ = grpo.ppo_clip_loss(lp, jax.lax.stop_gradient(lp), adv, mask)
-        return grpo.aggregate_loss(loss, mask, "token-mean", grpo.loss_normalizer(mask, "token-mean"))
-
-    value, g = jax.value_and_grad(f)(lp)
-    assert float(value) == 0.0                      # ratio exactly 1, advantages cancel
-    np.testing.assert_array_equal(g, [[-0.25, -0.25], [0.25, 0.25]])  # -A / 4 tokens
-
-
-def test_truncated_importance_sampling_weight_caps_and_multiplies():
-    lp = jnp.array([[-1.0, -1.0]])
-    old = lp                                         # ratio 1 -> per-token loss -A = -1
-    sampler = jnp.array([[-1.0 - math.log(3.0), -1.0 - math.log(0.5)]])  # old/sampler = 3, 0.5
-    loss, stats = grpo.ppo_clip_loss(lp, old, jnp.array([1.0]), jnp.ones((1, 2)),
-                                     sampler_logprobs_BxS=sampler, tis_cap=2.0)
-    np.testing.assert_allclose(loss, [[-2.0, -0.5]], rtol=1e-6)   # weights min(3, 2), 0.5
-    np.testing.assert_allclose(stats["tis_capped_frac"], 0.5)
-    np.testing.assert_allclose(stats["tis_weight_mean"], 1.25, rtol=1e-6)
-    with pytest.raises(ValueError):
-        grpo.ppo_clip_loss(lp, old, jnp.array([1.0]), jnp.ones((1, 2)), tis_cap=2.0)
-
-
 # --- aggregation ------------------------------------------------------------------------------------
 
 def _ten_and_hundred():
@@ -174,7 +105,7 @@ def test_microbatch_gradients_add_up_to_the_full_batch_gradient(mode):
     norm = grpo.loss_normalizer(mask, mode, max_new_tokens=100)
 
     def f(lp, adv, mask):
-        loss, _ = grpo.ppo_clip_loss(lp, jax.lax.stop_gradient(lp), adv, mask)
+        loss, _ = losses.ppo_clip_loss(lp, jax.lax.stop_gradient(lp), adv, mask)
         return grpo.aggregate_loss(loss, mask, mode, norm)
 
     full = jax.grad(f)(lp, adv, mask)
@@ -297,22 +228,6 @@ def test_exit_stage1_loss_hand_value():
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     g = jax.grad(lambda p: grpo.exit_stage1_loss(ce, p, mask, entropy_beta=0.1))(p)
     assert np.all(np.isfinite(g))
-
-
-def test_losses_are_jit_friendly_and_equal_eager():
-    new, old, adv, mask = _clip_case()
-
-    def step(new, old, adv, mask):
-        loss, stats = grpo.ppo_clip_loss(new, old, adv, mask, eps_low=0.2, eps_high=0.28,
-                                         sampler_logprobs_BxS=old, tis_cap=2.0)
-        loss = loss + 0.1 * grpo.k3_kl(new, old, mask)
-        norm = grpo.loss_normalizer(mask, "seq-mean-token-mean")
-        return grpo.aggregate_loss(loss, mask, "seq-mean-token-mean", norm), stats
-
-    eager = step(new, old, adv, mask)
-    jitted = jax.jit(step)(new, old, adv, mask)
-    chex.assert_trees_all_close(eager, jitted, rtol=1e-6)
-    assert np.isfinite(float(jitted[0]))
 
 
 def test_every_configured_mode_is_implemented():

@@ -127,7 +127,8 @@ def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
     from looprl.logprobs import sequence_logprobs
     from looprl.model.config import preset
     from looprl.model.looped import init_params
-    from looprl.rl.loss import LossSpec, policy_loss
+    from looprl.rl.losses import LossSettings
+    from looprl.rl.objective import LossSpec, policy_loss
 
     cfg = preset("tiny", vocab_size=16, hidden_size=32, intermediate_size=64, num_heads=2,
                  num_kv_heads=2, head_dim=16, num_layers=1)
@@ -145,8 +146,8 @@ def test_forced_hybrid_value_is_the_given_replay_and_gradient_is_dense():
     # a replay that differs from dense in the last bits, as a GPU sampler's would
     replay = np.asarray(dense) * np.float32(1 + 2 ** -20)
     spec = dict(cfg=cfg, kv_policy="dense", compute_dtype="float32", temperature=1.0, top_k=0,
-                top_p=1.0, eps_low=0.2, eps_high=0.28, loss_agg="token-mean",
-                max_new_tokens=5, kl_beta=0.0, tis_cap=None, loop_credit="none",
+                top_p=1.0, settings=LossSettings(eps_low=0.2, eps_high=0.28),
+                loss_agg="token-mean", max_new_tokens=5, kl_beta=0.0, tis_cap=None, loop_credit="none",
                 loop_credit_alpha=1.0, train_gate=False, gate_loss_coef=1.0)
     norm, gnorm = jnp.float32(10.0), jnp.float32(1.0)
 

@@ -18,7 +18,8 @@ from looprl.model.config import preset
 from looprl.model.looped import exit_distribution, init_params
 from looprl.reference.torch_ouro import TorchOuro
 from looprl.rl.grpo import loop_credit_logprobs, loop_credit_weights
-from looprl.rl.loss import LossSpec, policy_loss
+from looprl.rl.losses import LossSettings
+from looprl.rl.objective import LossSpec, policy_loss
 
 EXIT = jnp.array([[2, 4, 0, 2]], jnp.int32)
 # gates per position (columns): 0.5 everywhere -> p = 1/2, 1/4, 1/8, 1/8; (0.1, 2/9, 3/7) ->
@@ -121,7 +122,8 @@ def test_trainer_exit_dist_loop_credit_ratio_is_exp_of_minus_the_weighted_shift(
           "adv": np.array([1.0, -1.0], np.float32), "old_lp": np.zeros((2, 8), np.float32),
           "old_lp_T": lp_T + shift, "old_gate_z": jnp.zeros((4, 2, 8), jnp.float32)}
     spec = LossSpec(cfg=CFG, kv_policy="dense", compute_dtype="float32", temperature=0.8,
-                    top_k=0, top_p=1.0, method="hybrid", eps_low=0.2, eps_high=0.28,
+                    top_k=0, top_p=1.0, method="hybrid",
+                    settings=LossSettings(eps_low=0.2, eps_high=0.28),
                     loss_agg="token-mean", max_new_tokens=4, kl_beta=0.0, tis_cap=None,
                     loop_credit="exit_dist", loop_credit_alpha=1.0, train_gate=False,
                     gate_loss_coef=1.0)

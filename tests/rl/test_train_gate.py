@@ -1,10 +1,10 @@
 """The trainer's gate-training branch (`learner.train_gate`), one GRPO step on the tiny smoke
 config (experiments/tiny_arith_smoke.py, shrunk as tests/distributed/grpo_step_worker.py does).
 
-What the code does (looprl/rl/optimizer.py `make_optimizer`, looprl/rl/loss.py `policy_loss`):
-the optimizer zeroes the exit gate's update (`optax.set_to_zero`) unless `train_gate`; with
-`train_gate` the loss gains the stage-II gate loss and the gate trains with the same AdamW and
-learning rate as the LM, while the LM keeps training by the PPO loss. So the claims that hold:
+What the code does (looprl/rl/optimizer.py `make_optimizer`, looprl/rl/objective.py
+`policy_loss`): the optimizer zeroes the exit gate's update (`optax.set_to_zero`) unless
+`train_gate`; with `train_gate` the loss gains the stage-II gate loss and the gate trains with
+the same AdamW and learning rate as the LM, while the LM keeps training by the PPO loss. So the claims that hold:
 - train_gate=false: the gate stays bit-identical, the LM moves;
 - train_gate=true: the gate moves, and the LM moves as well (there is no LM-only-frozen mode:
   `optim.learning_rate` must be > 0 and is shared).

@@ -3,7 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looprl.sampling.schedule import params_fingerprint
+from looprl.sampling import fingerprint
+from looprl.sampling.fingerprint import params_fingerprint
 
 
 def _tree(seed):
@@ -58,9 +59,8 @@ def _numpy_fingerprint(tree):
 
 
 def _mixed_tree():
-    from looprl.sampling import schedule
     rng = np.random.default_rng(0)
-    n = 2 * schedule._CHUNK + 12345  # two whole streamed slices and a tail
+    n = 2 * fingerprint._CHUNK + 12345  # two whole streamed slices and a tail
     # bf16 leaves are rounded from float32, as ml_dtypes < 0.7 did for float64 input (0.7.0
     # rounds float64 -> bf16 once, giving other leaves and another digest than the recorded one)
     return {"a": jnp.asarray(rng.standard_normal((4, 8)), jnp.float32),
@@ -97,11 +97,10 @@ def test_fingerprint_streams_without_leaf_sized_temporaries():
     """The compiled digest of an fp32 leaf of 8 chunks (32 MiB) allocates two chunks of
     temporaries, not a widened copy of the leaf (the pre-streaming program took RSS from 5.8 to
     22.7 GB at 1.43 B params); a bf16 leaf at most one leaf-sized copy."""
-    from looprl.sampling import schedule
-    C = schedule._CHUNK
+    C = fingerprint._CHUNK
     for shape, dtype, limit in [((8, C), jnp.float32, 3 * 4 * C),
                                 ((8 * C + 7,), jnp.bfloat16, 3 * 4 * C),
                                 ((4, 64, C // 32), jnp.bfloat16, 8 * C * 2 + 3 * 4 * C)]:
-        compiled = schedule._tree_digest.lower((jax.ShapeDtypeStruct(shape, dtype),),
+        compiled = fingerprint._tree_digest.lower((jax.ShapeDtypeStruct(shape, dtype),),
                                                np.uint32(1)).compile()
         assert compiled.memory_analysis().temp_size_in_bytes <= limit, (shape, dtype)

@@ -15,7 +15,7 @@ from looprl.model.config import preset
 from looprl.model.looped import PARAM_PATHS, expected_param_shapes
 from looprl.sampling.resident import ComputeWeights
 from looprl.sampling.sampler import SamplingConfig, generate
-from looprl.sampling.schedule import FingerprintStream, params_fingerprint
+from looprl.sampling.fingerprint import FingerprintStream, params_fingerprint
 
 CFG = preset("tiny", num_layers=3)
 TOK = '{"version": "1.0"}'

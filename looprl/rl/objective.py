@@ -1,7 +1,7 @@
-"""The GRPO learner's jitted loss and gradient: one microbatch's policy loss (`grpo.loss`: PPO-clip,
-CISPO, GSPO, `looprl.rl.losses`) on the learner's log-probs (`looprl.logprobs.methods`), with the
-optional KL, TIS, loop credit and gate terms (`looprl.rl.grpo`), on one device or per device on a
-mesh (`shard_map`). With `mask_truncated`, rows where `mb["keep"]` is 0 leave the loss.
+"""The GRPO objective: one microbatch's loss and gradient, jitted, on one device or per device on a
+mesh (`shard_map`). The policy loss (`grpo.loss`, from the registry `looprl.rl.losses`) runs on
+the learner's log-probs (`looprl.logprobs.methods`), with the optional KL, TIS, loop credit and
+gate terms (`looprl.rl.grpo`). With `mask_truncated`, rows where `mb["keep"]` is 0 leave the loss.
 
 `LossSpec` holds every static setting, so one compiled program serves every microbatch of a
 run. The hybrid log-prob (docs/DESIGN.md §4) takes its value from replay and its gradient from the
@@ -22,7 +22,7 @@ from looprl.logprobs import loop_logprobs, sequence_logprobs
 from looprl.model.config import OuroConfig
 from looprl.model.looped import exit_distribution
 from looprl.rl import grpo
-from looprl.rl.losses import policy_token_loss
+from looprl.rl.losses import LossSettings, policy_token_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,6 @@ class LossSpec:
     top_k: int
     top_p: float
     method: str
-    eps_low: float
-    eps_high: float
     loss_agg: str
     max_new_tokens: int
     kl_beta: float
@@ -46,9 +44,8 @@ class LossSpec:
     train_gate: bool
     gate_loss_coef: float
     forced_replay: bool = False  # hybrid's value from mb["replay_lp"/"replay_lpp"] (forced re-run)
-    loss: str = "ppo-clip"       # `looprl.rl.losses.LOSSES`
-    cispo_clip_low: float | None = None
-    cispo_clip_high: float = 5.0
+    loss: str = "ppo-clip"       # a key of `looprl.rl.losses.LOSSES`
+    settings: LossSettings = LossSettings()  # the policy loss's own settings
     mask_truncated: bool = False  # rows with mb["keep"] == 0 leave the loss
 
     @property
@@ -88,9 +85,8 @@ def policy_loss(params, mb, normalizer, gate_normalizer, spec: LossSpec):
     tis = {}
     if spec.tis_cap is not None:
         tis = dict(sampler_logprobs_BxS=mb["sampler_lp"], tis_cap=spec.tis_cap)
-    loss_bs, stats = policy_token_loss(spec.loss, cur, old, mb["adv"], mask, eps_low=spec.eps_low,
-                                       eps_high=spec.eps_high, cispo_clip_low=spec.cispo_clip_low,
-                                       cispo_clip_high=spec.cispo_clip_high, **tis)
+    loss_bs, stats = policy_token_loss(spec.loss, cur, old, mb["adv"], mask,
+                                       **dataclasses.asdict(spec.settings), **tis)
     if spec.kl_beta > 0:
         loss_bs = loss_bs + spec.kl_beta * grpo.k3_kl(lp, mb["ref_lp"], mask)
     loss = grpo.aggregate_loss(loss_bs, mask, spec.loss_agg, normalizer)
