@@ -43,7 +43,7 @@ loops 1/2/3/4 about 35/47/13/5%, mean exit loop ~1.9), both invariant / stock, l
   fp32 only: a bf16 pair would not fit the 600 s budget.
 - `hybrid_vs_stock_step_1p4b`: one learner step, the jitted `jax.value_and_grad` of the sum of
   the learner's log-probs (`looprl.logprobs.methods.sequence_logprobs`, KV policy `dense`, fp32,
-  temperature 1, per-loop rematerialisation as in `looprl.rl.loss`) with `method="hybrid"` (the
+  temperature 1, per-loop rematerialisation as in `looprl.rl.objective`) with `method="hybrid"` (the
   invariant-kernel dense pass: replay's value under stop_gradient, the same pass's gradient) over
   the same with `method="stock"` (plain matmuls and attention): 8 rows x 512 tokens, P = 64
   random prompt tokens + 448 random completion tokens, every completion position emitting, its

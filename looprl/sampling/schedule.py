@@ -31,9 +31,8 @@ import numpy as np
 
 from looprl import compat
 from looprl.errors import ScheduleError
-from looprl.sampling.fingerprint import params_fingerprint
 
-__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "RolloutBatch", "Schedule", "params_fingerprint"]
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "RolloutBatch", "Schedule"]
 
 FORMAT_VERSION = 4  # written for a rollout with a thinking budget; others are written as 3
 READABLE_VERSIONS = (*compat.OLD_SCHEDULE_VERSIONS, FORMAT_VERSION)  # older ones: looprl.compat

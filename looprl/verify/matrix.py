@@ -37,7 +37,7 @@ from looprl.kernels import KERNEL_VERSION, KERNEL_VERSION_ORDERED, kernel_versio
 from looprl.programs import release_programs_near_map_limit
 from looprl.sampling.kv_policies import KV_POLICIES
 from looprl.sampling.sampler import SamplingConfig, generate
-from looprl.sampling.schedule import params_fingerprint
+from looprl.sampling.fingerprint import params_fingerprint
 
 DTYPES = ("float32", "bfloat16")
 POLICIES = KV_POLICIES
