@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -110,8 +112,14 @@ def build(out: Path, python_version: str = "3.12", root: Path = ROOT,
     for old in out.glob("*.whl"):
         old.unlink()
     pip = [sys.executable, "-m", "pip"]
-    _run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(root)],
-         "looprl's wheel")
+    with tempfile.TemporaryDirectory() as tmp:  # no build/ left in, or read from, the checkout
+        src = Path(tmp) / "src"
+        shutil.copytree(root / "looprl", src / "looprl",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        for name in ("pyproject.toml", "README.md", "LICENSE"):
+            shutil.copy2(root / name, src / name)
+        _run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(src)], "looprl's wheel")
     pins = _pins(root)
     queue = list(runtime_requirements(root))
     done: set[str] = set()
