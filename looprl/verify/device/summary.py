@@ -11,7 +11,6 @@ import json
 
 from looprl.verify.device.plan import DTYPES, POLICIES
 
-EXACTNESS_GROUPS = ("replay", "replay_more", "needle", "scan", "run_to_run")
 BAD = ("fail", "error")
 
 
