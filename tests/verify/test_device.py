@@ -149,3 +149,41 @@ def test_committed_reports_are_package_data(monkeypatch):
                                       ("NVIDIA H200", "h200"), ("TPU v5 lite", "tpu_v5_lite")])
 def test_device_keys(kind, key):
     assert device_reports.device_key(kind) == key
+
+
+def test_the_report_keeps_what_a_killed_process_finished(tmp_path, monkeypatch, capsys):
+    """`check` with fake processes: the main one is killed at its limit after two items (the
+    rest `skipped`, not failed), the repeat gives the first cell's bits; OUT ends with
+    report.json and report.md. A crash instead makes the item it ran an error: FAIL."""
+    from looprl.verify.device import run
+    items = plan.items(plan.DRY)
+    ended = ("timeout", "main: killed after 60 s")
+
+    def spawn(role, out, form, dry_run, scale, groups, limit_s, cache_dir):
+        if role == "main":
+            (out / run._FACTS).write_text(json.dumps({
+                "env": {"jax": "0.10.2"}, "device_kind": "cpu", "device_key": "cpu",
+                "form": form, "kernel_version": "v"}))
+            recs = [{"name": i.name, "group": i.group, "budget_s": i.budget_s, **i.meta,
+                     "status": "pass", "seconds": 1.0, "digest": "d"} for i in items[:2]]
+            (out / run._RECORDS).write_text("".join(json.dumps(r) + "\n" for r in recs))
+            return ended
+        rep = {"name": items[-1].name, **items[-1].meta, "status": "pass", "digest": "d"}
+        (out / run._REPEAT).write_text(json.dumps(rep) + "\n")
+        return None
+    monkeypatch.setattr(run, "_spawn", spawn)
+    code = run.check(tmp_path / "out", dry_run=True, cache_dir=tmp_path / "cache")
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [r["name"] for r in rep["items"]] == [i.name for i in items]
+    states = [r["status"] for r in rep["items"]]
+    assert states[:2] == ["pass", "pass"] and states[-1] == "pass"
+    assert set(states[2:-1]) == {"skipped"} and rep["items"][-1]["same_bits_as_first"]
+    assert rep["errors"] == ["main: killed after 60 s"] and rep["dry_run"]
+    assert code == 0 and capsys.readouterr().out.strip() == rep["verdict"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.json", "report.md"]
+    assert rep["budget_s"] == plan.total_budget_s(items)
+    ended = ("error", "main: exit status -11: Segmentation fault")
+    assert run.check(tmp_path / "out", dry_run=True, cache_dir=tmp_path / "cache") == 1
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [r["status"] for r in rep["items"]][2:4] == ["error", "skipped"]
+    assert "Segmentation fault" in rep["items"][2]["error"] and "FAIL" in rep["verdict"]

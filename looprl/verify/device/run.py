@@ -101,17 +101,34 @@ def child(role: str, out: Path, form: str, dry_run: bool, scale: float, groups) 
     return 0
 
 
-def _spawn(role, out, form, dry_run, scale, groups, limit_s, cache_dir) -> str | None:
+def _spawn(role, out, form, dry_run, scale, groups, limit_s, cache_dir) -> tuple[str, str] | None:
+    """Run one check process; None when it ended well, else (`timeout` or `error`, why)."""
     cmd = [sys.executable, "-m", "looprl.verify.device.run", "--child", role, str(out),
            "--form", form, "--budget-scale", str(scale), "--cache", str(cache_dir)]
     cmd += (["--dry-run"] if dry_run else []) + (["--groups", ",".join(groups)] if groups else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired:
-        return f"{role}: killed after {limit_s:.0f} s"
+        return "timeout", f"{role}: killed after {limit_s:.0f} s"
     if p.returncode != 0:
-        return f"{role}: exit status {p.returncode}: {(p.stdout + p.stderr)[-1200:]}"
+        return "error", f"{role}: exit status {p.returncode}: {(p.stdout + p.stderr)[-1200:]}"
     return None
+
+
+def _unfinished(items, done: set, ended: tuple[str, str] | None) -> list[dict]:
+    """Records of the items a process did not finish: after a crash the first is `error` (it
+    was running), the rest `skipped`; after a timeout or none, all `skipped`."""
+    out = []
+    for i in items:
+        if i.name in done:
+            continue
+        crashed = ended is not None and ended[0] == "error" and not out
+        rec = {"name": i.name, "group": i.group, "budget_s": i.budget_s, **i.meta,
+               "seconds": 0.0}
+        rec.update({"status": "error", "error": ended[1][:1500]} if crashed else
+                   {"status": "skipped", "why": "its process ended first"})
+        out.append(rec)
+    return out
 
 
 def _read_lines(path: Path) -> list[dict]:
@@ -151,20 +168,15 @@ def check(out: str | Path, dry_run: bool = False, form: str | None = None,
     items = _selected(sz, groups)
     budget = plan.total_budget_s(items[:-1]) * budget_scale
     t0 = time.time()
-    errors = []
+    ended = {}
     for role, limit in (("main", budget + GRACE_S), ("repeat", items[-1].budget_s * budget_scale
                                                      + GRACE_S)):
-        err = _spawn(role, out, form, dry_run, budget_scale, groups,
-                     DRY_LIMIT_S if dry_run else limit, cache_dir)
-        if err:
-            errors.append(err)
+        ended[role] = _spawn(role, out, form, dry_run, budget_scale, groups,
+                             DRY_LIMIT_S if dry_run else limit, cache_dir)
+    errors = [e[1] for e in ended.values() if e]
     recs = _read_lines(out / _RECORDS)
-    done = {r["name"] for r in recs}
-    recs += [{"name": i.name, "group": i.group, "budget_s": i.budget_s, **i.meta,
-              "status": "skipped", "seconds": 0.0, "why": "its process ended first"}
-             for i in items[:-1] if i.name not in done]
-    rep = (_read_lines(out / _REPEAT) or [{"name": items[-1].name, **items[-1].meta,
-                                           "status": "error", "error": "no record"}])[0]
+    recs += _unfinished(items[:-1], {r["name"] for r in recs}, ended["main"])
+    rep = (_read_lines(out / _REPEAT) or _unfinished(items[-1:], set(), ended["repeat"]))[0]
     first = [r for r in recs if "/" + r["name"] == items[-1].name[len("run_to_run"):]]
     recs.append(_run_to_run(first[0] if first else None, rep, items[-1].budget_s))
     facts_path = out / _FACTS
