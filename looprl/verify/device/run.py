@@ -26,7 +26,7 @@ from looprl.errors import ConfigError, create_dir
 from looprl.verify.device import checks, plan, speed, summary
 
 CACHE_DIR = Path.home() / ".cache" / "looprl" / "jax-compile"
-GRACE_S = 60
+GRACE_S = 30  # a process start (jax, the device) and the last item's overrun
 DRY_LIMIT_S = 3600  # a dry run judges no time; a loaded 2-core host is slow
 _RECORDS, _FACTS, _REPEAT = ".items.jsonl", ".facts.json", ".repeat.json"
 
