@@ -104,7 +104,7 @@ def test_a_skipped_item_is_not_a_failure_of_its_dtype():
     ex = rep["exactness"]["replay_exact"]
     assert ex["bfloat16/deferred"] and not ex["bfloat16/copy"]  # skips say nothing
     assert not ex["float32/dense"]  # a failed fp32 scan fails fp32
-    assert not ex["bfloat16/dense"]  # never measured
+    assert not ex["bfloat16/dense"] and not rep["exactness"]["measured"]["bfloat16/dense"]
     assert rep["exactness"]["rows_exact"]["bfloat16/deferred"] == [1, 3]
     assert not rep["ok"] and "FAIL" in rep["verdict"] and "2 skipped" in rep["verdict"]
     items[3]["status"], items[7]["status"] = "pass", "pass"
@@ -122,6 +122,8 @@ def test_the_report_renders_and_replay_choice_reads_it(tmp_path, monkeypatch):
     md = summary.report_md(rep)
     assert "# Device check: NVIDIA H200 (`h200`)" in md and "`P`" in md
     assert "bfloat16/deferred yes" in md and "bfloat16/copy no" in md
+    items[2:] = []  # bfloat16/dense and every fp32 cell: not measured
+    assert "float32/copy not measured" in summary.report_md(_report(items))
     assert "| replay/bfloat16/copy/1 | fail | 1.0 | 5 |" in md
     facts = rc.DeviceFacts("NVIDIA H200", rep["kernel_version"], "0.11.2")
     (tmp_path / "h200").mkdir()

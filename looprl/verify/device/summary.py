@@ -18,7 +18,7 @@ def exactness(report: dict) -> dict:
     """The `exactness` block: device kind, kernel version, jax build, form, dry run, and per
     `<dtype>/<policy>` whether replay is exact (module doc) with the rows it was shown at."""
     recs = [r for r in report["items"] if r["status"] != "skipped"]
-    exact, rows = {}, {}
+    exact, rows, measured = {}, {}, {}
     for d in DTYPES:
         scan_bad = any(r["group"] == "scan" and r.get("dtype") == d and r["status"] in BAD
                        for r in recs)
@@ -30,10 +30,12 @@ def exactness(report: dict) -> dict:
             exact[f"{d}/{p}"] = (bool(replay) and all(r["status"] == "pass" for r in replay)
                                  and not others_bad and not scan_bad)
             rows[f"{d}/{p}"] = sorted({r["rows"] for r in replay if r["status"] == "pass"})
+            measured[f"{d}/{p}"] = bool(replay)
     env = report["env"]
     return {"device_kind": report["device_kind"], "kernel_version": report["kernel_version"],
             "jax": env.get("jax"), "jaxlib": env.get("jaxlib"), "form": report["form"],
-            "dry_run": report["dry_run"], "replay_exact": exact, "rows_exact": rows}
+            "dry_run": report["dry_run"], "replay_exact": exact, "rows_exact": rows,
+            "measured": measured}
 
 
 def verdict(report: dict) -> tuple[bool, str]:
@@ -69,7 +71,8 @@ def report_md(report: dict) -> str:
         lines += ["Dry run: tiny widths, interpreted kernels on the CPU. Time budgets and speed "
                   "ratios are recorded here, not judged; the report counts for nothing.", ""]
     lines += ["Replay exact (what `learner.replay_impl=auto` reads): " + ", ".join(
-        f"{k} {'yes' if v else 'no'}" for k, v in ex["replay_exact"].items()), "",
+        f"{k} {'yes' if v else 'no' if ex['measured'][k] else 'not measured'}"
+        for k, v in ex["replay_exact"].items()), "",
         "Accelerator pins in force: " + (", ".join(
             f"`{k}`" for k, on in (report["env"].get("accelerator_pins") or {}).items()
             if on) or "none"), ""]
