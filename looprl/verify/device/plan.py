@@ -78,7 +78,7 @@ def _replay(dtype, policy, rows, budget_s, group):
                 (dtype, policy, rows))
 
 
-# seconds per first-group item by rows (cold compiles on one H100, deferred then copy)
+# seconds per first-group item by rows, deferred then copy (estimated: cold compiles, one H100)
 _FIRST_S = {1: (20, 12), 3: (10, 8), 5: (10, 8), 64: (12, 10), 256: (14, 12)}
 
 
