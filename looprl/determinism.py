@@ -1,6 +1,6 @@
 """Process-level settings that bit-exactness depends on, and the environment record of reports.
 
-XLA CPU (jax 0.10.2): the newer fusion emitters compile the same elementwise ops into
+XLA CPU (jax 0.10 and 0.11): the newer fusion emitters compile the same elementwise ops into
 numerically different loops depending on the surrounding program, so a learner program and a
 sampler program disagreed in low bits even with batch-invariant kernels; the legacy emitters do
 not (`--xla_cpu_use_fusion_emitters=false`, measured in tests/logprobs). The YNNPACK dot fusions
@@ -21,8 +21,9 @@ sharing a weight could be merged into one dot whose shape depends on M), and
 not added (the CPU backend ignores them; they would only change the recorded environment).
 
 `configure_xla()` runs when `looprl` is imported: it appends the flags to XLA_FLAGS unless the
-user set them. It must run before jax creates its backends; `environment()` records what the
-process actually runs with.
+user set them, on every jaxlib line `looprl.compat` supports (the XLA of each knows every flag);
+an unsupported jaxlib is `compat.UnsupportedJaxError`. It must run before jax creates its
+backends; `environment()` records what the process actually runs with.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import importlib.util
 import os
 import platform
 import subprocess
-import sys
+
+from looprl import compat
 
 REQUIRED_CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",
                       # YNNPACK dot fusions pick M-dependent kernels (looprl.kernels
@@ -42,12 +44,11 @@ ACCELERATOR_FLAGS = ("--xla_gpu_deterministic_ops=true",
                      "--xla_gpu_enable_triton_gemm=false",
                      "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL")
 ACCELERATOR_ENV = {"NVIDIA_TF32_OVERRIDE": "0"}
-GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
 
 
 def gpu_plugin_installed() -> bool:
     """True when a GPU plugin of jax is importable (found without importing it or jax)."""
-    return any(importlib.util.find_spec(name) is not None for name in GPU_PLUGINS)
+    return any(importlib.util.find_spec(name) is not None for name in compat.GPU_PLUGINS)
 
 
 ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel0", "/dev/vfio/0")
@@ -70,23 +71,20 @@ def _cpu_only_platform() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def configure_xla(pin_threads: bool = False, accelerator: bool | None = None) -> None:
+def configure_xla(pin_threads: bool = False, accelerator: bool | None = None,
+                  jaxlib: str | None = None) -> None:
     """Append looprl's required XLA flags to XLA_FLAGS (idempotent; user settings win).
 
     `accelerator`: also pin ACCELERATOR_FLAGS and ACCELERATOR_ENV (module doc); default: where a
     GPU plugin of jax is installed and an accelerator is present (`accelerator_present`; a
     compile-only GPU target gets the pins per compile, `looprl.aot.targets`). Where the
-    plugins are installed with no accelerator present, JAX_PLATFORMS=cpu unless set. Only for the pinned jaxlib 0.10
-    line, whose XLA knows every flag (other builds abort on unknown flags); LOOPRL_XLA_FLAGS=0
-    turns this off."""
+    plugins are installed with no accelerator present, JAX_PLATFORMS=cpu unless set.
+    `jaxlib`: the version deciding the line (default: the installed one). Raises
+    compat.UnsupportedJaxError for a jaxlib outside `compat.SUPPORTED_RANGE`;
+    LOOPRL_XLA_FLAGS=0 turns all of this off."""
     if os.environ.get("LOOPRL_XLA_FLAGS", "1") == "0":
         return
-    try:
-        from importlib.metadata import version
-        if not version("jaxlib").startswith("0.10."):
-            return
-    except Exception:  # pragma: no cover - jaxlib not installed
-        return
+    compat.check_jaxlib(jaxlib)
     _cpu_only_platform()
     if accelerator is None:
         accelerator = gpu_plugin_installed() and accelerator_present()
@@ -105,13 +103,7 @@ def configure_xla(pin_threads: bool = False, accelerator: bool | None = None) ->
 
 def backend_initialized() -> bool:
     """True if jax already created its backends (then XLA_FLAGS changes have no effect)."""
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import xla_bridge
-        return bool(xla_bridge._backends)  # noqa: SLF001 - no public query exists
-    except Exception:  # pragma: no cover - internal layout changed
-        return False
+    return compat.backends_started()
 
 
 def cpu_model() -> str:

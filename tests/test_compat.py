@@ -1,63 +1,105 @@
-"""looprl.compat: older files read as today's format means them."""
-import json
+"""looprl.compat: the jax lines looprl supports, decided from a version string (0.11 by
+injection, since only 0.10.2 installs here), and each shim on the jax installed here."""
+import re
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
-import numpy as np
+import jax
 import pytest
 
-from looprl import compat
-from looprl.sampling.schedule import READABLE_VERSIONS, RolloutBatch, Schedule
+from looprl import compat, determinism
 
-ROLLOUTS = Path(__file__).resolve().parents[1] / "reproducibility"
-FIELDS = {"kv_policy": "deferred", "exit_threshold": 0.9, "fixed_depth": None,
-          "deferred_max_pending": 4, "chunk_size": 5, "prompt_len": 4, "seq_len": 8,
-          "batch_size": 1, "total_ut_steps": 4, "compute_dtype": "float32", "temperature": 1.0,
-          "top_k": 0, "top_p": 1.0, "seed": 0, "step": 0, "params_fingerprint": "x"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_version_1_schedule_means_one_device_no_compaction_and_layout_keying():
-    s = Schedule.from_dict(FIELDS, version=1)
-    assert (s.devices, s.mesh, s.row_menu, s.window_widths) == (1, None, (), ())
-    assert (s.noise_keying, s.kernel_version, s.stop_ids, s.kernels) == (
-        "layout", "", (2,), "invariant")
+@pytest.mark.parametrize("version,line", [("0.10.2", "0.10"), ("0.10.7", "0.10"),
+                                          ("0.11.0", "0.11"), ("0.11.2", "0.11"),
+                                          ("0.11.3.dev20260801", "0.11"), ("0.11.1rc1", "0.11")])
+def test_each_supported_version_has_its_line(version, line):
+    assert compat.check_jaxlib(version) == line
 
 
-def test_a_version_2_schedule_with_compaction_had_two_pass_widths():
-    """The position alone and the window, the window cut at the sequence length."""
-    assert Schedule.from_dict({**FIELDS, "row_menu": [1, 2]}, version=2).window_widths == (1, 5)
-    short = {**FIELDS, "row_menu": [1], "seq_len": 3}
-    assert Schedule.from_dict(short, version=2).window_widths == (1, 3)
-    assert Schedule.from_dict(FIELDS, version=2).window_widths == ()  # no compaction
+@pytest.mark.parametrize("version", ["0.10.1", "0.9.2", "0.12.0", "1.0.0", "", "nightly"])
+def test_an_unknown_jaxlib_is_an_error_naming_the_range(version):
+    with pytest.raises(compat.UnsupportedJaxError) as e:
+        compat.check_jaxlib(version)
+    msg = str(e.value)
+    assert "jaxlib >= 0.10.2, < 0.12" in msg and "LOOPRL_XLA_FLAGS=0" in msg
+    assert (f"jaxlib {version}" if version else "no jaxlib") in msg
 
 
-def test_a_current_schedule_keeps_what_it_records():
-    d = {**FIELDS, "row_menu": [1, 2], "window_widths": [1, 2, 4], "noise_keying": "completion"}
-    s = Schedule.from_dict(d)
-    assert (s.window_widths, s.noise_keying) == ((1, 2, 4), "completion")
+def test_the_installed_jaxlib_is_read_without_importing_it():
+    assert compat.jaxlib_version() == jax.__version__ == "0.10.2"
+    assert compat.check_jaxlib() == "0.10" and compat.line() == compat.LINES["0.10"]
 
 
-def test_readable_versions_are_the_old_ones_and_the_writers():
-    assert READABLE_VERSIONS == (1, 2, 3, 4)
-    assert compat.OLD_SCHEDULE_VERSIONS == (1, 2, 3)
+@pytest.mark.parametrize("version", ["0.10.2", "0.11.2"])
+def test_the_gpu_pins_apply_on_every_supported_line(monkeypatch, version):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "1")
+    monkeypatch.delenv("LOOPRL_XLA_FLAGS", raising=False)
+    determinism.configure_xla(accelerator=True, jaxlib=version)
+    flags = determinism.os.environ["XLA_FLAGS"].split()
+    for f in determinism.ACCELERATOR_FLAGS + determinism.REQUIRED_CPU_FLAGS:
+        assert f in flags, (version, f)
+    assert determinism.os.environ["NVIDIA_TF32_OVERRIDE"] == "1"  # the user's setting wins
 
 
-@pytest.mark.parametrize("path", sorted(ROLLOUTS.glob("*/rollouts/*_dense.npz")),
-                         ids=lambda p: f"{p.parent.parent.name}/{p.name}")
-def test_committed_rollouts_load_with_window_widths_matching_loop_rows(path):
-    with np.load(path) as z:
-        version = json.loads(str(z["meta"]))["format_version"]
-    batch = RolloutBatch.load(path)
-    assert version in READABLE_VERSIONS
-    assert len(batch.schedule.window_widths) == np.asarray(batch.loop_rows).shape[-1]
+def test_configure_xla_refuses_an_unknown_jaxlib_unless_turned_off(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv("LOOPRL_XLA_FLAGS", raising=False)
+    with pytest.raises(compat.UnsupportedJaxError, match="found jaxlib 0.12.0"):
+        determinism.configure_xla(accelerator=True, jaxlib="0.12.0")
+    assert determinism.os.environ["XLA_FLAGS"] == ""  # nothing half-applied
+    monkeypatch.setenv("LOOPRL_XLA_FLAGS", "0")
+    determinism.configure_xla(accelerator=True, jaxlib="0.12.0")
+    assert determinism.os.environ["XLA_FLAGS"] == ""
 
 
-def test_an_old_config_key_and_an_absent_key_mean_what_they_meant():
-    assert compat.RENAMED["rollout"]["fixed_exit_loop"] == "fixed_depth"
-    assert compat.CONFIG_KEYS_ABSENT["rollout"]["noise_keying"] == "layout"
+def test_python_and_plugin_per_line():
+    assert compat.python_supported("0.10", (3, 11)) and not compat.python_supported("0.11", (3, 11))
+    assert compat.python_supported("0.11", (3, 12))
+    assert compat.LINES["0.11"].cuda_plugin == "jax_cuda13_plugin"
+    assert {"jax_cuda12_plugin", "jax_cuda13_plugin"} <= set(compat.GPU_PLUGINS)
 
 
-def test_a_checkpoint_without_digests_records_nothing_to_compare():
-    assert compat.checkpoint_records({"format": "looprl-checkpoint", "version": 1}) == (
-        {}, {}, None)
-    meta = {"files": {"a": 1}, "file_sha256": {"a": "f" * 64}, "params_sha256": "e" * 64}
-    assert compat.checkpoint_records(meta) == ({"a": 1}, {"a": "f" * 64}, "e" * 64)
+def _triton_warning_shown(jax_line):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        added = compat.quiet_triton_deprecation(jax_line)
+        warnings.warn(compat.TRITON_DEPRECATION + " and will be removed", DeprecationWarning)
+        warnings.warn("another deprecation", DeprecationWarning)
+    return added, [str(w.message) for w in seen]
+
+
+def test_the_triton_deprecation_is_quiet_on_0_11_only():
+    added, seen = _triton_warning_shown("0.11")
+    assert added and seen == ["another deprecation"]
+    added, seen = _triton_warning_shown("0.10")
+    assert not added and len(seen) == 2
+
+
+def test_the_triton_lowering_still_takes_triton_params_here():
+    from jax.experimental.pallas import triton as pltriton
+
+    from looprl.kernels import pallas_target
+    params = pallas_target.compiler_params("gpu", False, gpu=dict(num_stages=1))
+    assert isinstance(params, pltriton.CompilerParams) and params.num_stages == 1
+
+
+def test_backends_started_after_a_computation():
+    jax.numpy.zeros(1).block_until_ready()
+    assert compat.backends_started() and determinism.backend_initialized()
+    code = "import looprl.compat as c; print(c.backends_started())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert out.strip() == "False"  # a fresh process before jax starts
+
+
+def test_looprl_calls_no_uninitialized_empty():
+    """jnp.empty is uninitialized from jax 0.11: no looprl module calls it."""
+    hits = [str(p) for p in (ROOT / "looprl").rglob("*.py")
+            if re.search(r"jnp\.empty(_like)?\(", p.read_text())]
+    assert hits == []

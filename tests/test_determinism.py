@@ -20,7 +20,7 @@ KEYS = {"jax", "jaxlib", "python", "backend", "device_kind", "device_count", "cp
 def test_environment_record_holds_the_union_of_both_former_records(monkeypatch):
     # the flags in force plus the pin: this call may be the one that starts jax's CPU backend,
     # and a backend started without looprl's required flags breaks every later test's bits in
-    # this worker (as XLA_FLAGS = the pin alone did: gpu_check's scan found rows differing)
+    # this worker (as XLA_FLAGS = the pin alone did: the device check's scan found rows differing)
     flags = os.environ.get("XLA_FLAGS", "")
     monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_cpu_multi_thread_eigen=false")
     env = determinism.environment()

@@ -24,7 +24,7 @@ ROOT = REPO / "looprl"
 # floor of each top-level part of the package; a module may import its own package, any leaf,
 # and any package on a lower floor
 LEAVES = {"errors", "determinism", "programs", "timing", "config", "tokenizer", "tasks",
-          "distributed", "compat"}
+          "distributed", "compat", "legacy", "device_reports"}
 FLOORS = {"kernels": 1, "model": 2, "io": 3, "reference": 3, "aot": 3, "sampling": 4, "logprobs": 5,
           "rl": 6, "verify": 6, "train": 7, "cli": 8}
 # function-level looprl imports that are allowed, by module

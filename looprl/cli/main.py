@@ -61,10 +61,29 @@ def _add_verify(sub):
                    help="auto: where the invariant replay is not exact, replay by re-running the "
                         "sampler in forced mode (recorded per cell as replay_impl)")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="directory for report.json/.md (required, except with --compare NEW OLD)")
+                   help="directory for report.json/.md (required, except with --compare NEW OLD or "
+                        "--device OUT)")
     p.add_argument("--compare", metavar="DIR", nargs="+", default=None,
                    help="NEW OLD: whether two report directories hold the same cells and bits "
                         "(or the first difference); OLD with --out NEW: verify, then compare")
+    dev = p.add_argument_group("the device check (reproducibility/README.md)")
+    dev.add_argument("--device", metavar="OUT", nargs="?", const="", default=None,
+                     help="the device check on this GPU/TPU: OUT/report.json, report.md, a "
+                          "verdict line; exit 0 on PASS (budgets add up to 6 minutes)")
+    dev.add_argument("--dry-run", action="store_true",
+                     help="with --device: tiny widths, interpreted kernels on the CPU; budgets "
+                          "and speed ratios recorded, not judged")
+    dev.add_argument("--carry", metavar="DIR", default=None,
+                     help="with --device: build what travels to a device whose image has its "
+                          "own jax (looprl's wheel and the wheels it lacks) into DIR, and print "
+                          "the one line to run there")
+    dev.add_argument("--python-version", default="3.12",
+                     help="with --carry: the device's Python (default 3.12)")
+    dev.add_argument("--groups", default="",
+                     help="with --device: comma-separated item groups (replay, needle, "
+                          "replay_more, scan, speed; run-to-run always runs)")
+    dev.add_argument("--budget-scale", type=float, default=1.0,
+                     help="with --device: multiply every item's time budget")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print every cell's line (default: one line per weights, dtype and KV "
                         "policy, and the verdict table)")

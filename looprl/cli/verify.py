@@ -23,6 +23,8 @@ from looprl.sampling.schedule import RolloutBatch
 from looprl.tasks.arithmetic import ArithmeticTask
 from looprl.tokenizer import tokenizer_from_json
 from looprl.train.warm_start import warm_start
+from looprl.verify.device import carry as device_carry
+from looprl.verify.device import run as device_run
 from looprl.verify.matrix import VerifyOptions, run_matrix, task_prompts, verify_rollout
 from looprl.verify.compare import compare_lines, read_report
 from looprl.verify.report import report_environment, summarize, write_report
@@ -136,6 +138,19 @@ def check_out_dir(out: Path) -> None:
               f"this run finishes", file=sys.stderr)
 
 
+def run_device(args) -> int:
+    """`looprl verify --device OUT` (the check) or `--device --carry DIR` (what travels).
+    Raises ConfigError for a missing OUT or DIR, or the check on a CPU without --dry-run."""
+    if args.carry:
+        return device_carry.build_and_print(Path(args.carry), args.python_version)
+    if not args.device:
+        raise ConfigError("looprl verify --device: name OUT, the folder for report.json "
+                          "(or --carry DIR to build what travels to a device)")
+    groups = tuple(g for g in args.groups.split(",") if g)
+    return device_run.check(args.device, dry_run=args.dry_run, budget_scale=args.budget_scale,
+                            groups=groups)
+
+
 def run(args) -> int:
     """`looprl verify`: run the matrix (or re-verify `--rollout`), write the report, print the
     verdict line on stderr and stdout, return the exit status (0 only if every replay cell is
@@ -145,6 +160,8 @@ def run(args) -> int:
     ScheduleError for an unreadable rollout or one sampled with other parameters,
     CheckpointError for a bad `--checkpoint`."""
     determinism.configure_xla(pin_threads=True)  # one intra-op thread + looprl's required flags
+    if getattr(args, "device", None) is not None:
+        return run_device(args)
     compare = getattr(args, "compare", None) or []
     if len(compare) > 2 or (len(compare) == 2 and args.out):
         raise ConfigError("--compare takes NEW OLD (two report directories, no --out), or OLD "
@@ -153,7 +170,7 @@ def run(args) -> int:
         return print_comparison(*compare)
     if not args.out:
         raise ConfigError("--out DIR is required (where the report goes), except with "
-                          "--compare NEW OLD")
+                          "--compare NEW OLD or --device OUT")
     if compare:
         read_report(compare[0], "--compare OLD")  # before the run, not after it
 

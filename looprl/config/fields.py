@@ -1,6 +1,6 @@
 """The config's field types: their readable names, the one type dispatch that checks a Python
 value or parses a command-line string (`convert_value`), and the reading of an old key name
-(`renamed_key`; the names are `looprl.compat.RENAMED`)."""
+(`renamed_key`; the names are `looprl.legacy.RENAMED`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ import typing
 import warnings
 from typing import Any, Literal
 
-from looprl.compat import RENAMED
+from looprl.legacy import RENAMED
 from looprl.errors import ConfigError
 
 

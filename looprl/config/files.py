@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from looprl.compat import CONFIG_KEYS_ABSENT, RENAMED
+from looprl.legacy import CONFIG_KEYS_ABSENT, RENAMED
 from looprl.config.fields import convert_value, field_types, renamed_key
 from looprl.config.overrides import apply_overrides
 from looprl.config.sections import ExperimentConfig

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 from typing import Any
 
-from looprl.compat import RENAMED
+from looprl.legacy import RENAMED
 from looprl.config.fields import convert_value, field_types, renamed_key, type_name
 from looprl.config.sections import ExperimentConfig
 from looprl.errors import ConfigError

@@ -11,7 +11,7 @@ The meta file is written last inside a temporary sibling directory, which is the
 missing or of another size) and the digests (bytes damaged in place), raising a CheckpointError
 that names the file and both values. Restores never cast: parameters are stored as fp32, and
 `load_train_state` checks every array's name, shape and dtype against a template. An older
-checkpoint without digests (`looprl.compat`) loads with a one-line warning. Paths are made
+checkpoint without digests (`looprl.legacy`) loads with a one-line warning. Paths are made
 absolute here (orbax refuses relative ones).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from looprl import compat
+from looprl import legacy
 from looprl.distributed.mesh import param_shardings, to_host
 from looprl.distributed.multihost import sync
 from looprl.errors import CheckpointError, ConfigError
@@ -176,11 +176,11 @@ def _synced_manifest(root: Path) -> tuple[dict[str, int], dict[str, str]]:
 def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool = False
                        ) -> None:
     """Compare each file's SHA-256 with the one `meta["file_sha256"]` recorded at save (none in
-    an older checkpoint: `looprl.compat.checkpoint_records`): the files under `train_state/`
+    an older checkpoint: `looprl.legacy.checkpoint_records`): the files under `train_state/`
     with `train_state`, else every other file. Raises CheckpointError naming the first damaged
     file and both digests."""
     path = _abs(path)
-    _, file_digests, _ = compat.checkpoint_records(meta)
+    _, file_digests, _ = legacy.checkpoint_records(meta)
     for rel, recorded in file_digests.items():
         if rel.startswith(TRAIN_STATE_DIR + "/") != train_state:
             continue
@@ -194,7 +194,7 @@ def check_file_digests(path: str | Path, meta: dict[str, Any], train_state: bool
 def _check_params_digest(path: Path, params, meta: dict[str, Any], found=None) -> None:
     """`params_sha256` of the restored tree (or `found`, streamed as it was read) against the
     recorded one; a checkpoint that records no digest at all loads with a warning on stderr."""
-    _, file_digests, recorded = compat.checkpoint_records(meta)
+    _, file_digests, recorded = legacy.checkpoint_records(meta)
     if recorded is None:
         if not file_digests:
             print(f"looprl: warning: {path}: written before checkpoints recorded digests; its "
@@ -238,7 +238,7 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     for part in needed:
         if not (path / part).exists():
             raise CheckpointError(f"{path}: incomplete looprl checkpoint: {part} missing")
-    for rel, size in compat.checkpoint_records(meta)[0].items():
+    for rel, size in legacy.checkpoint_records(meta)[0].items():
         f = path / rel
         found = f.stat().st_size if f.is_file() else None
         if found != size:
@@ -278,7 +278,7 @@ def load_model_checkpoint(path: str | Path, mesh=None, leaf_fn=None
     except (OSError, json.JSONDecodeError, ConfigError, TypeError) as e:
         raise CheckpointError(f"{path / CONFIG_FILE}: {e}") from e
     sha = ParamsSha256()
-    files_digested = bool(compat.checkpoint_records(meta)[1])  # then every byte is checked
+    files_digested = bool(legacy.checkpoint_records(meta)[1])  # then every byte is checked
 
     def streamed(keys, slabs):
         _require_fp32(path, keys, slabs)

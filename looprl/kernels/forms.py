@@ -6,7 +6,7 @@ environment.
 LOOPRL_KERNELS is unset: `LOOPRL_CPU_MATMUL` (`ordered` -> `cpu-ordered`, `xla` -> `cpu-xla`) on
 the CPU and `LOOPRL_ACCEL_MATMUL=pallas` (the platform's Pallas form) elsewhere. The form is
 resolved once per (platform, environment) and read when a program is traced; `use_form` selects
-one for a scope (tests, `reproducibility/gpu_check.py`).
+one for a scope (tests, `looprl verify --device`).
 
 A Pallas form compiles for the platform its program is LOWERED for, not for the process's
 default backend (`pallas_target`): a CPU process under `LOOPRL_KERNELS=pallas-gpu` runs the

@@ -21,6 +21,9 @@ import numpy as np
 from jax.experimental.pallas import triton as pltriton
 from jax.experimental.pallas import tpu as pltpu
 
+from looprl import compat
+
+compat.quiet_triton_deprecation()  # Triton is the GPU path on purpose (looprl.compat)
 PLATFORMS = {"gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
 
 

@@ -2,8 +2,9 @@
 
 On a CPU kernel form the invariant replay (the learner's dense pass) is exact by construction
 (`docs/NUMERICS.md`), and auto takes it. Off the CPU it is measured, not argued: auto takes it
-only where a committed device report, `reproducibility/<device key>/report.json` written by
-`reproducibility/gpu_check.py`, shows exact replay for this device kind, kernel version and
+only where a committed device report, `<reports dir>/<device key>/report.json` written by
+`looprl verify --device` (`looprl.device_reports`: package data `looprl/reports/`, or
+`LOOPRL_DEVICE_REPORTS`), shows exact replay for this device kind, kernel version and
 jax build, in the run's compute dtype and KV policy; elsewhere the forced re-run of the sampler
 (exact wherever the sampler is deterministic). The device key is `device_key` of
 `jax.devices()[0].device_kind` (`NVIDIA H100 80GB HBM3` -> `h100_80gb_hbm3`, `TPU v5 lite` ->
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -21,9 +21,8 @@ import jax
 
 from looprl import kernels as kn
 from looprl.config import ExperimentConfig
-
-REPORTS_DIR = Path(__file__).resolve().parents[2] / "reproducibility"
-REPORT_FORMAT = "looprl-device-check/1"
+from looprl.device_reports import REPORT_FORMAT, device_key  # noqa: F401
+from looprl.device_reports import reports_dir as default_reports_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +39,13 @@ def this_device() -> DeviceFacts:
     return DeviceFacts(jax.devices()[0].device_kind, kn.kernel_version(), jax.__version__)
 
 
-def device_key(device_kind: str) -> str:
-    """The directory name of a device kind's report: lower case, a leading `nvidia` dropped,
-    every run of other characters than letters and digits one `_` (`NVIDIA H200` -> `h200`)."""
-    s = re.sub(r"^nvidia\s+", "", device_kind.strip().lower())
-    return re.sub(r"[^a-z0-9]+", "_", s).strip("_") or "unknown"
-
-
 def report_choice(facts: DeviceFacts, dtype: str, kv_policy: str,
                   reports_dir: Path | None = None) -> tuple[str, str]:
     """(`invariant` or `forced`, the one-line reason) for a run in `dtype` with `kv_policy` on
     the device `facts` describes: `invariant` only where `reports_dir/<device_key>/report.json`
-    (default `REPORTS_DIR`) is a full (not dry-run) check of this device kind, kernel version
+    (default `device_reports.reports_dir()`) is a full (not dry-run) check of this device kind, kernel version
     and jax build whose `exactness.replay_exact["<dtype>/<kv_policy>"]` is true."""
-    path = Path(reports_dir or REPORTS_DIR) / device_key(facts.kind) / "report.json"
+    path = Path(reports_dir or default_reports_dir()) / device_key(facts.kind) / "report.json"
     where = f"{facts.kind} ({dtype}, {kv_policy}, kernels {facts.kernel_version}, jax {facts.jax})"
     if not path.is_file():
         return "forced", f"no committed device report for {where} at {path}"

@@ -24,13 +24,13 @@ from looprl import kernels as kn
 
 
 NOISE_KEYINGS = ("completion", "layout")
-NOISE_KEYING = "completion"  # "layout": files that name no keying (looprl.compat)
+NOISE_KEYING = "completion"  # "layout": files that name no keying (looprl.legacy)
 
 
 def noise_position(keying: str, emit_position, prompt_len: int):
     """The position folded into a sampled token's key: its index in the completion (0 for the
     first completion token, emitted by layout position P - 1) under "completion", the padded
-    layout position under "layout" (the older keying: `looprl.compat`)."""
+    layout position under "layout" (the older keying: `looprl.legacy`)."""
     if keying == "completion":
         return emit_position - (prompt_len - 1)
     return emit_position

@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from looprl import compat
+from looprl import legacy
 from looprl.errors import ScheduleError
 
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "RolloutBatch", "Schedule"]
 
 FORMAT_VERSION = 4  # written for a rollout with a thinking budget; others are written as 3
-READABLE_VERSIONS = (*compat.OLD_SCHEDULE_VERSIONS, FORMAT_VERSION)  # older ones: looprl.compat
+READABLE_VERSIONS = (*legacy.OLD_SCHEDULE_VERSIONS, FORMAT_VERSION)  # older ones: looprl.legacy
 
 _ARRAYS = ("tokens_BxS", "pad_B", "exit_loop_BxS", "logprob_BxS", "logprob_processed_BxS",
            "flush_BxS", "prompt_index_B", "sample_index_B", "completion_len_B")
@@ -91,14 +91,14 @@ class Schedule:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; without a thinking budget its keys are left out (format 3's form)."""
         d = {k: list(v) if k in _TUPLES else v for k, v in dataclasses.asdict(self).items()}
-        off = compat.THINKING_KEYS if self.thinking_budget is None else ()
+        off = legacy.THINKING_KEYS if self.thinking_budget is None else ()
         return {k: v for k, v in d.items() if k not in off}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], version: int = FORMAT_VERSION) -> "Schedule":
-        """The schedule of a file of format `version` (older ones read by `looprl.compat`).
+        """The schedule of a file of format `version` (older ones read by `looprl.legacy`).
         Raises ScheduleError naming the keys it lacks."""
-        d = compat.schedule_dict(d, version)
+        d = legacy.schedule_dict(d, version)
         known = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(known - set(d))
         if missing:

@@ -15,7 +15,7 @@ whole grid is `-m slow`.
 What this cannot show: the hardware's own rounding (an fma or an MXU pass is the device's),
 anything chosen at run time (cuBLAS-Lt's algorithm where a plain XLA dot is left, launch
 configuration heuristics of libraries), and that the program runs at all: nothing executes here.
-`reproducibility/gpu_check.py` checks bits on a device.
+`looprl verify --device` checks bits on a device.
 """
 import collections
 import re

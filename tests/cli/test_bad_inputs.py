@@ -238,6 +238,11 @@ ARG_CASES = {
         "only the gsm8k and math tasks"),
     "config with a rollout": (["verify", "--rollout", "r.npz", "--config", str(SMOKE), "--out",
                                "EV"], "--config has no effect with --rollout"),
+    "verify without --out": (["verify", "--quick"], "--out DIR is required"),
+    "the device check on a CPU": (["verify", "--device", "EV"], "no GPU or TPU here"),
+    "the device check without OUT": (["verify", "--device"], "name OUT"),
+    "an unknown device group": (["verify", "--device", "EV", "--dry-run", "--groups", "nope"],
+                                "--groups: unknown ['nope']"),
 }
 
 

@@ -5,7 +5,7 @@ kernel bodies, tiles and loop orders the devices compile, executed as XLA ops. W
 show is the algorithm: every row's bits are the same whatever the row count, its place, its
 batch-mates, the cache length or the number of queries in the call. What they cannot show is
 the device's own rounding (fma, wgmma, the MXU's passes) and anything a device chooses at run
-time: `reproducibility/gpu_check.py` measures those. The export tests check that one program
+time: `looprl verify --device` measures those. The export tests check that one program
 compiles the Triton kernels for CUDA and the Mosaic ones for a TPU (`pallas_target`).
 """
 import contextlib

@@ -4,7 +4,7 @@ learner's teacher-forced replay both run the Pallas kernels, and the replay's lo
 the sampler's bit for bit, for a one-row and a five-row batch, while the stock control
 mismatches. The default suite runs one small case (GQA, fp32, the deferred KV policy); the
 other KV policies, bf16 and one layer at Ouro-1.4B width run under `-m slow`. This checks the
-algorithm; a device decides its own rounding (`reproducibility/gpu_check.py`)."""
+algorithm; a device decides its own rounding (`looprl verify --device`)."""
 import jax
 import numpy as np
 import pytest

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from looprl import compat
+from looprl import legacy
 from looprl.errors import SamplingError
 from looprl.logprobs import batch_logprobs
 from looprl.model.config import preset
@@ -129,7 +129,7 @@ def test_a_thinking_rollout_file_is_version_4_and_one_without_stays_version_3(ro
         meta = json.loads(str(z["meta"]))
         assert "forced_BxS" not in z.files
     assert meta["format_version"] == 3
-    assert not set(compat.THINKING_KEYS) & set(meta["schedule"])
+    assert not set(legacy.THINKING_KEYS) & set(meta["schedule"])
     assert RolloutBatch.load(tmp_path / "o.npz").forced_BxS is None
     assert Schedule.from_dict(meta["schedule"], 3) == off.schedule
 
