@@ -1,9 +1,24 @@
 """looprl: bit-exact RL (GRPO) for looped language models (Ouro and its kind)."""
 __version__ = "0.2.0"
 
+import sys as _sys  # noqa: E402
+
+from looprl.compat import UnsupportedJaxError as _UnsupportedJaxError  # noqa: E402
 from looprl.determinism import configure_xla as _configure_xla  # noqa: E402
 
-_configure_xla()  # before jax creates its backend: see looprl/determinism.py
+
+def _run_as_cli() -> bool:
+    """Whether this process is the `looprl` command (the script or `python -m looprl.cli`)."""
+    script = _sys.argv[0].rsplit("/", 1)[-1] if _sys.argv else ""
+    return script == "looprl" or "looprl.cli" in getattr(_sys, "orig_argv", [])
+
+
+try:
+    _configure_xla()  # before jax creates its backend: see looprl/determinism.py
+except _UnsupportedJaxError as _e:
+    if _run_as_cli():  # the command says it in one line; a library user gets the exception
+        raise SystemExit(f"looprl: {_e}") from None
+    raise
 
 from looprl.errors import (  # noqa: E402
     CheckpointError,

@@ -1,5 +1,6 @@
 """looprl.compat: the jax lines looprl supports, decided from a version string (0.11 by
 injection, since only 0.10.2 installs here), and each shim on the jax installed here."""
+import os
 import re
 import subprocess
 import sys
@@ -103,3 +104,28 @@ def test_looprl_calls_no_uninitialized_empty():
     hits = [str(p) for p in (ROOT / "looprl").rglob("*.py")
             if re.search(r"jnp\.empty(_like)?\(", p.read_text())]
     assert hits == []
+
+
+def _import_with_jaxlib(version: str, argv0: str) -> subprocess.CompletedProcess:
+    """`import looprl` in a fresh process whose jaxlib reports `version`, as `argv0`."""
+    code = ("import importlib.metadata as m, sys\n"
+            "real = m.version\n"
+            f"m.version = lambda name: {version!r} if name == 'jaxlib' else real(name)\n"
+            f"sys.argv = [{argv0!r}]\n"
+            "import looprl\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "LOOPRL_XLA_FLAGS": "1"}, timeout=120)
+
+
+def test_an_unsupported_jaxlib_is_one_line_for_the_command():
+    out = _import_with_jaxlib("0.9.1", "/usr/bin/looprl")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith("looprl: looprl supports jaxlib")
+    assert "Traceback" not in out.stderr
+
+
+def test_an_unsupported_jaxlib_is_an_exception_for_a_library_user():
+    out = _import_with_jaxlib("0.12.0", "script.py")
+    assert out.returncode == 1
+    assert "Traceback" in out.stderr and "UnsupportedJaxError" in out.stderr
+    assert "found jaxlib 0.12.0" in out.stderr
