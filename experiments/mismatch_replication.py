@@ -12,7 +12,7 @@ approximation the schedule-unaware learner cannot see). Arms (identical hyper-pa
   control     the same full_depth learner and PPO-clip loss with a sampler that runs every loop
               with dense KV (q = 1): no mismatch at all, so (full_depth, control) isolates it
 
-Pre-registered before any arm of this file ran (experiments/README.md, "Ten seeds"):
+Pre-registered, written before any run of this file (experiments/README.md, "Ten seeds"):
   task         as above; held-out set of 600 4-term sums, all evaluated (greedy), at the
                training q and at q = 1, warm start and final checkpoint
   optimizer    AdamW, lr 2e-4, grad-norm clip 1.0; PPO-clip [0.8, 1.28], token-mean, no KL
@@ -35,6 +35,7 @@ learned at 300 steps; a lower one would need more steps than the grid holds.
     python experiments/analysis/collect_replication.py runs/replication/seed0 --seed 0
 
 (seeds 0-9; a stopped seed continues with the same command and resume=runs/replication/seedS).
+The pilot that sized the grid and the grid's cost: experiments/README.md, "Ten seeds".
 """
 from mismatch_study_long import CONFIG as LONG
 

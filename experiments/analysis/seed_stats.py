@@ -110,7 +110,10 @@ def t_power(dz: float, n: int, alpha: float = ALPHA) -> float:
 
 def detectable_dz(n: int, alpha: float = ALPHA, power: float = POWER) -> float:
     """The smallest d_z > 0 the two-sided t-test with n values detects with `power`."""
-    return float(optimize.brentq(lambda dz: t_power(dz, n, alpha) - power, 1e-6, 10.0,
+    hi = 4.0
+    while t_power(hi, n, alpha) < power:  # widen the bracket (n = 2 needs d_z near 20)
+        hi *= 2
+    return float(optimize.brentq(lambda dz: t_power(dz, n, alpha) - power, 1e-6, hi,
                                  xtol=1e-10))
 
 
@@ -140,8 +143,9 @@ def load(data: Path) -> dict[int, dict]:
     """{seed: {"warm_start": outcomes, arm: {"outcomes", "metrics", "summary"}}} for every
     `seed<S>/` under `data`. Raises SystemExit for a missing file or problem sets that differ."""
     seeds = sorted(int(p.name[4:]) for p in data.glob("seed*") if p.name[4:].isdigit())
-    if not seeds:
-        raise SystemExit(f"{data}: no seed<S>/ directories (run collect_replication.py)")
+    if len(seeds) < 2:
+        raise SystemExit(f"{data}: {len(seeds)} seed<S>/ directories; the statistics over seeds "
+                         f"need at least 2 (run collect_replication.py for each seed)")
     out: dict[int, dict] = {}
     ids = None
     for s in seeds:
@@ -214,7 +218,8 @@ def contrast_table(rows: list[dict], n: int) -> list[str]:
 
 def arm_rows(data: dict[int, dict]) -> list[str]:
     """Markdown lines: per arm its accuracy per seed and the mismatch figures of metrics.jsonl
-    (mean over seeds of the first and last step's values; max over every step and seed)."""
+    (mean over seeds of the first and last step's values; max over every step and seed);
+    s/step is the mean rollout + learner seconds over the steps after the first (it compiles)."""
     seeds = list(data)
     lines = ["| arm | seeds | training q | acc. at training q, per seed | mean | acc. at q = 1, "
              "mean | mean abs dlogp step 0 / end | k3 KL step 0 / end | max abs dlogp | "
@@ -238,7 +243,7 @@ def arm_rows(data: dict[int, dict]) -> list[str]:
         mx_s = "n/a" if any(v is None for v in mx) else f"{max(mx):.2e}"
         exact = sum(int(data[s][a]["summary"].get("replay_exact_steps") or 0) for s in seeds)
         steps = sum(len(m) for m in ms)
-        sps = np.mean([r["rollout_s"] + r["learner_s"] for m in ms for r in m])
+        sps = np.mean([r["rollout_s"] + r["learner_s"] for m in ms for r in m[1:]])
         lines.append(f"| {a} | {len(seeds)} | {TRAIN_Q[a]} | {' / '.join(f'{x:.3f}' for x in acc)}"
                      f" | {np.mean(acc):.3f} | {np.mean(acc1):.3f} | "
                      f"{first_last('mismatch_abs_mean')} | {first_last('mismatch_k3_kl')} | "

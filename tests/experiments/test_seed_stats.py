@@ -73,7 +73,7 @@ def test_the_table_on_the_fixture():
                and x.endswith("| 0.2500 | 0.6250 | 10.6 |") for x in lines)
     assert "| hybrid | 4 | 0.6 | 0.500 / 0.400 / 0.700 / 0.400 | 0.500 | 0.475 |" in text
     assert "| control | 4 | 1 | 0.400 / 0.300 / 0.600 / 0.400 | 0.425 | 0.425 |" in text
-    assert "8/8 | 1.75 |" in text  # replay exact steps, (0.5 + 1.0 + 0.5 + 1.5) / 2 s per step
+    assert "8/8 | 2.00 |" in text  # replay exact steps; s/step 0.5 + 1.5 (step 0 compiles)
     assert "`tests/experiments/fixtures/mismatch_replication/`" in text
 
 
@@ -87,6 +87,9 @@ def test_the_script_writes_the_same_bytes_twice(tmp_path):
 
 def test_a_missing_file_is_named(tmp_path):
     (tmp_path / "seed0").mkdir()
+    with pytest.raises(SystemExit, match="need at least 2"):
+        ss.load(tmp_path)
+    (tmp_path / "seed1").mkdir()
     with pytest.raises(SystemExit, match="missing warm_start_problems.csv.gz"):
         ss.load(tmp_path)
 
