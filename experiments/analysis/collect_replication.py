@@ -30,6 +30,7 @@ ARMS = ("hybrid", "stock", "full_depth", "control")
 THRESHOLDS = ("0.6", "1")
 OUT = Path(__file__).resolve().parents[1] / "data" / "mismatch_replication"
 HEADER = "id,q,correct,tokens,mean_exit_loop,truncated"
+STEPS = 300  # the study's GRPO steps; a shorter run (the pilot) needs --steps
 
 
 def gzip_bytes(data: bytes) -> bytes:
@@ -65,10 +66,10 @@ def accuracy(rows: list[dict], q: str) -> float:
     return sum(bool(r["by_threshold"][q]["correct"]) for r in rows) / len(rows)
 
 
-def collect(seed_dir: Path, seed: int, out_root: Path) -> Path:
+def collect(seed_dir: Path, seed: int, out_root: Path, steps: int = STEPS) -> Path:
     """Evaluate and check the seed's warm start and four arms; write OUT/seed<S>. Raises
-    SystemExit naming the run when a run is missing or unfinished, or its re-evaluation is not
-    the run's own accuracy."""
+    SystemExit naming the run when a run is missing, ran another seed or another number of GRPO
+    steps than `steps`, or its re-evaluation is not the run's own accuracy."""
     files: dict[str, bytes] = {}
     summaries = {}
     for arm in ARMS:
@@ -79,9 +80,11 @@ def collect(seed_dir: Path, seed: int, out_root: Path) -> Path:
         run_seed = json.loads((seed_dir / arm / "config.json").read_text())["run"]["seed"]
         if run_seed != seed:
             raise SystemExit(f"{seed_dir / arm}: ran with seed {run_seed}, not --seed {seed}")
-        if not summaries[arm].get("complete", True):
-            raise SystemExit(f"{seed_dir / arm}: stopped before its last step (resume it)")
-    ws_rows = run_eval(seed_dir / "warm_start_run" / "warm_start", seed_dir / "evals" / "warm_start")
+        if summaries[arm]["grpo_steps"] != steps or not summaries[arm]["complete"]:
+            raise SystemExit(f"{seed_dir / arm}: {summaries[arm]['grpo_steps']} GRPO steps, not "
+                             f"--steps {steps} (resume a stopped run)")
+    ws_rows = run_eval(seed_dir / "warm_start_run" / "warm_start",
+                       seed_dir / "evals" / "warm_start")
     files["warm_start_problems.csv.gz"] = gzip_bytes(outcome_csv(ws_rows).encode())
     for arm in ARMS:
         s = summaries[arm]
@@ -110,10 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("seed_dir", type=Path, help="the seed's out_dir (runs/replication/seedS)")
     ap.add_argument("--seed", type=int, required=True, help="the seed's number (run.seed)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"default {OUT}")
+    ap.add_argument("--steps", type=int, default=STEPS, help=f"GRPO steps each arm ran "
+                    f"(default {STEPS}, the study's)")
     a = ap.parse_args(argv)
     if not a.seed_dir.is_dir():
         raise SystemExit(f"{a.seed_dir}: no such seed directory")
-    out = collect(a.seed_dir, a.seed, a.out)
+    out = collect(a.seed_dir, a.seed, a.out, a.steps)
     print(f"wrote {out}")
     return 0
 

@@ -1,6 +1,9 @@
 """experiments/analysis/seed_stats.py: its statistics against hand-computed values, and its table
-on the committed fixture (4 seeds x 10 problems, counts chosen so every figure is by hand)."""
+on the committed fixture (4 seeds x 10 problems, counts chosen so every figure is by hand);
+collect_replication.py: its checks and the files it writes."""
+import gzip
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -104,3 +107,48 @@ def test_collect_gzips_without_a_time_stamp():
                                              "mean_exit_loop": 4.0, "truncated": True}}}]
     assert cr.outcome_csv(rows) == (f"{cr.HEADER}\n7,0.6,1,25,2.500000,0\n"
                                     f"7,1,0,32,4.000000,1\n")
+
+
+def _fake_seed(root, after=0.5, steps=300):
+    """A seed directory whose evaluations are already there (collect reads them, runs none):
+    2 problems; the warm start gets 1 of 2 right at both q, every arm 1 of 2 at both q."""
+    by_q = {q: {"correct": True, "tokens": 25, "mean_exit_loop": 3.0, "truncated": False}
+            for q in ("0.6", "1")}
+    wrong = {q: dict(v, correct=False) for q, v in by_q.items()}
+    problems = "".join(json.dumps({"id": i, "by_threshold": by_q if i == 0 else wrong}) + "\n"
+                       for i in range(2))
+    for name in ("warm_start", "hybrid", "stock", "full_depth", "control"):
+        ev = root / "evals" / name
+        ev.mkdir(parents=True)
+        (ev / "results.json").write_text("{}\n")
+        (ev / "problems.jsonl").write_text(problems)
+        if name == "warm_start":
+            continue
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps({"run": {"seed": 0}}))
+        (root / name / "metrics.jsonl").write_text('{"step": 0}\n')
+        (root / name / "summary.json").write_text(json.dumps(
+            {"grpo_steps": steps, "complete": True, "eval_accuracy_before": 0.5,
+             "eval_accuracy_after": after}))
+
+
+def test_collect_checks_the_runs_and_writes_the_files(tmp_path):
+    cr = _module("collect_replication")
+    _fake_seed(tmp_path / "seed")
+    out = cr.collect(tmp_path / "seed", 0, tmp_path / "data")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["warm_start_problems.csv.gz"] + [f"{a}_{k}" for a in cr.ARMS for k in
+                                          ("problems.csv.gz", "metrics.jsonl.gz", "summary.json")])
+    assert gzip.decompress((out / "hybrid_metrics.jsonl.gz").read_bytes()) == b'{"step": 0}\n'
+    with pytest.raises(SystemExit, match="not --seed 1"):
+        cr.collect(tmp_path / "seed", 1, tmp_path / "data")
+    with pytest.raises(SystemExit, match="not --steps 30"):
+        cr.collect(tmp_path / "seed", 0, tmp_path / "data", steps=30)
+
+
+def test_collect_stops_when_a_re_evaluation_is_not_the_run(tmp_path):
+    cr = _module("collect_replication")
+    _fake_seed(tmp_path / "seed", after=0.25)
+    with pytest.raises(SystemExit, match="re-evaluated accuracy at q = 0.6 is 0.5"):
+        cr.collect(tmp_path / "seed", 0, tmp_path / "data")
+    assert not (tmp_path / "data").exists()  # nothing half-written
