@@ -32,3 +32,21 @@ def test_the_horizon_study_pairs_what_its_docstring_says():
     assert public.rollout.exit_threshold == 1.0 and public.grpo.loss == "cispo"
     assert public.grpo.scale_rewards == "batch" and public.learner.logprob_method == "full_depth"
     assert apply_overrides(cfg, variants["hybrid"]).learner.old_logprobs != "recompute"
+
+
+def test_the_replication_arms_differ_only_where_its_docstring_says():
+    cfg, variants, shared = load_experiment_module(EXPERIMENTS[0].parent
+                                                   / "mismatch_replication.py")
+    assert shared and set(variants) == {"hybrid", "stock", "full_depth", "control"}
+    arms = {name: apply_overrides(cfg, list(over)) for name, over in variants.items()}
+    for arm in arms.values():  # the pre-registered setting, the same in every arm
+        assert arm.model.compute_dtype == "bfloat16" and arm.grpo.loss == "ppo-clip"
+        assert (arm.learner.minibatches, arm.learner.ppo_epochs) == (4, 1)
+        assert (arm.optim.learning_rate, arm.run.grpo_steps) == (2e-4, 300)
+        assert arm.eval.eval_problems == arm.task.eval_size >= 600
+    for name in ("hybrid", "stock", "full_depth"):
+        assert (arms[name].rollout.kv_policy, arms[name].rollout.exit_threshold) == ("copy", 0.6)
+    control, full = arms["control"], arms["full_depth"]
+    assert (control.rollout.kv_policy, control.rollout.exit_threshold) == ("dense", 1.0)
+    assert control.learner == full.learner and full.learner.old_logprobs == "recompute"
+    assert arms["stock"].learner.logprob_method == "stock"
