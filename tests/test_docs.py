@@ -1,4 +1,5 @@
-"""The documents cite only commits the history holds.
+"""The documents cite only commits the history holds, in sentences of median length at most
+`MEDIAN_WORDS`.
 
 A commit is cited in one of two forms:
 - its 7-character short hash, bare (`at 1a5e12b`, `(f3905f0, a018fdc)`);
@@ -9,6 +10,7 @@ A digest is not a commit: it is cited by 8 or more characters and an ellipsis
 (`0c8c233c...73cacb6`, `params_sha256 677f617c...`), and the scan passes it by.
 """
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -82,3 +84,46 @@ def test_citation_forms_catch_and_spare():
     assert _citations(text) == [(1, "1a5e12b"), (1, "f3905f0"), (1, "a018fdc"),
                                 (2, "1a5e12b4c"), (2, "37895be"), (2, "f8fee26"),
                                 (2, "a92bac6")]
+
+
+# the documents a reader starts from, and the longest median sentence they may have (words)
+SHORT_DOCS = ("README.md", "ARCHITECTURE.md", "docs/GUIDE.md", "docs/DESIGN.md",
+              "reproducibility/README.md", "experiments/README.md")
+MEDIAN_WORDS = 15
+
+
+def sentence_lengths(text: str) -> list[int]:
+    """Words per sentence of a Markdown text's prose: code blocks, tables and headings are
+    left out, a list item ends a sentence, a code span counts as one word."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    paragraphs, lines = [], []
+    for line in text.splitlines() + [""]:
+        s = line.strip()
+        item = re.match(r"([-*]|\d+\.)\s+", s)
+        if not s or s.startswith(("#", "|", "<!--")) or line.startswith("    ") or item:
+            if lines:
+                paragraphs.append(" ".join(lines))
+            lines = [s[item.end():]] if item else []
+        else:
+            lines.append(s)
+    lengths = []
+    for p in paragraphs:
+        p = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", re.sub(r"`[^`]*`", "CODE", p))
+        lengths += [len(s.split()) for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(`\"'])", p)
+                    if s.split()]
+    return lengths
+
+
+@pytest.mark.parametrize("rel", SHORT_DOCS)
+def test_sentences_are_short(rel):
+    lengths = sentence_lengths((REPO / rel).read_text())
+    median = statistics.median(lengths)
+    assert median <= MEDIAN_WORDS, (f"{rel}: median sentence {median} words (at most "
+                                    f"{MEDIAN_WORDS}); split the longest")
+
+
+def test_sentence_lengths_count_prose_only():
+    text = ("# A heading of many words here\n\nOne two three. Four `a b c` five.\n"
+            "| a | table row |\n\n```\ncode block words\n```\n    indented code\n"
+            "- an item of five words\n- two [link text](x y)\n")
+    assert sentence_lengths(text) == [3, 3, 5, 3]
