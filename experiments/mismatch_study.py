@@ -1,4 +1,4 @@
-"""The mismatch study (issue 17): when does the learner's mismatch with the sampler hurt
+"""The mismatch study: when does the learner's mismatch with the sampler hurt
 looped-model RL? Learners that replay the schedule against learners that ignore it, side by
 side, with nothing else changed.
 

@@ -1,4 +1,4 @@
-"""The mismatch study (issue 17) with long completions: the running partial sums written out
+"""The mismatch study with long completions: the running partial sums written out
 (`= 12 - 3 + 1 = 9 + 1 = 10<|im_end|>`, >= 24 tokens for 4 terms), so drift between sampler and
 learner has room to build along a completion. Same learners, samplers and updates as
 `mismatch_study.py` (its docstring); here the warm start learns the step format on 2-4-term

@@ -1,4 +1,4 @@
-"""The main job (issue 5): a tiny looped model learns chain sums on a 2-core CPU, then GRPO.
+"""The main job: a tiny looped model learns chain sums on a 2-core CPU, then GRPO.
 
 Task: reasoning-gym `chain_sum`, 1-digit operands, no spaces, answer-only completions
 (`<|im_start|>5-7+3+1<|im_end|><|im_start|>` -> `=2<|im_end|>`): short sequences, so the warm

@@ -6,9 +6,10 @@
   registry).
 - Size: no source file of `looprl/` (`.py`, `.cc`, `.h`) over `MAX_LINES` lines, unless
   `LONG_FILES` names it with a reason.
-- Present tense: the prose of `looprl/` and `benchmarks/` (comments, docstrings and other
-  string literals) holds no dates, no "issue N" and no commit hashes; history lives in
-  docs/LOG.md. String constants named in `VERSION_CONSTANTS` are data and exempt.
+- Present tense: the prose of `looprl/`, `benchmarks/` and `experiments/` (comments, docstrings
+  and other string literals) and of `docs/` (its Markdown outside code) holds no dates, no
+  "issue N" and no commit hashes; history lives in docs/LOG.md. String constants named in
+  `VERSION_CONSTANTS` and Markdown code spans are data and exempt.
 """
 import ast
 import io
@@ -179,10 +180,19 @@ def _cc_prose(text: str):
         yield text.count("\n", 0, m.start()) + 1, m.group()
 
 
+_MD_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+
+
+def _md_prose(text: str):
+    """(1, text) of a Markdown file with its code blocks and code spans blanked (line
+    breaks kept)."""
+    yield 1, _MD_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), text)
+
+
 def _history(path: Path):
     """'line: what' for each date, issue number or commit hash in the prose of `path`."""
     text = path.read_text()
-    prose = _python_prose(text) if path.suffix == ".py" else _cc_prose(text)
+    prose = {".py": _python_prose, ".md": _md_prose}.get(path.suffix, _cc_prose)(text)
     for line, chunk in prose:
         for what, pattern in HISTORY.items():
             for m in pattern.finditer(chunk):
@@ -190,8 +200,10 @@ def _history(path: Path):
 
 
 def _prose_files():
-    files = _sources() + sorted((REPO / "benchmarks").rglob("*.py"))
-    return [p for p in files if p.suffix in {".py", ".cc", ".h"}]
+    files = (_sources() + sorted((REPO / "benchmarks").rglob("*.py"))
+             + sorted((REPO / "experiments").glob("*.py")))
+    docs = [p for p in sorted((REPO / "docs").glob("*.md")) if p.name != "LOG.md"]
+    return [p for p in files if p.suffix in {".py", ".cc", ".h"}] + docs
 
 
 @pytest.mark.parametrize("path", _prose_files(), ids=_rel)
@@ -218,3 +230,8 @@ def test_history_patterns_catch_and_spare(tmp_path):
     cc.write_text('// blocked (2026-12-04)\nint a = 0x1f2e3d4c; /* c0ffee1 */\n')
     assert [f.split(": ", 1)[1] for f in _history(cc)] == [
         "a date ('2026-12-04')", "a commit hash ('c0ffee1')"]
+    md = tmp_path / "d.md"
+    md.write_text('Fixed at c0ffee1\n(issue 9), version `2026-12-03-ordered`\n'
+                  '```\n2026-12-05 d00dfee\n```\non 2026-12-06.\n')
+    assert list(_history(md)) == ["6: a date ('2026-12-06')", "2: an issue number ('issue 9')",
+                                  "1: a commit hash ('c0ffee1')"]
