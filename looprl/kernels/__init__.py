@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from looprl.kernels import cpu_ordered as _cpu_ordered, forms, stock as _stock
-from looprl.kernels.cpu_ordered import ones_column
+from looprl.kernels import forms, stock as _stock
+from looprl.kernels.cpu import ordered as _cpu_ordered
+from looprl.kernels.cpu.ordered import ones_column
 from looprl.kernels.forms import (FORMS, KERNEL_VERSION, KERNEL_VERSION_ACCEL,
                                   KERNEL_VERSION_ORDERED, KERNEL_VERSION_STOCK, Form,
                                   accelerator_forms, use_form)

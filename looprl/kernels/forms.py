@@ -25,8 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from looprl.errors import ConfigError
-from looprl.kernels import accel, cpu_ordered, cpu_xla, stock
-from looprl.kernels.pallas_target import target_name
+from looprl.kernels import stock
+from looprl.kernels.cpu import ordered as cpu_ordered, xla as cpu_xla
+from looprl.kernels.pallas import form as accel
+from looprl.kernels.pallas.target import target_name
 from looprl.kernels.tiling import CPU_ISA, ROW_QUANTUM, ROW_TILE
 
 # The numerics of the invariant kernels: a rollout records its form's version

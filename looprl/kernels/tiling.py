@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from looprl.determinism import cpu_isa, cpu_row_quantum
-from looprl.kernels.pallas_matmul import pad_to_multiple
+from looprl.kernels.pallas.matmul import pad_to_multiple
 
 ROW_TILE = 64  # the fixed row tile of the accelerator forms, and the softmax tiles
 CPU_ISA = cpu_isa()  # read once: the quantum and the kernel version must name the same ISA

@@ -91,8 +91,8 @@ def test_cached_attention_equals_attention_over_the_slot(form, q_dtype, cache_dt
 def test_key_range_table_is_the_block_table_of_its_mask():
     """`key_range_table` (from the index vectors) equals `block_table` of the padded mask:
     unordered and out-of-range layout indices, pads past every query, 1 to 3 query tiles."""
-    from looprl.kernels.pallas_attention import block_table, key_range_table
-    from looprl.kernels.pallas_matmul import pad_to_multiple
+    from looprl.kernels.pallas.attention import block_table, key_range_table
+    from looprl.kernels.pallas.matmul import pad_to_multiple
     rng = np.random.default_rng(3)
     for S, C in ((300, 1), (300, 70), (130, 130), (513, 150)):
         for _ in range(4):

@@ -21,7 +21,7 @@ from looprl import determinism
 from looprl.errors import ConfigError
 from looprl import kernels as kn
 from looprl.kernels import forms
-from looprl.kernels.pallas_matmul import pallas_matmul
+from looprl.kernels.pallas.matmul import pallas_matmul
 
 D, F, V = 2048, 5632, 49152  # ouro-1.4b / ouro-2.6b widths (both presets share them)
 WEIGHTS = {"q/k/v/o": (D, D), "gate/up": (D, F), "down": (F, D), "lm_head": (D, V),

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from looprl.kernels.pallas_target import compiler_params, fence, lowered
+from looprl.kernels.pallas.target import compiler_params, fence, lowered
 
 BLOCK_ROWS = 64
 BLOCK_COLS = 128

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from looprl.kernels.cpu_attention import attention_cpu
+from looprl.kernels.cpu.attention import attention_cpu
 from looprl.kernels.operands import CachedKV, KeyRange, LayerWeight
-from looprl.kernels.ordered_gemm import (ordered_batched_matmul, ordered_matmul,
+from looprl.kernels.cpu.ffi import (ordered_batched_matmul, ordered_matmul,
                                          ordered_matmul_layer, row_max, row_sum, row_argmax)
 from looprl.kernels.plain import matmul_grads as plain_matmul_grads
 from looprl.kernels.tiling import N_MIN, masked_probs

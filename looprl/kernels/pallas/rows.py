@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.pallas_target import compiler_params, fence, lowered
+from looprl.kernels.pallas.matmul import pad_to_multiple
+from looprl.kernels.pallas.target import compiler_params, fence, lowered
 from looprl.kernels.tiling import ROW_TILE
 
 LANES = 128

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from looprl.kernels import tiling
-from looprl.kernels.cpu_attention import attention_cpu
-from looprl.kernels.pallas_matmul import pad_to_multiple
+from looprl.kernels.cpu.attention import attention_cpu
+from looprl.kernels.pallas.matmul import pad_to_multiple
 from looprl.kernels.tiling import BATCHED_MAX_ROWS, k_blocks, pad_rows
 
 
