@@ -26,7 +26,6 @@ import optax
 
 from looprl.kernels import forms, stock as _stock
 from looprl.kernels.cpu import ordered as _cpu_ordered
-from looprl.kernels.cpu.ordered import ones_column
 from looprl.kernels.forms import (FORMS, KERNEL_VERSION, KERNEL_VERSION_ACCEL,
                                   KERNEL_VERSION_ORDERED, KERNEL_VERSION_STOCK, Form,
                                   accelerator_forms, use_form)
@@ -34,7 +33,7 @@ from looprl.kernels.operands import (CachedKV, KeyRange, LayerWeight, cache_wind
                                      repeat_kv_heads)
 from looprl.kernels.plain import attention_plain, matmul_grads, rope_rotate_half
 from looprl.kernels.tiling import (K_BLOCK, LAST_AXIS_TILE, MASK_VALUE, N_MIN, ROW_QUANTUM,
-                                   ROW_TILE, ROW_TILE_MAX)
+                                   ROW_TILE, ROW_TILE_MAX, ones_column)
 
 __all__ = ["CachedKV", "FORMS", "Form", "KERNEL_VERSION", "KERNEL_VERSION_ACCEL",
            "KERNEL_VERSION_ORDERED", "KERNEL_VERSION_STOCK", "K_BLOCK", "KeyRange", "LayerWeight",

@@ -1,5 +1,5 @@
 """The ordered CPU form (`LOOPRL_KERNELS=cpu-ordered`, the CPU's default): every product and row
-reduction is an FFI kernel of `ordered_gemm`, whose order of operations is written in its C++
+reduction is an FFI kernel of `cpu.ffi`, whose order of operations is written in its C++
 source, so no row count, row place, thread count or ISA changes a bit (docs/NUMERICS.md, "The
 ordered CPU form"). Layers of a stacked weight and the sampler's KV cache are read in place.
 """
@@ -9,22 +9,13 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from looprl.kernels.cpu.attention import attention_cpu
 from looprl.kernels.operands import CachedKV, KeyRange, LayerWeight
 from looprl.kernels.cpu.ffi import (ordered_batched_matmul, ordered_matmul,
                                          ordered_matmul_layer, row_max, row_sum, row_argmax)
 from looprl.kernels.plain import matmul_grads as plain_matmul_grads
-from looprl.kernels.tiling import N_MIN, masked_probs
-
-
-def ones_column(n: int) -> np.ndarray:
-    """The literal `[n, 16]` weight of `kernels.rowsum`'s product: ones in column 0, zeros
-    elsewhere."""
-    ones = np.zeros((n, N_MIN), np.float32)
-    ones[:, 0] = 1.0
-    return ones
+from looprl.kernels.tiling import N_MIN, masked_probs, ones_column
 
 
 def matmul(rows_MxI, w_IxO, out_dtype, precision=None):
@@ -161,7 +152,7 @@ def attention_for_grads(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, soft
 
 def layer_matmul(x_MxI, w: LayerWeight, out_dtype):
     """`matmul(x, w.stack[w.index])` with the layer read in place
-    (`ordered_gemm.ordered_matmul_layer`): a `lax.scan` or a dynamic slice over the stack
+    (`ffi.ordered_matmul_layer`): a `lax.scan` or a dynamic slice over the stack
     would copy each layer's weight first. Not differentiable."""
     lead, i = x_MxI.shape[:-1], x_MxI.shape[-1]
     y = ordered_matmul_layer(x_MxI.reshape(-1, i).astype(jnp.float32), w.stack, w.index)
@@ -170,7 +161,7 @@ def layer_matmul(x_MxI, w: LayerWeight, out_dtype):
 
 @jax.custom_vjp
 def rowsum(rows_MxN, keep):
-    """`ordered_matmul(rows, ones_column)[:, :1]`'s bits from `ordered_gemm.row_sum` (fp32
+    """`ordered_matmul(rows, ones_column)[:, :1]`'s bits from `ffi.row_sum` (fp32
     `[M, 1]`); `keep`: a tuple of arrays kept alive until the sum, not differentiated."""
     return row_sum(rows_MxN, keep)[:, None]
 
@@ -194,12 +185,12 @@ rowsum.defvjp(_rowsum_fwd, _rowsum_bwd)
 
 
 def row_max_column(x_MxN):
-    """Each row's max as `[M, 1]` (`ordered_gemm.row_max`)."""
+    """Each row's max as `[M, 1]` (`ffi.row_max`)."""
     return row_max(x_MxN)[:, None]
 
 
 def attention(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax, precision=None):
-    """`cpu_attention.attention_cpu` with the ordered products."""
+    """`attention.attention_cpu` with the ordered products."""
     return attention_cpu(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax,
                          ordered=True)
 
