@@ -1,8 +1,8 @@
 """The invariant kernels' operations: each dispatches through the form in force (`forms`).
 
-The custom VJPs live here: `matmul` and `attention` take the form's kernels forward and plain
-dots backward, except on `cpu-ordered`, whose backward takes the ordered kernels too.
-`looprl.kernels` re-exports the public names.
+The custom VJPs live here: `matmul` and `attention` take the form's kernels forward and its
+`Form.backward` backward (plain dots, or on `cpu-ordered` the ordered kernels, so that a CPU
+run's parameters do not depend on the ISA). `looprl.kernels` re-exports the public names.
 """
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from looprl.kernels import forms, stock as _stock
-from looprl.kernels.cpu import ordered as _cpu_ordered
 from looprl.kernels.forms import Form
 from looprl.kernels.operands import CachedKV, KeyRange, LayerWeight, repeat_kv_heads
-from looprl.kernels.plain import attention_plain, matmul_grads, rope_rotate_half
+from looprl.kernels.plain import rope_rotate_half
 from looprl.kernels.tiling import LAST_AXIS_TILE, ROW_TILE, ones_column
 
 
@@ -71,9 +69,7 @@ def _tiled_matmul_fwd(rows_MxI, w_IxO, out_dtype):
 def _tiled_matmul_bwd(out_dtype, res, g_MxO):
     rows, w = res
     form = forms.current()
-    if _cpu_ordered.ordered_backward(form):  # ordered dots: a run free of the ISA
-        return _cpu_ordered.matmul_grads(rows, w, g_MxO)
-    return matmul_grads(rows, w, g_MxO, form.fp32_precision(g_MxO, w))
+    return form.backward.matmul(rows, w, g_MxO, form.fp32_precision(g_MxO, w))
 
 
 _tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
@@ -81,14 +77,14 @@ _tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 
 def matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None) -> jax.Array:
     """Row-invariant `x @ w`: leading dims of x are flattened into rows, computed by the form
-    in force; backward by plain dots (`jax.custom_vjp`).
+    in force; backward by the form's `Backward.matmul` (`jax.custom_vjp`).
 
     Args:
       x_MxI: `[..., I]` any float dtype. w_IxO: `[I, O]` same dtype as x.
       out_dtype: accumulate/return dtype (`preferred_element_type`); default x.dtype.
     Returns: `[..., O]`.
     Raises: ConfigError for an unknown LOOPRL_KERNELS (or alias) value, or when the ordered
-      kernel cannot be built (no C++ compiler: `ordered_gemm.build`).
+      kernel cannot be built (no C++ compiler: `cpu.ffi.build`).
     """
     x = x_MxI
     lead = x.shape[:-1]
@@ -115,7 +111,7 @@ def rowsum(x, keepdims: bool = True, keep: tuple = ()):
     """Row-invariant sum over the last axis, fp32 `[..., 1]` (`[...]` without keepdims): the
     product of x with a `[N, 16]` ones-in-column-0 literal (XLA's reduce emitter does not give
     every row one order; a literal, so that XLA cannot rewrite the dot into a reduce). On the
-    ordered CPU form the product's column 0 comes from `ordered_gemm.row_sum`, the same chains
+    ordered CPU form the product's column 0 comes from `cpu.ffi.row_sum`, the same chains
     without the 15 zero columns, and `keep` (arrays) stay alive until the sum is taken
     (`softmax`). Differentiable (the product's backward)."""
     x = x.astype(jnp.float32)
@@ -176,7 +172,7 @@ def log_softmax(x):
 
 def row_argmax(x_RxN):
     """`jnp.argmax(x, axis=-1)` (int32 `[R]`, each row's first maximum) of x float32 `[R, N]`;
-    on the ordered CPU form an FFI call on materialised x (`ordered_gemm.row_argmax`), so
+    on the ordered CPU form an FFI call on materialised x (`cpu.ffi.row_argmax`), so
     that XLA cannot fuse x's producer into its reduce's scalar loop. The same index either
     way."""
     form = forms.current()
@@ -206,15 +202,11 @@ def _attention_tiled_bwd(scale, res, g):
     sums each kv head's share; no repeat where J = H): the backward needs no invariance."""
     q, k, v, mask = res
     form = forms.current()
-    if _cpu_ordered.ordered_backward(form):  # ordered products and sums: free of the ISA
-        def fn(q, k, v):
-            return _cpu_ordered.attention_for_grads(
-                q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale, softmax)
-    else:
-        prec = form.fp32_precision(q, k)
+    prec = form.fp32_precision(q, k)
 
-        def fn(q, k, v):
-            return attention_plain(q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale, prec)
+    def fn(q, k, v):
+        return form.backward.attention(q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale,
+                                       softmax, prec)
     _, vjp = jax.vjp(fn, q, k, v)
     return (*vjp(g), None)
 
@@ -226,7 +218,7 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """Causal softmax attention of C queries over the whole key axis S (fixed length), by the
     form in force: fp32 scores, masked with a finite large negative value, fp32 softmax,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
-    Backward by plain dots (`jax.custom_vjp`).
+    Backward by the form's `Backward.attention` (`jax.custom_vjp`).
 
     Args:
       q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, J, K]` with J kv heads, H % J == 0 (GQA,
@@ -292,32 +284,22 @@ def rms_norm(x, weight, eps: float, stock: bool = False):
 
 def global_norm(tree):
     """fp32 scalar: the l2 norm of every leaf of `tree` together (`optax.tree.norm`'s value). On
-    `cpu-ordered` each leaf's sum of squares is an ordered sum (`cpu_ordered.sum_all`) and the
+    `cpu-ordered` each leaf's sum of squares is an ordered sum (`cpu.ordered.sum_all`) and the
     leaves add in tree order, so the bits do not depend on the ISA; elsewhere
     `optax.tree.norm`."""
-    if not _cpu_ordered.ordered_backward(forms.current()):
-        return optax.tree.norm(tree)
-    total = jnp.float32(0.0)
-    for leaf in jax.tree.leaves(tree):
-        x = leaf.astype(jnp.float32)
-        total = total + _cpu_ordered.sum_all(x * x)
-    return jnp.sqrt(total)
+    return forms.current().backward.global_norm(tree)
 
 
 def scale_last(x_xD, w_D):
     """`x * w`, w `[D]` broadcast over x's last axis; on `cpu-ordered` w's gradient is an
-    ordered sum over the rows (`cpu_ordered.scale_last`). The same forward bits everywhere."""
-    if _cpu_ordered.ordered_backward(forms.current()):
-        return _cpu_ordered.scale_last(x_xD, w_D)
-    return x_xD * w_D
+    ordered sum over the rows (`cpu.ordered.scale_last`). The same forward bits everywhere."""
+    return forms.current().backward.scale_last(x_xD, w_D)
 
 
 def add_last(x_xD, b_D):
     """`x + b`, b `[D]` broadcast over x's last axis; on `cpu-ordered` b's gradient is an
-    ordered sum over the rows (`cpu_ordered.add_last`). The same forward bits everywhere."""
-    if _cpu_ordered.ordered_backward(forms.current()):
-        return _cpu_ordered.add_last(x_xD, b_D)
-    return x_xD + b_D
+    ordered sum over the rows (`cpu.ordered.add_last`). The same forward bits everywhere."""
+    return forms.current().backward.add_last(x_xD, b_D)
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float, dtype):

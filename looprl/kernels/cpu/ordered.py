@@ -5,8 +5,6 @@ ordered CPU form"). Layers of a stacked weight and the sampler's KV cache are re
 """
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 
@@ -25,36 +23,16 @@ def matmul(rows_MxI, w_IxO, out_dtype, precision=None):
     return ordered_matmul(rows_MxI.astype(jnp.float32), w).astype(out_dtype)
 
 
-_PLAIN_BACKWARD: list[bool] = []  # `plain_backward`'s stack
-
-
-@contextlib.contextmanager
-def plain_backward():
-    """Programs traced in the scope take the plain (XLA) dots in the ordered form's backward,
-    as every form did before (`benchmarks/learner.py`'s baseline); the forward is unchanged."""
-    _PLAIN_BACKWARD.append(True)
-    try:
-        yield
-    finally:
-        _PLAIN_BACKWARD.pop()
-
-
-def ordered_backward(form) -> bool:
-    """Whether `form`'s backward takes the ordered kernels: `cpu-ordered` outside
-    `plain_backward`."""
-    return form.name == "cpu-ordered" and not _PLAIN_BACKWARD
-
-
 def _fp32_or_bf16(w):
     return w if w.dtype in (jnp.float32, jnp.bfloat16) else w.astype(jnp.float32)
 
 
-def matmul_grads(rows_MxI, w_IxO, g_MxO):
+def matmul_grads(rows_MxI, w_IxO, g_MxO, precision=None):
     """`(dx, dw)` of `rows @ w` by `ordered_matmul`: dx = g @ w^T `[M, I]` (a chain over O per
     output), dw = rows^T @ g `[I, O]` (a chain over the M rows, in row order), each in its
     operand's dtype. The transposed operands are explicit transposes (copies: no bit moves),
     so the backward, like the forward, is fixed by the kernel's program and not by the ISA
-    (docs/NUMERICS.md, "The whole CPU run")."""
+    (docs/NUMERICS.md, "The whole CPU run"). `precision` is unused: the kernel's is its own."""
     g = g_MxO.astype(jnp.float32)
     dx = ordered_matmul(g, _fp32_or_bf16(w_IxO).T)
     dw = ordered_matmul(rows_MxI.astype(jnp.float32).T, g)
@@ -134,10 +112,21 @@ def _add_bwd(b, g):
 add_last.defvjp(_add_fwd, _add_bwd)
 
 
-def attention_for_grads(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax):
+def global_norm(tree):
+    """fp32 scalar: the l2 norm of every leaf of `tree` together. Each leaf's sum of squares
+    is `sum_all` and the leaves add in tree order, so the bits do not depend on the ISA."""
+    total = jnp.float32(0.0)
+    for leaf in jax.tree.leaves(tree):
+        x = leaf.astype(jnp.float32)
+        total = total + sum_all(x * x)
+    return jnp.sqrt(total)
+
+
+def attention_for_grads(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax,
+                        precision=None):
     """The attention math of `plain.attention_plain` with both products `batched_matmul` and
     the row-invariant `softmax` (a `rowsum` of ordered chains): the function whose vjp is the
-    ordered form's attention backward. `[B, H, C, K]` in q's dtype."""
+    ordered form's attention backward. `[B, H, C, K]` in q's dtype; `precision` is unused."""
     B, H, C, K = q_BxHxCxK.shape
     S = k_BxSxHxK.shape[1]
     dtype = q_BxHxCxK.dtype
