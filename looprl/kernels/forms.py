@@ -9,7 +9,7 @@ resolved once per (platform, environment) and read when a program is traced; `us
 one for a scope (tests, `looprl verify --device`).
 
 A Pallas form compiles for the platform its program is LOWERED for, not for the process's
-default backend (`pallas_target`): a CPU process under `LOOPRL_KERNELS=pallas-gpu` runs the
+default backend (`pallas.target`): a CPU process under `LOOPRL_KERNELS=pallas-gpu` runs the
 kernels interpreted, and compiles them through Triton when it lowers for a compile-only H100
 (arguments sharded on that device, `looprl.aot`); `pallas-tpu` alike through Mosaic.
 """
@@ -111,7 +111,7 @@ class Form:
         oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`): XLA's dots and
         elementwise code are the ISA's. A Pallas form's is `<version>/<form>-<target>`
         (`pallas-gpu-sm90`, `pallas-tpu-v5e`; `-interpret` where this process has no device of
-        the form's backend: `pallas_target.target_name`)."""
+        the form's backend: `pallas.target.target_name`)."""
         if self.backend is not None:
             return f"{self.version}/{self.name}-{target_name(self.backend)}"
         if self.cpu and CPU_ISA != "avx512_core":

@@ -1,6 +1,6 @@
 """The decode step's attention on a TPU (`pallas-tpu`), reading the sampler's KV cache where it
 lies: the same keys per block, in the same order and with the same arithmetic as
-`pallas_attention.flash_attention` over the rows' slot (`CachedKV.slots()`), so the bits are
+`attention.flash_attention` over the rows' slot (`CachedKV.slots()`), so the bits are
 that kernel's, without copying, padding and rotating each row's slot every layer pass.
 
 Program (m, h, t) DMAs row m's whole cache row `[S, K]` of kv head h // (H / J) into VMEM

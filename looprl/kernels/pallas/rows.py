@@ -50,7 +50,7 @@ def _call(x, *, interpret, backend):
 
 def row_sum(x_MxN, backend: str):
     """Each row's sum, fp32 `[M, 1]` (module doc), compiled for `backend` or interpreted
-    (`pallas_target.lowered`). x: `[M, N]`, widened to fp32."""
+    (`target.lowered`). x: `[M, N]`, widened to fp32."""
     m = x_MxN.shape[0]
     x = pad_to_multiple(pad_to_multiple(x_MxN.astype(jnp.float32), 0, ROW_TILE), 1, LANES)
     out = lowered(lambda interpret: functools.partial(_call, interpret=interpret,
