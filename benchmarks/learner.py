@@ -15,7 +15,7 @@ contenders interleaved in ABBA order.
 
 The ordered backward (`cpu-ordered`'s dX = dY W^T, dW = X^T dY and attention's products by the
 ordered kernels, which make a CPU run free of the ISA) against the plain XLA dots
-(`kernels.cpu_ordered.plain_backward`), same forward: `ordered_vs_plain_backward_main` is the
+(`kernels.forms.plain_backward`), same forward: `ordered_vs_plain_backward_main` is the
 hybrid step above; `ordered_vs_plain_backward_1p4b` one step of value and gradient through an
 Ouro-1.4B layer's seven products (hidden 2048, MLP 5632, BW_ROWS rows: q, k, v, o, gate, up,
 down, `kernels.matmul`) in fp32. Target: both <= 1.15.
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from looprl import kernels as kn
-from looprl.kernels.cpu_ordered import plain_backward
+from looprl.kernels.forms import plain_backward
 from looprl.logprobs import sequence_logprobs
 from looprl.model.config import preset
 from looprl.model.looped import init_params

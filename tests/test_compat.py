@@ -85,7 +85,7 @@ def test_the_triton_deprecation_is_quiet_on_0_11_only():
 def test_the_triton_lowering_still_takes_triton_params_here():
     from jax.experimental.pallas import triton as pltriton
 
-    from looprl.kernels import pallas_target
+    from looprl.kernels.pallas import target as pallas_target
     params = pallas_target.compiler_params("gpu", False, gpu=dict(num_stages=1))
     assert isinstance(params, pltriton.CompilerParams) and params.num_stages == 1
 

@@ -107,6 +107,53 @@ def test_upward_import_is_caught(tmp_path):
     assert _floor(_part(module)) > _floor("model")
 
 
+KERNELS = ROOT / "kernels"
+# a kernel backend's folder; the rest of kernels/ is the core
+KERNEL_WINGS = {"cpu", "pallas"}
+# the core module that builds a `Form` from each wing: the one core import of a wing
+KERNEL_REGISTRY = "looprl/kernels/forms.py"
+
+
+def _wing(module: str, names=()) -> set[str]:
+    parts = module.split(".")
+    if parts[:2] != ["looprl", "kernels"]:
+        return set()
+    if len(parts) > 2:
+        return {parts[2]} & KERNEL_WINGS
+    return set(names) & KERNEL_WINGS  # `from looprl.kernels import cpu`
+
+
+def test_kernel_wings_are_folders():
+    assert {p.name for p in KERNELS.iterdir() if (p / "__init__.py").is_file()} == KERNEL_WINGS
+
+
+def _kernel_id(path: Path) -> str:
+    return path.relative_to(ROOT.parent).as_posix()
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.rglob("*.py")), ids=_kernel_id)
+def test_kernel_wings_import_only_the_core(path):
+    """A wing imports the core, never another wing; the core imports a wing only in its
+    registry of forms: a kernel backend is one folder and its `Form`."""
+    rel = _kernel_id(path)
+    inner = path.relative_to(KERNELS).parts
+    own = inner[0] if len(inner) > 1 else None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            wings = set().union(*(_wing(a.name) for a in node.names))
+        elif node.module and node.level == 0:
+            wings = _wing(node.module, [a.name for a in node.names])
+        else:
+            continue
+        for wing in wings - {own}:
+            if own is None and rel == KERNEL_REGISTRY:
+                continue
+            pytest.fail(f"{rel}:{node.lineno}: imports the kernel wing {wing!r} (a wing imports "
+                        f"the core only; the core imports wings only in {KERNEL_REGISTRY})")
+
+
 MAX_LINES = 450
 # files allowed over MAX_LINES: {path relative to the repository: the reason}
 LONG_FILES: dict[str, str] = {}

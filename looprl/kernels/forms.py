@@ -9,7 +9,7 @@ resolved once per (platform, environment) and read when a program is traced; `us
 one for a scope (tests, `looprl verify --device`).
 
 A Pallas form compiles for the platform its program is LOWERED for, not for the process's
-default backend (`pallas_target`): a CPU process under `LOOPRL_KERNELS=pallas-gpu` runs the
+default backend (`pallas.target`): a CPU process under `LOOPRL_KERNELS=pallas-gpu` runs the
 kernels interpreted, and compiles them through Triton when it lowers for a compile-only H100
 (arguments sharded on that device, `looprl.aot`); `pallas-tpu` alike through Mosaic.
 """
@@ -25,8 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from looprl.errors import ConfigError
-from looprl.kernels import accel, cpu_ordered, cpu_xla, stock
-from looprl.kernels.pallas_target import target_name
+from looprl.kernels import plain, stock
+from looprl.kernels.cpu import ordered as cpu_ordered, xla as cpu_xla
+from looprl.kernels.pallas import form as accel
+from looprl.kernels.pallas.target import target_name
 from looprl.kernels.tiling import CPU_ISA, ROW_QUANTUM, ROW_TILE
 
 # The numerics of the invariant kernels: a rollout records its form's version
@@ -45,6 +47,30 @@ ACCEL_ALIASES = {"pallas": "pallas"}  # -gpu or -tpu by platform
 
 
 @dataclasses.dataclass(frozen=True)
+class Backward:
+    """How a form differentiates: `ops`' custom VJPs and the gradient clip's norm.
+
+    matmul(rows_MxI, w_IxO, g_MxO, precision) -> (dx, dw) in the operands' dtypes.
+    attention(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask, scale, softmax, precision) -> `[B, H, C, K]`:
+    the function whose vjp is attention's backward (K/V with H heads). global_norm(tree) -> an
+    fp32 scalar. scale_last(x, w) -> x * w and add_last(x, b) -> x + b, w and b `[D]` broadcast
+    over x's last axis: the form says how their gradients sum over the rows."""
+    matmul: Callable
+    attention: Callable
+    global_norm: Callable
+    scale_last: Callable
+    add_last: Callable
+
+
+# plain dots and XLA's sums: the backward needs no invariance
+PLAIN = Backward(plain.matmul_grads, plain.attention_for_grads, plain.global_norm,
+                 plain.scale_last, plain.add_last)
+# ordered kernels: a CPU run's parameters do not depend on the ISA
+ORDERED = Backward(cpu_ordered.matmul_grads, cpu_ordered.attention_for_grads,
+                   cpu_ordered.global_norm, cpu_ordered.scale_last, cpu_ordered.add_last)
+
+
+@dataclasses.dataclass(frozen=True)
 class Form:
     """One kernel form: what it computes with and what callers ask of it.
 
@@ -55,7 +81,8 @@ class Form:
     operation from matmul and XLA ops. `backend`: the Pallas forms' target (`gpu`, `tpu`);
     `kv_heads_by_index`: attention takes K/V with their own J kv heads (GQA by index);
     `rope(x, cos, sin)`: RoPE where the form computes it its own way (None: the plain
-    expression, `plain.rope_rotate_half`)."""
+    expression, `plain.rope_rotate_half`); `backward`: how the form differentiates (`Backward`;
+    `PLAIN` unless the form has its own)."""
     name: str
     cpu: bool  # runs on XLA CPU only
     version: str  # the kernel version without the ISA suffix
@@ -71,6 +98,7 @@ class Form:
     backend: str | None = None
     kv_heads_by_index: bool = False
     rope: Callable | None = None
+    backward: Backward = PLAIN
 
     @property
     def reads_layers_in_place(self) -> bool:
@@ -83,7 +111,7 @@ class Form:
         oneDNN runs its AVX-512 sgemm (`looprl.determinism.cpu_isa`): XLA's dots and
         elementwise code are the ISA's. A Pallas form's is `<version>/<form>-<target>`
         (`pallas-gpu-sm90`, `pallas-tpu-v5e`; `-interpret` where this process has no device of
-        the form's backend: `pallas_target.target_name`)."""
+        the form's backend: `pallas.target.target_name`)."""
         if self.backend is not None:
             return f"{self.version}/{self.name}-{target_name(self.backend)}"
         if self.cpu and CPU_ISA != "avx512_core":
@@ -100,7 +128,7 @@ class Form:
 
 _ORDERED = dict(rowsum=cpu_ordered.rowsum, row_max=cpu_ordered.row_max_column,
                 row_argmax=cpu_ordered.row_argmax, layer_matmul=cpu_ordered.layer_matmul,
-                attention_cached=cpu_ordered.attention_cached)
+                attention_cached=cpu_ordered.attention_cached, backward=ORDERED)
 FORMS = {f.name: f for f in (
     Form("cpu-ordered", True, KERNEL_VERSION_ORDERED, ROW_QUANTUM, False, cpu_ordered.matmul,
          cpu_ordered.attention, **_ORDERED),
@@ -168,6 +196,17 @@ def current() -> Form:
         return _selected[-1]
     return _resolved(jax.default_backend(), os.environ.get(ENV), os.environ.get(CPU_ALIAS),
                      os.environ.get(ACCEL_ALIAS))
+
+
+@contextlib.contextmanager
+def plain_backward():
+    """Programs traced in the scope take the plain backward (`PLAIN`) with the forward of the
+    form in force when the scope opens (`benchmarks/learner.py`'s baseline)."""
+    _selected.append(dataclasses.replace(current(), backward=PLAIN))
+    try:
+        yield
+    finally:
+        _selected.pop()
 
 
 @contextlib.contextmanager

@@ -1,12 +1,14 @@
 """The plain math every form shares: the backward of the invariant matmul and attention (plain
 dots; gradients need no invariance, docs/DESIGN.md section 4) and the attention core that the
-accelerator form runs in key blocks."""
+accelerator form runs in key blocks. The functions of `forms.PLAIN`, the backward of every form
+but `cpu-ordered`, sit here."""
 from __future__ import annotations
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from looprl.kernels.tiling import masked_probs
 
@@ -68,3 +70,24 @@ def attention_plain(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask, scale, prec):
     return attention_probs_values(q_BxHxCxK, jnp.swapaxes(k_BxSxHxK, 1, 2),
                                   jnp.swapaxes(v_BxSxHxK, 1, 2), mask, scale, q_BxHxCxK.dtype,
                                   prec, functools.partial(jax.nn.softmax, axis=-1))
+
+
+def attention_for_grads(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask, scale, softmax, precision):
+    """`attention_plain` (`softmax` unused): the function whose vjp is attention's plain
+    backward. `[B, H, C, K]` in q's dtype."""
+    return attention_plain(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask, scale, precision)
+
+
+def global_norm(tree):
+    """fp32 scalar: the l2 norm of every leaf of `tree` together (`optax.tree.norm`)."""
+    return optax.tree.norm(tree)
+
+
+def scale_last(x_xD, w_D):
+    """`x * w`, w `[D]` broadcast over x's last axis; XLA's gradients."""
+    return x_xD * w_D
+
+
+def add_last(x_xD, b_D):
+    """`x + b`, b `[D]` broadcast over x's last axis; XLA's gradients."""
+    return x_xD + b_D

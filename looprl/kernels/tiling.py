@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from looprl.determinism import cpu_isa, cpu_row_quantum
-from looprl.kernels.pallas_matmul import pad_to_multiple
 
 ROW_TILE = 64  # the fixed row tile of the accelerator forms, and the softmax tiles
 CPU_ISA = cpu_isa()  # read once: the quantum and the kernel version must name the same ISA
@@ -22,6 +22,26 @@ K_BLOCK = 128  # longest contraction of one dot (longer ones: blocks summed in o
 BATCHED_MAX_ROWS = 16  # CPU XLA form: tiles up to this many rows take their partials in one dot
 MASK_VALUE = -1e30  # finite, so fully-masked (padding) query rows never make NaN
 LAST_AXIS_TILE = 64  # softmax tiles: the last axis padded to a multiple of this
+
+
+def pad_to_multiple(x, axis: int, multiple: int):
+    """`x` zero-padded at the end of `axis` to a multiple of `multiple` (unchanged if it is one);
+    every form's padding."""
+    n = x.shape[axis]
+    n_pad = -(-n // multiple) * multiple
+    if n_pad == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n_pad - n)
+    return jnp.pad(x, widths)
+
+
+def ones_column(n: int) -> np.ndarray:
+    """The literal `[n, 16]` weight of `kernels.rowsum`'s product: ones in column 0, zeros
+    elsewhere."""
+    ones = np.zeros((n, N_MIN), np.float32)
+    ones[:, 0] = 1.0
+    return ones
 
 
 def pad_rows(x, axis: int, tile: int = ROW_TILE):

@@ -9,7 +9,7 @@ import pytest
 from looprl.cli import main
 from looprl.errors import ConfigError
 from looprl.io.checkpoint import save_model_checkpoint
-from looprl.kernels import ordered_gemm
+from looprl.kernels.cpu import ffi as ordered_gemm
 from looprl.model import init_params, preset
 from looprl.tasks.gsm8k import REPO_ROOT, resolve_data_dir
 from looprl.tokenizer import build_char_tokenizer

@@ -12,8 +12,8 @@ import pytest
 
 from looprl.kernels import KeyRange
 from looprl.kernels.operands import CachedKV
-from looprl.kernels.pallas_attention import flash_attention
-from looprl.kernels.pallas_attention_tpu import flash_attention_cached, supports
+from looprl.kernels.pallas.attention import flash_attention
+from looprl.kernels.pallas.attention_tpu import flash_attention_cached, supports
 
 
 def _bits(x):

@@ -12,6 +12,7 @@ from jax import export
 
 from looprl import kernels as kn
 from looprl.kernels import forms
+from looprl.kernels.plain import attention_plain
 
 N, B, J, H, K = 2, 4, 2, 4, 16  # 2 cache slots of 4 batch rows; GQA: 2 kv heads, 4 heads
 
@@ -76,7 +77,7 @@ def test_cached_attention_equals_attention_over_the_slot(form, q_dtype, cache_dt
             if C == 5:  # a bool mask: the int mask operand instead of the key range
                 by_mask = kn.attention_cached(q, kv, keys.mask(), K ** -0.5)
                 assert np.array_equal(_bits(by_mask), _bits(want)), (S, C, w0, pads)
-            ref = kn.attention_plain(
+            ref = attention_plain(
                 jnp.swapaxes(q, 1, 2).astype(jnp.float32),
                 *kn.repeat_kv_heads(k.astype(jnp.float32), v.astype(jnp.float32), H),
                 keys.mask(), K ** -0.5, None)
@@ -91,8 +92,8 @@ def test_cached_attention_equals_attention_over_the_slot(form, q_dtype, cache_dt
 def test_key_range_table_is_the_block_table_of_its_mask():
     """`key_range_table` (from the index vectors) equals `block_table` of the padded mask:
     unordered and out-of-range layout indices, pads past every query, 1 to 3 query tiles."""
-    from looprl.kernels.pallas_attention import block_table, key_range_table
-    from looprl.kernels.pallas_matmul import pad_to_multiple
+    from looprl.kernels.pallas.attention import block_table, key_range_table
+    from looprl.kernels.pallas.matmul import pad_to_multiple
     rng = np.random.default_rng(3)
     for S, C in ((300, 1), (300, 70), (130, 130), (513, 150)):
         for _ in range(4):

@@ -21,7 +21,8 @@ from looprl import determinism
 from looprl.errors import ConfigError
 from looprl import kernels as kn
 from looprl.kernels import forms
-from looprl.kernels.pallas_matmul import pallas_matmul
+from looprl.kernels.pallas.matmul import pallas_matmul
+from looprl.kernels.plain import attention_plain
 
 D, F, V = 2048, 5632, 49152  # ouro-1.4b / ouro-2.6b widths (both presets share them)
 WEIGHTS = {"q/k/v/o": (D, D), "gate/up": (D, F), "down": (F, D), "lm_head": (D, V),
@@ -161,7 +162,7 @@ def test_attention_of_a_query_does_not_depend_on_what_shares_the_call(accel, dty
         for c0, c1 in ((65, 66), (0, 63)):
             needle.append((c0, _bits(f(args[0][1:2, c0:c1], args[1][1:2], args[2][1:2],
                                        jnp.asarray(mask[1:2, c0:c1])).astype(jnp.float32))[0]))
-        ref = kn.attention_plain(jnp.swapaxes(args[0], 1, 2).astype(jnp.float32),
+        ref = attention_plain(jnp.swapaxes(args[0], 1, 2).astype(jnp.float32),
                                  *kn.repeat_kv_heads(*(a.astype(jnp.float32) for a in args[1:]),
                                                      H), jnp.asarray(mask), K ** -0.5, None)
         tol = 3e-2 if dtype == "bfloat16" else 1e-5
@@ -215,7 +216,7 @@ def test_gradients_are_plain_dots(accel):
     mask = jnp.asarray(_causal(20, [2], [17, 18, 19]))
     ga = jax.grad(lambda q, k, v: jnp.sum(kn.attention(q, k, v, mask, 0.25) ** 2),
                   argnums=(0, 1, 2))(q, k, v)
-    gp = jax.grad(lambda q, k, v: jnp.sum(jnp.swapaxes(kn.attention_plain(
+    gp = jax.grad(lambda q, k, v: jnp.sum(jnp.swapaxes(attention_plain(
         jnp.swapaxes(q, 1, 2), *kn.repeat_kv_heads(k, v, 2), mask, 0.25, hi), 1, 2) ** 2),
         argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(ga, gp):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from looprl import kernels as kn
+from looprl.kernels import ops
 
 ROWS = (1, 2, 5, 8, 32, 63, 64, 100)
 
@@ -94,14 +95,14 @@ def _product_softmax(x):
     def fn(x):
         e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
         return e / _product_rowsum(e)
-    return kn._tiled_rows(fn, x.astype(jnp.float32))
+    return ops._tiled_rows(fn, x.astype(jnp.float32))
 
 
 def _product_log_softmax(x):
     def fn(x):
         shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
         return shifted - jnp.log(_product_rowsum(jnp.exp(shifted)))
-    return kn._tiled_rows(fn, x.astype(jnp.float32))
+    return ops._tiled_rows(fn, x.astype(jnp.float32))
 
 
 def _product_rms_norm(x, w, eps):
@@ -118,7 +119,7 @@ def _product_rms_norm(x, w, eps):
 def test_softmax_and_log_softmax_have_the_product_forms_bits(shape):
     """The row max and sum as FFI reductions (`ordered_gemm.row_max` / `row_sum`) leave every
     bit of softmax and log_softmax as the max-reduce-and-product form gave them (argument in
-    `kernels._row_max` and `row_sum`), for ordinary rows, rows with masked (-1e30) and -inf
+    `ops._row_max` and `row_sum`), for ordinary rows, rows with masked (-1e30) and -inf
     entries, a row whose max is a zero with -0.0, +0.0 and subnormal ties, a row with one zero
     and the rest far below (log-sum 0: the zero's sign is the output's), and a padding row of
     MASK_VALUE only; and the gradient of log_softmax is the product form's, bit for bit."""

@@ -210,7 +210,7 @@ ORDERED_TARGET = "looprl_ordered_matmul"
 def test_attention_is_two_ordered_calls_on_the_cache_itself(cpu_form):
     """Structural (the default CPU form): the attention program of a 1-query (decode) and a
     17-query call at Ouro widths holds no dot and no K/V gather: one ordered scores call and
-    one ordered value call per query tile (`ordered_gemm.ordered_attention_scores` / `_values`,
+    one ordered value call per query tile (`cpu.ffi.ordered_attention_scores` / `_values`,
     whose numerics per (b, h) the kernel fixes), the queries unpadded (C rows), each reading
     the K/V arrays themselves (`[1, B, S, H, K]`: the slot as a one-slot cache, not a copied
     block), for a cache of 256, 1000 and 2048 slots; the softmax's max and sum are the

@@ -1,5 +1,5 @@
 """Attention's two ordered products read from the KV cache in place
-(`ordered_gemm.ordered_attention_scores` / `_values`, looprl/kernels/ordered_attention.cc): each output
+(`cpu.ffi.ordered_attention_scores` / `_values`, looprl/kernels/cpu/csrc/ordered_attention.cc): each output
 is exactly the chain the kernel's comment defines, written here in numpy from the rotated
 128-slot blocks (`reference_matmul`, the ordered matmul's correctly rounded emulation), for
 fp32 and bf16 caches, GQA, a window written over the slot (w0 clamped as
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from looprl import kernels as kn
-from looprl.kernels import ordered_gemm as og, tiling
+from looprl.kernels import tiling
+from looprl.kernels.cpu import ffi as og
 
 KB = og.KEY_BLOCK
 

@@ -1,4 +1,4 @@
-"""The ordered CPU matmul (looprl/kernels/ordered_matmul.cc): its bits are exactly the chain its
+"""The ordered CPU matmul (looprl/kernels/cpu/csrc/ordered_matmul.cc): its bits are exactly the chain its
 docstring defines (`reference_matmul`, a correctly rounded numpy emulation), on every code path
 (1-2 rows; 3-16 with the weight read in place or, past 8192 columns or in bf16, packed 1024
 columns at a time; more, in row blocks and tasks of 256-2048 columns; partial column panels
@@ -11,7 +11,7 @@ import pytest
 
 from looprl.errors import ConfigError
 from looprl import kernels as kn
-from looprl.kernels import ordered_gemm as og
+from looprl.kernels.cpu import ffi as og
 
 
 def _u32(x):

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from looprl.kernels import cpu_ordered, global_norm, use_form
+from looprl.kernels import global_norm, use_form
+from looprl.kernels.cpu import ordered as cpu_ordered
 from looprl.rl.optimizer import clip_by_global_norm
 
 

@@ -1,6 +1,6 @@
 // Attention's two products in the ordered numerics, the KV cache read in place
-// (ordered_gemm.py: ordered_attention_scores, ordered_attention_values; the caller is
-// looprl/kernels/cpu_attention.py).
+// (cpu/ffi.py: ordered_attention_scores, ordered_attention_values; the caller is
+// looprl/kernels/cpu/attention.py).
 //
 // One query tile of M rows: q [M, H, R, D] fp32 (D = head dim), head h reading kv head
 // h / (H / J). Row m's keys (values alike) are slot `slot` of the cache [N, B, S, J, D] at
@@ -220,7 +220,7 @@ void attention_values(const AttentionProblem& p, const float* probs, float* out,
         if (n == KEY_BLOCK || !any_negative_zero(part, g * rd)) break;
         n = KEY_BLOCK;  // an output is -0.0: the rest of the chain may make it +0.0
       }
-      for (int64_t i = 0; i < g; ++i)  // om + c_j: the first add is -0.0 + c_0 (cpu_attention.py)
+      for (int64_t i = 0; i < g; ++i)  // om + c_j: the first add is -0.0 + c_0 (cpu/attention.py)
         for (int64_t e = 0; e < rd; ++e) om[i][e] = om[i][e] + part[i * rd + e];
     }
     h += g;

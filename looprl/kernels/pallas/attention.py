@@ -36,8 +36,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from looprl.kernels.operands import KeyRange
-from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.pallas_target import compiler_params, fence, lowered
+from looprl.kernels.pallas.matmul import pad_to_multiple
+from looprl.kernels.pallas.target import compiler_params, fence, lowered
 from looprl.kernels.tiling import K_BLOCK, MASK_VALUE, ROW_TILE
 
 

@@ -4,7 +4,7 @@ Rows are zero-padded to a row tile R (`tiling.row_tile_for(M)`, a multiple of th
 ROW_QUANTUM), output columns to a multiple of N_MIN, and the contraction cut into K_BLOCK-long
 blocks whose fp32 partials are summed in block order: every dot XLA sees is
 `[R, 128] x [128, O16]`, whatever M (docs/NUMERICS.md, "The XLA CPU form"). Its attention is
-`cpu_attention` with XLA's batched dots.
+`cpu.attention` with XLA's batched dots.
 """
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from looprl.kernels import tiling
-from looprl.kernels.cpu_attention import attention_cpu
-from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.tiling import BATCHED_MAX_ROWS, k_blocks, pad_rows
+from looprl.kernels.cpu.attention import attention_cpu
+from looprl.kernels.tiling import BATCHED_MAX_ROWS, k_blocks, pad_rows, pad_to_multiple
 
 
 def blocked_weight(w_IxO):
@@ -124,6 +123,6 @@ def matmul(rows_MxI, w_IxO, out_dtype, precision=None):
 
 
 def attention(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax, precision=None):
-    """`cpu_attention.attention_cpu` with XLA's batched dots per (b, h) and key block."""
+    """`cpu.attention.attention_cpu` with XLA's batched dots per (b, h) and key block."""
     return attention_cpu(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax,
                          ordered=False)

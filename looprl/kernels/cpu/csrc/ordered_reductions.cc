@@ -1,5 +1,5 @@
 // The softmaxes' row reductions and the sampler's argmax in the ordered numerics
-// (ordered_gemm.py: row_sum, row_max, row_argmax).
+// (cpu/ffi.py: row_sum, row_max, row_argmax).
 #include "ordered_common.h"
 
 namespace {

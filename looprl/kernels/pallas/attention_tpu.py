@@ -1,6 +1,6 @@
 """The decode step's attention on a TPU (`pallas-tpu`), reading the sampler's KV cache where it
 lies: the same keys per block, in the same order and with the same arithmetic as
-`pallas_attention.flash_attention` over the rows' slot (`CachedKV.slots()`), so the bits are
+`attention.flash_attention` over the rows' slot (`CachedKV.slots()`), so the bits are
 that kernel's, without copying, padding and rotating each row's slot every layer pass.
 
 Program (m, h, t) DMAs row m's whole cache row `[S, K]` of kv head h // (H / J) into VMEM
@@ -22,10 +22,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from looprl.kernels.operands import CachedKV, KeyRange
-from looprl.kernels.pallas_attention import (check_heads, key_range_table, online_init,
+from looprl.kernels.pallas.attention import (check_heads, key_range_table, online_init,
                                              online_out, online_step)
-from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.pallas_target import compiler_params, fence, lowered
+from looprl.kernels.pallas.matmul import pad_to_multiple
+from looprl.kernels.pallas.target import compiler_params, fence, lowered
 from looprl.kernels.tiling import K_BLOCK, ROW_TILE
 
 KV_GROUP = 8  # kv heads per program where J allows: a TPU tile's rows of the cache's (J, K)

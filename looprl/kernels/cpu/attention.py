@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from looprl.kernels import tiling
 from looprl.kernels.operands import CachedKV, KeyRange
-from looprl.kernels.ordered_gemm import ordered_attention_scores, ordered_attention_values
+from looprl.kernels.cpu.ffi import ordered_attention_scores, ordered_attention_values
 from looprl.kernels.tiling import (K_BLOCK, keys_from_first_live, live_key_blocks,
                                    map_query_tiles, mask_in_blocks, masked_probs, pad_rows)
 

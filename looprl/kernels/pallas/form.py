@@ -16,12 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from looprl.kernels import pallas_attention_tpu as tpu_attention
-from looprl.kernels.pallas_attention import flash_attention, flash_attention_cached
-from looprl.kernels.pallas_matmul import pallas_matmul_for
-from looprl.kernels.pallas_rope import rope_for
-from looprl.kernels.pallas_rows import rowsum_form
-from looprl.kernels.pallas_target import opaque_on_cpu
+from looprl.kernels.pallas import attention_tpu as tpu_attention
+from looprl.kernels.pallas.attention import flash_attention, flash_attention_cached
+from looprl.kernels.pallas.matmul import pallas_matmul_for
+from looprl.kernels.pallas.rope import rope_for
+from looprl.kernels.pallas.rows import rowsum_form
+from looprl.kernels.pallas.target import opaque_on_cpu
 from looprl.kernels.operands import KeyRange
 from looprl.kernels.plain import rope_rotate_half
 

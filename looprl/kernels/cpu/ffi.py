@@ -31,7 +31,7 @@ import numpy as np
 
 from looprl.errors import ConfigError, create_dir
 
-_HERE = Path(__file__).parent
+_HERE = Path(__file__).parent / "csrc"
 SOURCES = tuple(_HERE / f"ordered_{name}.cc" for name in ("matmul", "attention", "reductions"))
 HEADERS = (_HERE / "ordered_common.h", _HERE / "ordered_chains.h")
 TARGET = "looprl_ordered_matmul"

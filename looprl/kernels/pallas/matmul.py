@@ -26,23 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from looprl.kernels.pallas_target import compiler_params, fence, lowered
+from looprl.kernels.pallas.target import compiler_params, fence, lowered
+from looprl.kernels.tiling import pad_to_multiple
 
 BLOCK_ROWS = 64
 BLOCK_COLS = 128
 BLOCK_K = 128
-
-
-def pad_to_multiple(x, axis: int, multiple: int):
-    """`x` zero-padded at the end of `axis` to a multiple of `multiple` (unchanged if it is one);
-    also `kernels`' padding."""
-    n = x.shape[axis]
-    n_pad = -(-n // multiple) * multiple
-    if n_pad == n:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n_pad - n)
-    return jnp.pad(x, widths)
 
 
 def _kernel(x_ref, w_ref, o_ref, *, block_k: int, precision, interpret: bool):

@@ -1,30 +1,19 @@
 """The ordered CPU form (`LOOPRL_KERNELS=cpu-ordered`, the CPU's default): every product and row
-reduction is an FFI kernel of `ordered_gemm`, whose order of operations is written in its C++
+reduction is an FFI kernel of `cpu.ffi`, whose order of operations is written in its C++
 source, so no row count, row place, thread count or ISA changes a bit (docs/NUMERICS.md, "The
 ordered CPU form"). Layers of a stacked weight and the sampler's KV cache are read in place.
 """
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from looprl.kernels.cpu_attention import attention_cpu
+from looprl.kernels.cpu.attention import attention_cpu
 from looprl.kernels.operands import CachedKV, KeyRange, LayerWeight
-from looprl.kernels.ordered_gemm import (ordered_batched_matmul, ordered_matmul,
+from looprl.kernels.cpu.ffi import (ordered_batched_matmul, ordered_matmul,
                                          ordered_matmul_layer, row_max, row_sum, row_argmax)
 from looprl.kernels.plain import matmul_grads as plain_matmul_grads
-from looprl.kernels.tiling import N_MIN, masked_probs
-
-
-def ones_column(n: int) -> np.ndarray:
-    """The literal `[n, 16]` weight of `kernels.rowsum`'s product: ones in column 0, zeros
-    elsewhere."""
-    ones = np.zeros((n, N_MIN), np.float32)
-    ones[:, 0] = 1.0
-    return ones
+from looprl.kernels.tiling import N_MIN, masked_probs, ones_column
 
 
 def matmul(rows_MxI, w_IxO, out_dtype, precision=None):
@@ -34,36 +23,16 @@ def matmul(rows_MxI, w_IxO, out_dtype, precision=None):
     return ordered_matmul(rows_MxI.astype(jnp.float32), w).astype(out_dtype)
 
 
-_PLAIN_BACKWARD: list[bool] = []  # `plain_backward`'s stack
-
-
-@contextlib.contextmanager
-def plain_backward():
-    """Programs traced in the scope take the plain (XLA) dots in the ordered form's backward,
-    as every form did before (`benchmarks/learner.py`'s baseline); the forward is unchanged."""
-    _PLAIN_BACKWARD.append(True)
-    try:
-        yield
-    finally:
-        _PLAIN_BACKWARD.pop()
-
-
-def ordered_backward(form) -> bool:
-    """Whether `form`'s backward takes the ordered kernels: `cpu-ordered` outside
-    `plain_backward`."""
-    return form.name == "cpu-ordered" and not _PLAIN_BACKWARD
-
-
 def _fp32_or_bf16(w):
     return w if w.dtype in (jnp.float32, jnp.bfloat16) else w.astype(jnp.float32)
 
 
-def matmul_grads(rows_MxI, w_IxO, g_MxO):
+def matmul_grads(rows_MxI, w_IxO, g_MxO, precision=None):
     """`(dx, dw)` of `rows @ w` by `ordered_matmul`: dx = g @ w^T `[M, I]` (a chain over O per
     output), dw = rows^T @ g `[I, O]` (a chain over the M rows, in row order), each in its
     operand's dtype. The transposed operands are explicit transposes (copies: no bit moves),
     so the backward, like the forward, is fixed by the kernel's program and not by the ISA
-    (docs/NUMERICS.md, "The whole CPU run")."""
+    (docs/NUMERICS.md, "The whole CPU run"). `precision` is unused: the kernel's is its own."""
     g = g_MxO.astype(jnp.float32)
     dx = ordered_matmul(g, _fp32_or_bf16(w_IxO).T)
     dw = ordered_matmul(rows_MxI.astype(jnp.float32).T, g)
@@ -143,10 +112,21 @@ def _add_bwd(b, g):
 add_last.defvjp(_add_fwd, _add_bwd)
 
 
-def attention_for_grads(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax):
+def global_norm(tree):
+    """fp32 scalar: the l2 norm of every leaf of `tree` together. Each leaf's sum of squares
+    is `sum_all` and the leaves add in tree order, so the bits do not depend on the ISA."""
+    total = jnp.float32(0.0)
+    for leaf in jax.tree.leaves(tree):
+        x = leaf.astype(jnp.float32)
+        total = total + sum_all(x * x)
+    return jnp.sqrt(total)
+
+
+def attention_for_grads(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax,
+                        precision=None):
     """The attention math of `plain.attention_plain` with both products `batched_matmul` and
     the row-invariant `softmax` (a `rowsum` of ordered chains): the function whose vjp is the
-    ordered form's attention backward. `[B, H, C, K]` in q's dtype."""
+    ordered form's attention backward. `[B, H, C, K]` in q's dtype; `precision` is unused."""
     B, H, C, K = q_BxHxCxK.shape
     S = k_BxSxHxK.shape[1]
     dtype = q_BxHxCxK.dtype
@@ -161,7 +141,7 @@ def attention_for_grads(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, soft
 
 def layer_matmul(x_MxI, w: LayerWeight, out_dtype):
     """`matmul(x, w.stack[w.index])` with the layer read in place
-    (`ordered_gemm.ordered_matmul_layer`): a `lax.scan` or a dynamic slice over the stack
+    (`ffi.ordered_matmul_layer`): a `lax.scan` or a dynamic slice over the stack
     would copy each layer's weight first. Not differentiable."""
     lead, i = x_MxI.shape[:-1], x_MxI.shape[-1]
     y = ordered_matmul_layer(x_MxI.reshape(-1, i).astype(jnp.float32), w.stack, w.index)
@@ -170,7 +150,7 @@ def layer_matmul(x_MxI, w: LayerWeight, out_dtype):
 
 @jax.custom_vjp
 def rowsum(rows_MxN, keep):
-    """`ordered_matmul(rows, ones_column)[:, :1]`'s bits from `ordered_gemm.row_sum` (fp32
+    """`ordered_matmul(rows, ones_column)[:, :1]`'s bits from `ffi.row_sum` (fp32
     `[M, 1]`); `keep`: a tuple of arrays kept alive until the sum, not differentiated."""
     return row_sum(rows_MxN, keep)[:, None]
 
@@ -194,12 +174,12 @@ rowsum.defvjp(_rowsum_fwd, _rowsum_bwd)
 
 
 def row_max_column(x_MxN):
-    """Each row's max as `[M, 1]` (`ordered_gemm.row_max`)."""
+    """Each row's max as `[M, 1]` (`ffi.row_max`)."""
     return row_max(x_MxN)[:, None]
 
 
 def attention(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax, precision=None):
-    """`cpu_attention.attention_cpu` with the ordered products."""
+    """`attention.attention_cpu` with the ordered products."""
     return attention_cpu(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask_BxCxS, scale, softmax,
                          ordered=True)
 

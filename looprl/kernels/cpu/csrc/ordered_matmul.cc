@@ -1,4 +1,4 @@
-// looprl's row-invariant CPU matmul (ordered_gemm.py: ordered_matmul, ordered_matmul_layer,
+// looprl's row-invariant CPU matmul (cpu/ffi.py: ordered_matmul, ordered_matmul_layer,
 // ordered_batched_matmul): the chains of ordered_common.h, blocked for the cache.  Which path
 // runs a call (few_rows_block up to STREAM_ROWS rows, small_rows_block up to SMALL_ROWS,
 // column_block above) is chosen by M alone, and every path computes each output's chain

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.pallas_target import compiler_params, fence, lowered
+from looprl.kernels.pallas.matmul import pad_to_multiple
+from looprl.kernels.pallas.target import compiler_params, fence, lowered
 from looprl.kernels.tiling import ROW_TILE
 
 LANES = 128
@@ -50,7 +50,7 @@ def _call(x, *, interpret, backend):
 
 def row_sum(x_MxN, backend: str):
     """Each row's sum, fp32 `[M, 1]` (module doc), compiled for `backend` or interpreted
-    (`pallas_target.lowered`). x: `[M, N]`, widened to fp32."""
+    (`target.lowered`). x: `[M, N]`, widened to fp32."""
     m = x_MxN.shape[0]
     x = pad_to_multiple(pad_to_multiple(x_MxN.astype(jnp.float32), 0, ROW_TILE), 1, LANES)
     out = lowered(lambda interpret: functools.partial(_call, interpret=interpret,

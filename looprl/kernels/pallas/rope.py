@@ -6,8 +6,8 @@ FMA contraction of the sum depends on the fusion around it).
 The rotation (`cat(-x2, x1)`) and the per-head broadcast of cos and sin are data movement done
 by XLA (exact); the kernel computes `x*c + r*s` elementwise on `[ROW_TILE, 128]` blocks of the
 `[B*C, H*K]` layout, rows zero-padded to ROW_TILE, columns to 128. Each output element reads
-only its own four inputs. Where the program is lowered for the CPU, `accel.rope_form` runs
-the plain expression as its own program instead (`pallas_target.opaque_on_cpu`).
+only its own four inputs. Where the program is lowered for the CPU, `form.rope_form` runs
+the plain expression as its own program instead (`target.opaque_on_cpu`).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from looprl.kernels.pallas_matmul import pad_to_multiple
-from looprl.kernels.pallas_target import compiler_params
+from looprl.kernels.pallas.matmul import pad_to_multiple
+from looprl.kernels.pallas.target import compiler_params
 from looprl.kernels.tiling import ROW_TILE
 
 LANES = 128

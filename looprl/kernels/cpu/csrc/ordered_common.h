@@ -1,5 +1,5 @@
 // Shared by looprl's ordered CPU kernels (ordered_matmul.cc, ordered_attention.cc,
-// ordered_reductions.cc), XLA FFI custom calls bound in looprl/kernels/ordered_gemm.py.
+// ordered_reductions.cc), XLA FFI custom calls bound in looprl/kernels/cpu/ffi.py.
 //
 // The numerics, fixed by these programs and by nothing else:
 //   out[m, n] = ((c_0 + c_1) + c_2) + ... + c_{J-1},   J = ceil(K / KC),
