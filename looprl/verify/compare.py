@@ -3,8 +3,14 @@ the same bits, or the first difference.
 
 Compared: the summary (the verdicts), every cell's fields but its wall seconds, and each file
 under `rollouts/` array by array (dtype, shape and bytes; a difference names the array, and the
-file's packing does not count). Not compared: `env` (the machine; a difference there is shown beside a difference
-in the bits), `setup`, `command`, `notes` and `wall_s`.
+file's packing does not count). Not compared: `env` (the machine; a difference there is shown
+beside a difference in the bits), `setup`, `command`, `notes` and `wall_s`.
+
+Two reports from different machines (`MACHINE_KEYS` of `env` differ) share the replay bits but
+not everything. The stock control's figures follow the machine's XLA dots, so a stock cell's
+`STOCK_FIGURES` are not compared then (its verdict is). A schedule records the machine's row
+tile and the kernel version's ISA suffix (`SCHEDULE_MACHINE_KEYS`), so a rollout's `meta` is
+compared without them then.
 """
 from __future__ import annotations
 
@@ -17,6 +23,9 @@ import numpy as np
 from looprl.errors import ConfigError
 
 CELL_TIMING_KEYS = ("seconds",)  # a cell's wall time: the only field that may differ
+MACHINE_KEYS = ("backend", "device_kind", "cpu_isa", "jax", "jaxlib")
+STOCK_FIGURES = ("exact_fraction", "max_abs_diff", "mean_abs_diff", "k3_kl")
+SCHEDULE_MACHINE_KEYS = ("row_tile", "kernel_version")
 ENV_KEYS_SHOWN = ("jax", "jaxlib", "backend", "device_kind", "cpu_isa", "kernel_version",
                   "kernel_form", "git_commit", "git_dirty")
 
@@ -34,12 +43,23 @@ def read_report(directory: str | Path, flag: str) -> dict:
         raise ConfigError(f"{flag}: {path}: not JSON ({e.msg}, line {e.lineno})") from None
 
 
-def array_digests(path: Path) -> dict[str, str]:
-    """{array name: SHA-256 of its dtype, shape and bytes} of one `.npz` file."""
+def _meta_without_machine(a: np.ndarray) -> np.ndarray:
+    """A rollout's `meta` JSON without `SCHEDULE_MACHINE_KEYS` in its schedule."""
+    meta = json.loads(str(a.item()))
+    for k in SCHEDULE_MACHINE_KEYS:
+        meta.get("schedule", {}).pop(k, None)
+    return np.asarray(json.dumps(meta, sort_keys=True))
+
+
+def array_digests(path: Path, same_machine: bool = True) -> dict[str, str]:
+    """{array name: SHA-256 of its dtype, shape and bytes} of one `.npz` file; with
+    `same_machine` False, `meta` without the schedule's machine keys."""
     with np.load(path, allow_pickle=False) as z:
         out = {}
         for name in sorted(z.files):
             a = np.ascontiguousarray(z[name])
+            if name == "meta" and not same_machine:
+                a = _meta_without_machine(a)
             h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
             h.update(a.tobytes())
             out[name] = h.hexdigest()
@@ -51,28 +71,32 @@ def _cell_key(c: dict) -> tuple:
                                     "batching", "params", "devices", "method"))
 
 
-def _first_cell_difference(new: list[dict], old: list[dict]) -> str | None:
+def _first_cell_difference(new: list[dict], old: list[dict],
+                           same_machine: bool = True) -> str | None:
     if len(new) != len(old):
         return f"{len(new)} cells in NEW, {len(old)} in OLD"
     for i, (a, b) in enumerate(zip(new, old)):
         if _cell_key(a) != _cell_key(b):
             return f"cell {i} is {_cell_key(a)} in NEW, {_cell_key(b)} in OLD"
+        skipped = (*CELL_TIMING_KEYS,
+                   *(STOCK_FIGURES if a.get("method") == "stock" and not same_machine else ()))
         for k in sorted(set(a) | set(b)):
-            if k not in CELL_TIMING_KEYS and a.get(k) != b.get(k):
+            if k not in skipped and a.get(k) != b.get(k):
                 return (f"cell {i} {'/'.join(map(str, _cell_key(a)))}: {k} is {a.get(k)!r} in "
                         f"NEW, {b.get(k)!r} in OLD")
     return None
 
 
-def _first_rollout_difference(new_dir: Path, old_dir: Path) -> str | None:
+def _first_rollout_difference(new_dir: Path, old_dir: Path,
+                              same_machine: bool = True) -> str | None:
     new = {p.name for p in (new_dir / "rollouts").glob("*.npz")}
     old = {p.name for p in (old_dir / "rollouts").glob("*.npz")}
     if new != old:
         return (f"rollout files differ: only in NEW {sorted(new - old)}, only in OLD "
                 f"{sorted(old - new)}")
     for name in sorted(new):
-        a = array_digests(new_dir / "rollouts" / name)
-        b = array_digests(old_dir / "rollouts" / name)
+        a = array_digests(new_dir / "rollouts" / name, same_machine)
+        b = array_digests(old_dir / "rollouts" / name, same_machine)
         if a.keys() != b.keys():
             return f"rollouts/{name}: arrays {sorted(a)} in NEW, {sorted(b)} in OLD"
         for k in a:
@@ -92,8 +116,15 @@ def first_difference(new_dir: str | Path, old_dir: str | Path) -> str | None:
         a, b = new.get("summary", {}).get(k), old.get("summary", {}).get(k)
         if a != b:
             return f"summary: {k} is {a!r} in NEW, {b!r} in OLD"
-    return (_first_cell_difference(new.get("cells", []), old.get("cells", []))
-            or _first_rollout_difference(new_dir, old_dir))
+    same = same_machine(new, old)
+    return (_first_cell_difference(new.get("cells", []), old.get("cells", []), same)
+            or _first_rollout_difference(new_dir, old_dir, same))
+
+
+def same_machine(new: dict, old: dict) -> bool:
+    """Whether two reports' `env` agree on every `MACHINE_KEYS` entry."""
+    a, b = new.get("env", {}), old.get("env", {})
+    return all(a.get(k) == b.get(k) for k in MACHINE_KEYS)
 
 
 def environment_differences(new_dir: str | Path, old_dir: str | Path) -> list[str]:
@@ -108,10 +139,14 @@ def compare_lines(new_dir: str | Path, old_dir: str | Path) -> tuple[bool, list[
     cell and rollout counts, or `differs: ...` with the first difference, and the environment
     keys that differ."""
     diff = first_difference(new_dir, old_dir)
-    n_cells = len(read_report(new_dir, "--compare NEW").get("cells", []))
+    new = read_report(new_dir, "--compare NEW")
+    n_cells = len(new.get("cells", []))
     n_files = len(list((Path(new_dir) / "rollouts").glob("*.npz")))
+    machine = ("" if same_machine(new, read_report(old_dir, "--compare OLD")) else
+               "; another machine: the stock control's figures and the schedules' row tile "
+               "and ISA suffix not compared")
     head = (f"looprl verify --compare: same cells, same bits ({n_cells} cells, {n_files} "
-            f"rollout files): {new_dir} equals {old_dir}" if diff is None else
+            f"rollout files{machine}): {new_dir} equals {old_dir}" if diff is None else
             f"looprl verify --compare: {new_dir} differs from {old_dir}: {diff}")
     env = environment_differences(new_dir, old_dir)
     return diff is None, [head] + ([f"  environments differ: {'; '.join(env)}"] if env else [])

@@ -82,3 +82,33 @@ def test_the_report_env_names_the_version_kernel_version_and_form():
     assert env["looprl_version"] == looprl.__version__
     assert env["kernel_version"] == kernel_version() and env["kernel_form"] == current_form().name
     assert env["kernel_form"] in ("cpu-ordered", "cpu-xla")
+
+
+def test_the_two_machines_reports_share_the_replay_bits(capsys):
+    """The committed AVX2 and AVX-512 reports: every replay cell and rollout array equal; the
+    stock control's figures and the schedules' row tile differ, and are named only when the
+    machines agree."""
+    avx2 = ROOT / "reproducibility" / "cpu_avx2"
+    assert main(["verify", "--compare", str(avx2), str(COMMITTED)]) == 0
+    assert "another machine: the stock control's figures" in capsys.readouterr().out
+
+
+def test_on_another_machine_a_stock_verdict_or_a_replay_figure_still_counts(copy):
+    def other_machine(r):
+        r["env"]["cpu_isa"] = "other"
+    _edit(copy, other_machine)
+    stock = next(i for i, c in enumerate(json.loads((copy / "report.json").read_text())["cells"])
+                 if c["method"] == "stock")
+    _edit(copy, lambda r: r["cells"][stock].update(k3_kl=1.0))
+    assert first_difference(copy, COMMITTED) is None  # a stock figure follows the machine
+    _edit(copy, lambda r: r["cells"][stock].update(passed=False))
+    assert f"cell {stock} " in first_difference(copy, COMMITTED)
+    _edit(copy, lambda r: r["cells"][stock].update(passed=True) or
+          r["cells"][0].update(exact_fraction=0.5))
+    assert first_difference(copy, COMMITTED).startswith("cell 0 ")
+    _edit(copy, lambda r: r["cells"][0].update(exact_fraction=1.0))
+    assert first_difference(copy, COMMITTED) is None
+    _edit(copy, lambda r: r["env"].update(cpu_isa=json.loads(
+        (COMMITTED / "report.json").read_text())["env"]["cpu_isa"]))
+    _edit(copy, lambda r: r["cells"][stock].update(k3_kl=1.0))
+    assert f"cell {stock} " in first_difference(copy, COMMITTED)  # the same machine: compared
