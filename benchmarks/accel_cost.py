@@ -28,7 +28,7 @@ not counted; a TPU's re-reads are counted where `traffic` names them), work deci
 (every key block a mask spans counts), the TPU's async copies' overlap, and host time. A program
 that does not compile for its target (out of memory) is `{"error": ...}` with its ratio null.
 `invariant_interpreted` is true where the form compiled its Pallas kernels interpreted. Run:
-`python benchmarks/accel_cost.py`; the last line is a JSON object.
+`python benchmarks/accel_cost.py`; the last line is a JSON object (`python benchmarks/accel_cost.py h100`: one target).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from looprl.kernels import forms  # noqa: E402
 from looprl.model.config import preset  # noqa: E402
 
 import json  # noqa: E402
+import sys  # noqa: E402
 
 DTYPE = "bfloat16"
 TOKENS_ROWS, SEQ = 256, 1024
@@ -118,10 +119,10 @@ def _ratio(a: dict, b: dict) -> float | None:
     return None if "error" in a or "error" in b else round(a["est_s"] / b["est_s"], 3)
 
 
-def main() -> dict:
+def main(targets=("h100", "v5e")) -> dict:
     t0 = time.perf_counter()
     res: dict = {}
-    for target in ("h100", "v5e"):
+    for target in targets:
         reason = T.missing(target)
         if reason:
             res[f"skipped_{target}"] = reason
@@ -156,4 +157,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(main(tuple(sys.argv[1:]) or ("h100", "v5e"))))

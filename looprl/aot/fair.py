@@ -7,8 +7,9 @@ on a TPU), causal with segment ids for the left padding; the LM head and its log
 stock form writes them. The decode step: the same layer with jax's Pallas paged attention
 (`pallas.ops.gpu.paged_attention`, `pallas.ops.tpu.paged_attention`) over a paged KV cache read
 in place: the layer is picked by the page table, the new key written into its page in place
-(the cache is donated). The padding's keys are not masked (a paged cache holds none; the keys
-read are the same). Compile these without looprl's GPU pins (`targets.compile_for`,
+(the cache is donated), and the layer weights are held in the compute dtype (cast once, as a
+serving stack holds them). The padding's keys are not masked (a paged cache holds none; the
+keys read are the same). Compile these without looprl's GPU pins (`targets.compile_for`,
 `pinned=False`): a user's XLA autotunes.
 """
 from __future__ import annotations
@@ -162,5 +163,6 @@ def build(cfg: OuroConfig, dtype: str, phase: Phase, backend: str):
     if S % PAGE:
         raise ValueError(f"the fair decode's cache length {S} is not a multiple of {PAGE}")
     pages = sds((cfg.num_kv_heads, cfg.num_layers * B * S // PAGE, PAGE, cfg.head_dim), dt)
+    w = dict(w, layers={k: sds(v.shape, dt) for k, v in w["layers"].items()})  # cast once
     fn = functools.partial(_decode, cfg, backend)
     return fn, (w, x, pages, pages, pad, sds((), jnp.int32), targets), (2, 3)

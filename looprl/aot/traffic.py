@@ -25,7 +25,7 @@ import re
 
 from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, control_flow, gemm_flops,
                                 is_looprl_kernel, kernels, looprl_name)
-from looprl.kernels.pallas_matmul import BLOCK_ROWS
+from looprl.kernels.pallas_matmul import BLOCK_COLS
 
 ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -34,6 +34,10 @@ VMEM = "S(1)"  # a TPU layout's memory space 1: the core's VMEM, not HBM
 SLICING = ("dynamic-slice", "slice", "gather")
 CAUSAL_BLOCK = 128  # the query and key block of jax's flash kernels (the fair baselines)
 TPU_LANES = 128  # the head width of a looprl TPU attention (Mosaic's lane width)
+# the looprl attention kernels that read an int32 mask tile per (row, head) program (operand 4,
+# after the table and q): the forward (5 operands) and the backward's two kernels
+ATTENTION_MASKED = {"looprl_flash_attention": 5, "looprl_flash_attention_dq": 7,
+                    "looprl_flash_attention_dkv": 8}
 
 
 def shape_bytes(shape: str) -> int:
@@ -306,9 +310,10 @@ def _paged_bytes(p: Program, i: Instr) -> int:
 
 def _tpu_rereads(p: Program, i: Instr) -> int:
     """HBM bytes a TPU Pallas kernel reads again, block by block (a TPU has no cache: a block
-    whose index changes is copied in again): a looprl matmul's weight once per 64-row block, a
-    looprl attention's int32 mask once per head (heads of 128 lanes), a jax flash kernel's
-    swept operands once per block of its inner loop (causal: (n + 1) / 2 times on average)."""
+    whose index changes is copied in again): a looprl matmul's rows once per 128-column block, a
+    looprl attention's int32 mask once per head (forward and backward; heads of 128 lanes), a
+    jax flash kernel's swept operands once per block of its inner loop (causal: (n + 1) / 2
+    times on average)."""
     if i.opcode != "custom-call" or "tpu_custom_call" not in i.rest:
         return 0
     ops = operands(p, i)
@@ -320,9 +325,9 @@ def _tpu_rereads(p: Program, i: Instr) -> int:
     if not is_looprl_kernel(i):
         return 0
     name = looprl_name(i)
-    if name == "looprl_fixed_block_matmul":
-        return shape_bytes(ops[1].shape) * (dims(ops[0].shape)[0] // BLOCK_ROWS - 1)
-    if name == "looprl_flash_attention" and len(ops) == 5:
+    if name == "looprl_fixed_block_matmul":  # column blocks outer
+        return shape_bytes(ops[0].shape) * (dims(ops[1].shape)[-1] // BLOCK_COLS - 1)
+    if name in ATTENTION_MASKED and len(ops) == ATTENTION_MASKED[name]:
         heads = dims(ops[1].shape)[-1] // TPU_LANES
         return shape_bytes(ops[4].shape) * (heads - 1)
     return 0

@@ -221,14 +221,20 @@ def _attention_tiled(q, k, v, mask, scale):
 
 
 def _attention_tiled_fwd(q, k, v, mask, scale):
-    return _attention_tiled_impl(q, k, v, mask, scale), (q, k, v, mask)
+    out = _attention_tiled_impl(q, k, v, mask, scale)
+    saved = out if forms.current().attention_grads is not None else None  # CPU forms: as was
+    return out, (q, k, v, mask, saved)
 
 
 def _attention_tiled_bwd(scale, res, g):
-    """The same math without tiles or padding over the repeated heads (the repeat's transpose
-    sums each kv head's share; no repeat where J = H): the backward needs no invariance."""
-    q, k, v, mask = res
+    """The form's own backward where it has one (the Pallas forms' flash backward), else the
+    same math without tiles or padding over the repeated heads (the repeat's transpose sums
+    each kv head's share; no repeat where J = H): the backward needs no invariance."""
+    q, k, v, mask, out = res
     form = forms.current()
+    if form.attention_grads is not None:
+        return (*form.attention_grads(q, k, v, mask, out, g, scale,
+                                      form.fp32_precision(q, k)), None)
     if _cpu_ordered.ordered_backward(form):  # ordered products and sums: free of the ISA
         def fn(q, k, v):
             return _cpu_ordered.attention_for_grads(
@@ -249,7 +255,7 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """Causal softmax attention of C queries over the whole key axis S (fixed length), by the
     form in force: fp32 scores, masked with a finite large negative value, fp32 softmax,
     probabilities cast to the compute dtype for the value product (the HF eager convention).
-    Backward by plain dots (`jax.custom_vjp`).
+    Backward (`jax.custom_vjp`): the Pallas forms' flash backward, else plain dots.
 
     Args:
       q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, J, K]` with J kv heads, H % J == 0 (GQA,

@@ -5,11 +5,12 @@ tile and a fixed order (docs/NUMERICS.md, "The accelerator forms").
 matmul: `pallas_matmul` (64 x 128 x 128 blocks, no split-K, fp32 at HIGHEST, bf16 with fp32
 accumulation); attention: `pallas_attention.flash_attention` (one flash-style kernel for every
 caller, GQA by index); rowsum: `pallas_rows` (RMSNorm, the softmaxes, the log-prob's
-normaliser). Row max and argmax stay XLA reduces (order-free). RoPE: a Pallas kernel on
+normaliser). Attention's backward: `pallas_attention_bwd` (two kernels, no score matrix in
+HBM, fixed order). Row max and argmax stay XLA reduces (order-free). RoPE: a Pallas kernel on
 the device, the plain expression as its own program on the CPU (`rope_form`): every caller
 reads the same bits. Each kernel is compiled for the
-platform the program is lowered for and interpreted on the CPU (`pallas_target`). Backward
-passes are plain XLA dots (`kernels`' custom_vjp).
+platform the program is lowered for and interpreted on the CPU (`pallas_target`). The other
+backward passes are plain XLA dots (`kernels`' custom_vjp).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 
 from looprl.kernels import pallas_attention_tpu as tpu_attention
 from looprl.kernels.pallas_attention import flash_attention, flash_attention_cached
+from looprl.kernels.pallas_attention_bwd import flash_attention_bwd
 from looprl.kernels.pallas_matmul import pallas_matmul_for
 from looprl.kernels.pallas_rope import rope_for
 from looprl.kernels.pallas_rows import rowsum_form
@@ -66,6 +68,17 @@ def attention_cached_form(backend: str):
     return attention_cached
 
 
+def attention_grads_form(backend: str):
+    """The form's attention backward(q, k, v, mask, out, g, scale, precision) -> (dq, dk, dv):
+    `pallas_attention_bwd.flash_attention_bwd`, K/V cast to q's dtype as the forward reads
+    them, the gradients back in K/V's dtypes."""
+    def attention_grads(q, k, v, mask, out, g, scale, precision):
+        dq, dk, dv = flash_attention_bwd(q, k.astype(q.dtype), v.astype(q.dtype), mask, out, g,
+                                         scale, backend, precision)
+        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+    return attention_grads
+
+
 def rope_form(backend: str):
     """The form's rope(x, cos, sin): the Pallas rope kernel on the device (`pallas_rope`), and
     `plain.rope_rotate_half` as its own program on the CPU (`pallas_target.opaque_on_cpu`). Fused with what consumes it (the sampler's
@@ -93,4 +106,5 @@ def form_kernels(backend: str) -> dict:
     """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
     return dict(matmul=matmul_form(backend), attention=attention_form(backend),
                 rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
-                rope=rope_form(backend), attention_cached=attention_cached_form(backend))
+                rope=rope_form(backend), attention_cached=attention_cached_form(backend),
+                attention_grads=attention_grads_form(backend))

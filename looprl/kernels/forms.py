@@ -55,7 +55,9 @@ class Form:
     operation from matmul and XLA ops. `backend`: the Pallas forms' target (`gpu`, `tpu`);
     `kv_heads_by_index`: attention takes K/V with their own J kv heads (GQA by index);
     `rope(x, cos, sin)`: RoPE where the form computes it its own way (None: the plain
-    expression, `plain.rope_rotate_half`)."""
+    expression, `plain.rope_rotate_half`); `attention_grads(q, k, v, mask, out, g, scale,
+    precision) -> (dq, dk, dv)`: attention's backward where the form has its own (None: the
+    plain math's gradient)."""
     name: str
     cpu: bool  # runs on XLA CPU only
     version: str  # the kernel version without the ISA suffix
@@ -71,6 +73,7 @@ class Form:
     backend: str | None = None
     kv_heads_by_index: bool = False
     rope: Callable | None = None
+    attention_grads: Callable | None = None
 
     @property
     def reads_layers_in_place(self) -> bool:
