@@ -13,7 +13,8 @@ or the cache's slot length) x the kv width, whatever the K/V operands' size (the
 is handed the whole KV cache). FLOPs: 2 x output x contraction for each dot and convolution
 (inside fusions or as cuBLAS GEMMs; a convolution's window taps that read an input), a looprl
 matmul's 2 M I O, a looprl attention's
-4 x rows x query tile x keys x head width x heads. Elementwise arithmetic is not counted.
+4 x rows x query tile x keys x head width x heads (its backward's kernels: 8 each, four
+products). Elementwise arithmetic is not counted.
 What this cannot see: caches (L2 / VMEM reuse), a kernel reading less than its operands (a
 fusion reading part of an operand other than by slicing), and anything decided at run time
 (live key blocks: the attention is counted over every block its mask spans).
@@ -209,6 +210,9 @@ def _flops(p: Program, i: Instr) -> float:
         if "matmul" in name and len(ops) >= 2:
             (m, k), o = dims(ops[0].shape)[-2:], dims(ops[1].shape)[-1]
             return 2.0 * m * k * o
+        if name in BACKWARD:  # (table, q, k, v, ...): q `[B, Cp, H*K]`, k `[B, Sp, J*K]`
+            b, cp, hk = dims(ops[1].shape)
+            return 2.0 * BACKWARD[name] * b * cp * dims(ops[2].shape)[1] * hk
         if "attention" in name:
             q, _, span, _ = _attention_operands(p, i)
             b, cp, hk = dims(q.shape)
@@ -233,8 +237,12 @@ def _fused(p: Program, i: Instr) -> list[Instr]:
     return out
 
 
+BACKWARD = {"looprl_flash_attention_dq": 4, "looprl_flash_attention_dkv": 4}  # dots per block
+
+
 def _bytes(p: Program, i: Instr) -> int:
-    if is_looprl_kernel(i) and looprl_name(i).startswith("looprl_flash_attention"):
+    if (is_looprl_kernel(i) and looprl_name(i).startswith("looprl_flash_attention")
+            and looprl_name(i) not in BACKWARD):
         return _attention_bytes(p, i) + _tpu_rereads(p, i)
     if jax_kernel(i) == "paged":
         return _paged_bytes(p, i)

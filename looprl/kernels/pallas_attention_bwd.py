@@ -85,18 +85,20 @@ def _dkv_kernel(n_ref, q_ref, k_ref, v_ref, mask_ref, do_ref, di_ref, lse_ref, d
     b, z = pl.program_id(0), pl.program_id(2)
     k, v = fence(interpret, k_ref[...], v_ref[...])
 
-    def tile(t, carry):
-        dk, dv = carry
+    def tile(t, carry):  # a tile whose live blocks end before block z adds nothing: skipped
+        def add(carry):
+            dk, dv = carry
+            rows = pl.ds(pl.multiple_of(t * ROW_TILE, ROW_TILE), ROW_TILE)
+            q, do, di, lse, live = fence(interpret, q_ref[rows, :], do_ref[rows, :],
+                                         di_ref[rows, :], lse_ref[rows, :],
+                                         mask_ref[rows, :] != 0)
+            p = _probs(q, k, live, lse, scale, precision)
+            ds = p * (_dot_t(do, v, precision) - di)
+            dv = dv + _dot(p.T.astype(do.dtype), do, precision)
+            dk = dk + _dot(ds.T.astype(q.dtype), q, precision)
+            return dk, dv
         n = n_ref[b, t] if smem else n_ref[t]
-        rows = pl.ds(pl.multiple_of(t * ROW_TILE, ROW_TILE), ROW_TILE)
-        q, do, di, lse, live = fence(interpret, q_ref[rows, :], do_ref[rows, :],
-                                     di_ref[rows, :], lse_ref[rows, :],
-                                     mask_ref[rows, :] != 0)
-        p = _probs(q, k, live & (z < n), lse, scale, precision)
-        ds = p * (_dot_t(do, v, precision) - di)
-        dv = dv + _dot(p.T.astype(do.dtype), do, precision)
-        dk = dk + _dot(ds.T.astype(q.dtype), q, precision)
-        return dk, dv
+        return jax.lax.cond(z < n, add, lambda c: c, carry)
 
     zero = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, tiles, tile, (zero, zero))
