@@ -217,7 +217,7 @@ ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
     assert t["bytes"] == LAYER + W + OUT
 
 
-def _call(target, op_name, params, result, name="looprl_x"):
+def _call(target, op_name, params, result):
     """An ENTRY with one custom call of `target` over `params` [(name, shape)], its op_name
     metadata `op_name`."""
     sig = ", ".join(f"{n}: {s.split('{')[0]}" for n, s in params)
@@ -317,3 +317,18 @@ def test_kernels_one_after_another():
     dot = 2.0 * 64 * 32 * 128
     rest = t["bytes"] - 3 * 2 * (LAYER + W + OUT)
     assert t["serial_s"] == pytest.approx(3 * 2 * dot / 1e6 + rest / 1e12, rel=1e-12)
+
+
+def test_the_attention_backward_kernels():
+    """The backward's `dq` (table, q, k, v, mask, do, di) and `dkv` kernels: their operands
+    and results as given, FLOPs 2 x 4 products x B x Cp x Sp x H*K each."""
+    ops = [("n", "s32[2,2]{1,0}"), ("q", "bf16[2,128,256]{2,1,0}"),
+           ("k", "bf16[2,256,256]{2,1,0}"), ("v", "bf16[2,256,256]{2,1,0}"),
+           ("mask", "s32[2,128,256]{2,1,0}"), ("do", "bf16[2,128,256]{2,1,0}"),
+           ("di", "f32[2,2,128,1]{3,2,1,0}")]
+    p = _call("__gpu$xla.gpu.triton", "jit(f)/looprl_flash_attention_dq/pallas_call", ops,
+              "(bf16[2,128,256]{2,1,0}, f32[2,2,128,1]{3,2,1,0})")
+    t = TR.traffic(p)
+    q, kv, mask, vec = 2 * 128 * 256 * 2, 2 * 256 * 256 * 2, 2 * 128 * 256 * 4, 2 * 2 * 128 * 4
+    assert t["bytes"] == 16 + 2 * q + 2 * kv + mask + vec + (q + vec)
+    assert t["flops"] == 2.0 * 4 * 2 * 128 * 256 * 256
