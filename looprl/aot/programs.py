@@ -64,7 +64,9 @@ def abstract_weights(cfg: OuroConfig, dtype: str):
     return jax.eval_shape(lambda: cast_weights(init_params(cfg), jnp.dtype(dtype)))
 
 
-def _head(w, h_BxCxD, targets_BxC, stock: bool):
+def head(w, h_BxCxD, targets_BxC, stock: bool):
+    """The LM head `[B, C, V]` fp32, its selected-token log-prob `[B, C]` and the exit gate's
+    lambda `[B, C]` (the stock kernels with `stock`)."""
     logits = lm_logits(w, h_BxCxD, stock)
     logp = (jax.nn.log_softmax(logits, axis=-1) if stock else kn.log_softmax(logits))
     sel = jnp.take_along_axis(logp, targets_BxC[..., None], axis=-1)[..., 0]
@@ -78,7 +80,7 @@ def _sampler(cfg, stock, w, x_BxCxD, k_cache, v_cache, pad_B, w0, targets_BxC):
     write = layout[None] >= pad_B[:, None]
     h, k_w, v_w = stack_pass(cfg, w, x_BxCxD, positions, layout, pad_B, k_cache, v_cache,
                              write, w0, stock, bits=True, loop=jnp.int32(0))
-    return _head(w, h, targets_BxC, stock), k_w, v_w
+    return head(w, h, targets_BxC, stock), k_w, v_w
 
 
 def _learner(cfg, stock, w, x_BxSxD, pad_B, targets_BxS):
@@ -89,7 +91,7 @@ def _learner(cfg, stock, w, x_BxSxD, pad_B, targets_BxS):
     zeros = jnp.zeros(shape, x_BxSxD.dtype)
     h, _, _ = stack_pass(cfg, w, x_BxSxD, positions, layout, pad_B, zeros, zeros,
                          jnp.ones((B, S), bool), 0, stock)
-    return _head(w, h, targets_BxS, stock)
+    return head(w, h, targets_BxS, stock)
 
 
 def _learner_step(cfg, stock, w, x_BxSxD, pad_B, targets_BxS):

@@ -134,7 +134,8 @@ def compiler_options(name: str) -> dict[str, Any]:
 
 
 def compile_for(name: str, fn: Callable, *args, static: dict | None = None,
-                dump_dir: str | os.PathLike | None = None, pinned: bool = True):
+                dump_dir: str | os.PathLike | None = None, pinned: bool = True,
+                donate: tuple[int, ...] = ()):
     """Lower and compile `jax.jit(fn)` for target `name`'s device with no device present.
 
     Args:
@@ -143,6 +144,7 @@ def compile_for(name: str, fn: Callable, *args, static: dict | None = None,
       dump_dir: where XLA writes its dumps of this compile (on the GPU the `.ptx` per module,
         which `looprl.aot.inspect.ptx_kernels` reads); default none.
       pinned: compile with `compiler_options(name)` (the GPU pins); False gives stock XLA.
+      donate: the indices of `args` whose buffers the program may update in place.
     Returns: the `jax.stages.Compiled` (`.as_text()`, `.memory_analysis()`; `.cost_analysis()` on
       a TPU, `inspect.cost` everywhere).
     Raises: RuntimeError when the target's packages are missing (`missing`).
@@ -152,5 +154,5 @@ def compile_for(name: str, fn: Callable, *args, static: dict | None = None,
     options = dict(compiler_options(name) if pinned else {})
     if dump_dir is not None:
         options.update(xla_dump_to=str(dump_dir), xla_dump_hlo_as_text=True)
-    lowered = jax.jit(f).lower(*abstract(args, name))
+    lowered = jax.jit(f, donate_argnums=donate).lower(*abstract(args, name))
     return lowered.compile(compiler_options=options or None)

@@ -13,7 +13,8 @@ or the cache's slot length) x the kv width, whatever the K/V operands' size (the
 is handed the whole KV cache). FLOPs: 2 x output x contraction for each dot and convolution
 (inside fusions or as cuBLAS GEMMs; a convolution's window taps that read an input), a looprl
 matmul's 2 M I O, a looprl attention's
-4 x rows x query tile x keys x head width x heads. Elementwise arithmetic is not counted.
+4 x rows x query tile x keys x head width x heads (its backward's kernels: 8 each, four
+products). Elementwise arithmetic is not counted.
 What this cannot see: caches (L2 / VMEM reuse), a kernel reading less than its operands (a
 fusion reading part of an operand other than by slicing), and anything decided at run time
 (live key blocks: the attention is counted over every block its mask spans).
@@ -25,12 +26,19 @@ import re
 
 from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, control_flow, gemm_flops,
                                 is_looprl_kernel, kernels, looprl_name)
+from looprl.kernels.pallas.matmul import BLOCK_COLS
 
 ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\](\{[^}]*\})?")  # type, dims, layout
 VMEM = "S(1)"  # a TPU layout's memory space 1: the core's VMEM, not HBM
 SLICING = ("dynamic-slice", "slice", "gather")
+CAUSAL_BLOCK = 128  # the query and key block of jax's flash kernels (the fair baselines)
+TPU_LANES = 128  # the head width of a looprl TPU attention (Mosaic's lane width)
+# the looprl attention kernels that read an int32 mask tile per (row, head) program (operand 4,
+# after the table and q): the forward (5 operands) and the backward's two kernels
+ATTENTION_MASKED = {"looprl_flash_attention": 5, "looprl_flash_attention_dq": 7,
+                    "looprl_flash_attention_dkv": 8}
 
 
 def shape_bytes(shape: str) -> int:
@@ -73,7 +81,8 @@ def _fusion_bytes(p: Program, i: Instr) -> int:
     params = {int(re.match(r"(\d+)", j.rest).group(1)): j for j in body
               if j.opcode == "parameter"}
     roots = _roots(p, body)
-    in_place = {operands(p, r)[0].name for r in roots if r.opcode == "dynamic-update-slice"}
+    in_place = {_through_bitcasts(p, operands(p, r)[0]).name for r in roots
+                if r.opcode == "dynamic-update-slice"}
     total = 0
     for k, op in enumerate(operands(p, i)):
         prm = params.get(k)
@@ -93,6 +102,13 @@ def _fusion_bytes(p: Program, i: Instr) -> int:
         else:
             total += shape_bytes(r.shape)
     return total
+
+
+def _through_bitcasts(p: Program, i: Instr) -> Instr:
+    """`i`, or what a chain of bitcasts (a reshape of the same bytes) starts from."""
+    while i.opcode == "bitcast" and operands(p, i):
+        i = operands(p, i)[0]
+    return i
 
 
 def _roots(p: Program, body: list[Instr]) -> list[Instr]:
@@ -177,12 +193,26 @@ def _dot_flops(p: Program, j: Instr) -> float:
 
 
 def _flops(p: Program, i: Instr) -> float:
+    kind = jax_kernel(i)
+    if kind in FLASH_DOTS:
+        S, bhk = _flash_dims(i, operands(p, i)[0])
+        return 2.0 * FLASH_DOTS[kind] * bhk * causal_pairs(S)
+    if kind == "paged":
+        ops = operands(p, i)
+        x = max(ops, key=lambda o: shape_bytes(o.shape))
+        table = max((o for o in ops if o.shape.startswith("s32")),
+                    key=lambda o: math.prod(dims(o.shape)))
+        d = dims(x.shape)
+        return 4.0 * math.prod(dims(table.shape)) * math.prod(d) // d[1]
     if is_looprl_kernel(i):
         name = looprl_name(i)
         ops = operands(p, i)
         if "matmul" in name and len(ops) >= 2:
             (m, k), o = dims(ops[0].shape)[-2:], dims(ops[1].shape)[-1]
             return 2.0 * m * k * o
+        if name in BACKWARD:  # (table, q, k, v, ...): q `[B, Cp, H*K]`, k `[B, Sp, J*K]`
+            b, cp, hk = dims(ops[1].shape)
+            return 2.0 * BACKWARD[name] * b * cp * dims(ops[2].shape)[1] * hk
         if "attention" in name:
             q, _, span, _ = _attention_operands(p, i)
             b, cp, hk = dims(q.shape)
@@ -207,9 +237,15 @@ def _fused(p: Program, i: Instr) -> list[Instr]:
     return out
 
 
+BACKWARD = {"looprl_flash_attention_dq": 4, "looprl_flash_attention_dkv": 4}  # dots per block
+
+
 def _bytes(p: Program, i: Instr) -> int:
-    if is_looprl_kernel(i) and looprl_name(i).startswith("looprl_flash_attention"):
-        return _attention_bytes(p, i)
+    if (is_looprl_kernel(i) and looprl_name(i).startswith("looprl_flash_attention")
+            and looprl_name(i) not in BACKWARD):
+        return _attention_bytes(p, i) + _tpu_rereads(p, i)
+    if jax_kernel(i) == "paged":
+        return _paged_bytes(p, i)
     if i.opcode == "fusion":
         return _fusion_bytes(p, i)
     ops = operands(p, i)
@@ -226,7 +262,83 @@ def _bytes(p: Program, i: Instr) -> int:
     result = i.shape
     if i.opcode == "custom-call" and i.shape.startswith("("):  # a library's scratch: no traffic
         result = ", ".join(a for a in _elements(i.shape) if not a.startswith("s8["))
-    return shape_bytes(result) + sum(shape_bytes(o.shape) for o in ops)
+    return shape_bytes(result) + sum(shape_bytes(o.shape) for o in ops) + _tpu_rereads(p, i)
+
+
+def jax_kernel(i: Instr) -> str | None:
+    """Which of jax's own Pallas attention kernels `i` launches (the fair baselines'):
+    `flash_forward`, `flash_backward` (the GPU's one backward kernel), `flash_dkv`, `flash_dq`
+    (the TPU's two), `paged`; None for any other instruction."""
+    if i.opcode != "custom-call" or is_looprl_kernel(i) or "pallas_call" not in i.op_name:
+        return None
+    n = i.op_name
+    for key, kind in (("paged_attention", "paged"), ("mha_preprocess_backward", None),
+                      ("mha_backward", "flash_backward"), ("flash_mha_bwd_dkv", "flash_dkv"),
+                      ("flash_mha_bwd_dq", "flash_dq"), ("mha_forward", "flash_forward"),
+                      ("flash_attention", "flash_forward")):
+        if key in n:
+            return kind
+    return None
+
+
+FLASH_DOTS = {"flash_forward": 2, "flash_backward": 7, "flash_dkv": 4, "flash_dq": 3}
+# the operands a TPU flash kernel reads again for every block of its inner loop (with segment
+# ids, as the fair programs pass them): the keys' side forward and for dq, the queries' for dkv
+FLASH_SWEPT = {"flash_forward": (1, 2, 4), "flash_dq": (1, 2, 4), "flash_dkv": (0, 3, 5, 6, 7, 8)}
+
+
+def _flash_dims(i: Instr, q: Instr) -> tuple[int, int]:
+    """(S, B x H x K) of a jax flash kernel's q: `[B, S, H, K]` on a GPU, `[B, H, S, K]` on a
+    TPU."""
+    d = dims(q.shape)
+    S = d[2] if "tpu_custom_call" in i.rest else d[1]
+    return S, math.prod(d) // S
+
+
+def causal_pairs(S: int, block: int = CAUSAL_BLOCK) -> int:
+    """(query, key) pairs a causal flash kernel computes over S positions: the whole
+    `block x block` tiles on and below the diagonal."""
+    n = -(-S // block)
+    return block * block * n * (n + 1) // 2
+
+
+def _paged_bytes(p: Program, i: Instr) -> int:
+    """A paged attention: the pages (the two largest operands, `[J, pages, page, K]`) as the
+    page table's entries (the largest int32 operand) x a page across the kv heads; the rest as
+    given."""
+    ops = operands(p, i)
+    pages = sorted(ops, key=lambda o: shape_bytes(o.shape))[-2:]
+    table = max((o for o in ops if o.shape.startswith("s32")), key=lambda o: math.prod(dims(o.shape)))
+    entries = math.prod(dims(table.shape))
+    total = shape_bytes(i.shape) + sum(shape_bytes(o.shape) for o in ops if o not in pages)
+    for x in pages:
+        total += min(shape_bytes(x.shape), entries * shape_bytes(x.shape) // dims(x.shape)[1])
+    return total
+
+
+def _tpu_rereads(p: Program, i: Instr) -> int:
+    """HBM bytes a TPU Pallas kernel reads again, block by block (a TPU has no cache: a block
+    whose index changes is copied in again): a looprl matmul's rows once per 128-column block, a
+    looprl attention's int32 mask once per head (forward and backward; heads of 128 lanes), a
+    jax flash kernel's swept operands once per block of its inner loop (causal: (n + 1) / 2
+    times on average)."""
+    if i.opcode != "custom-call" or "tpu_custom_call" not in i.rest:
+        return 0
+    ops = operands(p, i)
+    kind = jax_kernel(i)
+    if kind in FLASH_SWEPT:
+        S, _ = _flash_dims(i, ops[0])
+        n = -(-S // CAUSAL_BLOCK)
+        return sum(shape_bytes(ops[k].shape) for k in FLASH_SWEPT[kind] if k < len(ops)) * (n - 1) // 2
+    if not is_looprl_kernel(i):
+        return 0
+    name = looprl_name(i)
+    if name == "looprl_fixed_block_matmul":  # column blocks outer
+        return shape_bytes(ops[0].shape) * (dims(ops[1].shape)[-1] // BLOCK_COLS - 1)
+    if name in ATTENTION_MASKED and len(ops) == ATTENTION_MASKED[name]:
+        heads = dims(ops[1].shape)[-1] // TPU_LANES
+        return shape_bytes(ops[4].shape) * (heads - 1)
+    return 0
 
 
 def _add(out: dict, kind: str, b: float, f: float, launches: int):
@@ -238,21 +350,35 @@ def _add(out: dict, kind: str, b: float, f: float, launches: int):
     out["flops"] += f
 
 
-def traffic(p: Program) -> dict:
+def traffic(p: Program, flops_per_s: float | None = None,
+            bytes_per_s: float | None = None) -> dict:
     """Per program run: `bytes` and `flops` (module doc), and `by_kind` ({looprl kernel name,
-    `gemm` or the opcode: {bytes, flops, launches}}). A TPU's async copies between HBM and
-    VMEM (`copy-start`, no launch) count their HBM side."""
+    jax kernel (`jax_kernel`), `gemm` or the opcode: {bytes, flops, launches}}). A TPU's async
+    copies between HBM and VMEM (`copy-start`, no launch) count their HBM side. Given a
+    device's peaks (FLOP/s, HBM bytes/s), also `serial_s`: the kernels one after another,
+    each launch max(its FLOPs / flops_per_s, its bytes / bytes_per_s), and the async copies'
+    bytes / bytes_per_s (no launch cost: the caller adds it)."""
     out = {"bytes": 0.0, "flops": 0.0, "by_kind": {}}
+    serial = 0.0
     for i, mult in kernels(p):
         if is_looprl_kernel(i):
             kind = looprl_name(i)
+        elif jax_kernel(i):
+            kind = f"jax_{jax_kernel(i)}"
         elif i.opcode == "custom-call" and any(t in i.rest for t in GEMM_TARGETS):
             kind = "gemm"
         else:
             kind = i.opcode
-        _add(out, kind, _bytes(p, i) * mult, _flops(p, i) * mult, mult)
+        b, f = _bytes(p, i), _flops(p, i)
+        _add(out, kind, b * mult, f * mult, mult)
+        if flops_per_s and bytes_per_s:
+            serial += mult * max(f / flops_per_s, b / bytes_per_s)
     for comp, mult in control_flow(p)[0]:
         for i in p.computations.get(comp, []):
             if i.opcode == "copy-start":  # ((from), to, context)
-                _add(out, i.opcode, sum(map(shape_bytes, _elements(i.shape)[:2])) * mult, 0.0, 0)
+                b = sum(map(shape_bytes, _elements(i.shape)[:2])) * mult
+                _add(out, i.opcode, b, 0.0, 0)
+                serial += b / bytes_per_s if flops_per_s and bytes_per_s else 0.0
+    if flops_per_s and bytes_per_s:
+        out["serial_s"] = serial
     return out

@@ -54,12 +54,15 @@ class Backward:
     attention(q_BxHxCxK, k_BxSxHxK, v_BxSxHxK, mask, scale, softmax, precision) -> `[B, H, C, K]`:
     the function whose vjp is attention's backward (K/V with H heads). global_norm(tree) -> an
     fp32 scalar. scale_last(x, w) -> x * w and add_last(x, b) -> x + b, w and b `[D]` broadcast
-    over x's last axis: the form says how their gradients sum over the rows."""
+    over x's last axis: the form says how their gradients sum over the rows.
+    attention_grads(q, k, v, mask, out, g, scale, precision) -> (dq, dk, dv): attention's backward
+    where the form has its own (the Pallas forms' flash backward); None: `attention`'s vjp."""
     matmul: Callable
     attention: Callable
     global_norm: Callable
     scale_last: Callable
     add_last: Callable
+    attention_grads: Callable | None = None
 
 
 # plain dots and XLA's sums: the backward needs no invariance
@@ -129,12 +132,19 @@ class Form:
 _ORDERED = dict(rowsum=cpu_ordered.rowsum, row_max=cpu_ordered.row_max_column,
                 row_argmax=cpu_ordered.row_argmax, layer_matmul=cpu_ordered.layer_matmul,
                 attention_cached=cpu_ordered.attention_cached, backward=ORDERED)
+def _pallas_fields(backend: str) -> dict:
+    """The Pallas form's `Form` fields: its kernels, and `PLAIN` with its flash backward."""
+    fields = accel.form_kernels(backend)
+    grads = fields.pop("attention_grads")
+    return dict(fields, backward=dataclasses.replace(PLAIN, attention_grads=grads))
+
+
 FORMS = {f.name: f for f in (
     Form("cpu-ordered", True, KERNEL_VERSION_ORDERED, ROW_QUANTUM, False, cpu_ordered.matmul,
          cpu_ordered.attention, **_ORDERED),
     Form("cpu-xla", True, KERNEL_VERSION, ROW_QUANTUM, False, cpu_xla.matmul, cpu_xla.attention),
-    Form("pallas-gpu", False, KERNEL_VERSION_ACCEL, ROW_TILE, True, **accel.form_kernels("gpu")),
-    Form("pallas-tpu", False, KERNEL_VERSION_ACCEL, ROW_TILE, True, **accel.form_kernels("tpu")),
+    Form("pallas-gpu", False, KERNEL_VERSION_ACCEL, ROW_TILE, True, **_pallas_fields("gpu")),
+    Form("pallas-tpu", False, KERNEL_VERSION_ACCEL, ROW_TILE, True, **_pallas_fields("tpu")),
     Form("stock", False, KERNEL_VERSION_STOCK, 1, True, stock.matmul, stock.attention),
 )}
 

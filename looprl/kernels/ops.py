@@ -194,15 +194,21 @@ def _attention_tiled(q, k, v, mask, scale):
 
 
 def _attention_tiled_fwd(q, k, v, mask, scale):
-    return _attention_tiled_impl(q, k, v, mask, scale), (q, k, v, mask)
+    out = _attention_tiled_impl(q, k, v, mask, scale)
+    saved = out if forms.current().backward.attention_grads is not None else None
+    return out, (q, k, v, mask, saved)
 
 
 def _attention_tiled_bwd(scale, res, g):
-    """The same math without tiles or padding over the repeated heads (the repeat's transpose
-    sums each kv head's share; no repeat where J = H): the backward needs no invariance."""
-    q, k, v, mask = res
+    """The form's own backward where it has one (`Backward.attention_grads`: the Pallas forms'
+    flash backward), else the same math without tiles or padding over the repeated heads (the
+    repeat's transpose sums each kv head's share; no repeat where J = H): the backward needs no
+    invariance."""
+    q, k, v, mask, out = res
     form = forms.current()
     prec = form.fp32_precision(q, k)
+    if form.backward.attention_grads is not None:
+        return (*form.backward.attention_grads(q, k, v, mask, out, g, scale, prec), None)
 
     def fn(q, k, v):
         return form.backward.attention(q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale,

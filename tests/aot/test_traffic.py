@@ -1,6 +1,8 @@
 """`looprl.aot.traffic` on a hand-written optimized HLO module: a while loop of known trip
 count 3 whose body slices one layer of a stacked cache inside a fusion, updates the cache in
 place, and runs a cuBLAS GEMM (with its workspace). Exact byte and FLOP counts by hand."""
+import pytest
+
 from looprl.aot import inspect as I
 from looprl.aot import traffic as TR
 
@@ -213,3 +215,120 @@ ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
     t = TR.traffic(I.program(hlo))
     assert t["flops"] == 2.0 * 64 * 32 * 128
     assert t["bytes"] == LAYER + W + OUT
+
+
+def _call(target, op_name, params, result):
+    """An ENTRY with one custom call of `target` over `params` [(name, shape)], its op_name
+    metadata `op_name`."""
+    sig = ", ".join(f"{n}: {s.split('{')[0]}" for n, s in params)
+    lines = [f"  %{n} = {s} parameter({k})" for k, (n, s) in enumerate(params)]
+    args = ", ".join(f"%{n}" for n, _ in params)
+    lines.append(f'  ROOT %call = {result} custom-call({args}), custom_call_target="{target}", '
+                 f'metadata={{op_name="{op_name}"}}')
+    return I.program(f"HloModule a\n\nENTRY %main ({sig}) -> {result.split('{')[0]} {{\n"
+                     + "\n".join(lines) + "\n}\n")
+
+
+def test_an_update_through_a_bitcast_is_in_place():
+    """A fusion whose root updates a bitcast (reshape) of its operand writes the update only."""
+    hlo = """HloModule u
+
+%fu (p0: f32[4,64], p1: f32[1,1,64], p2: s32[]) -> f32[2,2,64] {
+  %p0 = f32[4,64]{1,0} parameter(0)
+  %b = f32[2,2,64]{2,1,0} bitcast(%p0)
+  %p1 = f32[1,1,64]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = f32[2,2,64]{2,1,0} dynamic-update-slice(%b, %p1, %p2, %z, %z)
+}
+
+ENTRY %main (a: f32[4,64], u: f32[1,1,64], i: s32[]) -> f32[2,2,64] {
+  %a = f32[4,64]{1,0} parameter(0)
+  %u = f32[1,1,64]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = f32[2,2,64]{2,1,0} fusion(%a, %u, %i), kind=kLoop, calls=%fu
+}
+"""
+    assert TR.traffic(I.program(hlo))["bytes"] == 256 + 4 + 256  # update read, index, written
+
+
+def test_a_paged_attention_reads_its_page_table():
+    """jax's paged attention over pages `[J=2, 64 pages, 16, 128]` bf16 with a table of 4 rows
+    x 8 pages: K and V are 32 pages x (2 x 16 x 128 x 2 B) each, not the 64 pages handed in;
+    FLOPs 4 x 32 x 16 keys x 256."""
+    p = _call("__gpu$xla.gpu.triton", "jit(f)/jit(paged_attention)/pallas_call", [
+        ("q", "bf16[4,2,16,128]{3,2,1,0}"), ("k", "bf16[2,64,16,128]{3,2,1,0}"),
+        ("v", "bf16[2,64,16,128]{3,2,1,0}"), ("table", "s32[4,8,1]{2,1,0}"),
+        ("n", "s32[4,1]{1,0}")], "bf16[4,2,16,128]{3,2,1,0}")
+    page = 2 * 16 * 128 * 2
+    t = TR.traffic(p)
+    assert t["by_kind"]["jax_paged"]["bytes"] == 2 * 32 * page + 2 * 32768 + 128 + 16  # + q, out, table, n
+    assert t["flops"] == 4.0 * 32 * 16 * 256
+
+
+def test_jax_flash_kernels_count_the_causal_blocks():
+    """jax's GPU flash forward over q `[B=2, S=384, H=4, K=64]`: 3 blocks of 128, 6 on or
+    below the diagonal; 2 dots of 2 x B x H x K FLOPs per (query, key) pair; the backward 7."""
+    ops = [(n, "bf16[2,384,4,64]{3,2,1,0}") for n in ("q", "k", "v")]
+    fwd = _call("__gpu$xla.gpu.triton", "jit(f)/jit(mha)/mha_forward/pallas_call", ops,
+                "bf16[2,384,4,64]{3,2,1,0}")
+    pairs = 6 * 128 * 128
+    assert TR.causal_pairs(384) == pairs
+    assert TR.traffic(fwd)["flops"] == 2 * 2.0 * 512 * pairs
+    assert TR.traffic(fwd)["bytes"] == 4 * 2 * 384 * 4 * 64 * 2  # no re-reads on a GPU
+    bwd = _call("__gpu$xla.gpu.triton", "jit(f)/mha_backward/pallas_call", ops,
+                "bf16[2,384,4,64]{3,2,1,0}")
+    assert TR.traffic(bwd)["flops"] == 7 * 2.0 * 512 * pairs
+
+
+def test_tpu_kernels_count_their_block_rereads():
+    """On a TPU: jax's flash forward (q `[B, H, S=384, K]`, k, v, q and kv segment ids) reads
+    k, v and the kv segment ids again for each further query block: (3 - 1) / 2 = 1 more time
+    each; a looprl matmul of 384 columns reads its rows once per 128-column block (3 times); a
+    looprl attention reads its int32 mask once per head (q `[B, C, 2 x 128]`: 2 heads)."""
+    x = 2 * 4 * 384 * 64 * 2
+    seg = 2 * 384 * 4
+    fwd = _call("tpu_custom_call", "jit(f)/jit(flash_attention)/pallas_call",
+                [("q", "bf16[2,4,384,64]{3,2,1,0}"), ("k", "bf16[2,4,384,64]{3,2,1,0}"),
+                 ("v", "bf16[2,4,384,64]{3,2,1,0}"), ("sq", "s32[2,384]{1,0}"),
+                 ("sk", "s32[2,384]{1,0}")], "bf16[2,4,384,64]{3,2,1,0}")
+    assert TR.traffic(fwd)["bytes"] == (4 * x + 2 * seg) + (2 * x + seg)
+    mm = _call("tpu_custom_call", "jit(f)/looprl_fixed_block_matmul/pallas_call",
+               [("x", "bf16[256,128]{1,0}"), ("w", "bf16[128,384]{1,0}")], "bf16[256,384]{1,0}")
+    w = 128 * 384 * 2
+    assert TR.traffic(mm)["bytes"] == 3 * 256 * 128 * 2 + w + 256 * 384 * 2
+    att = _call("tpu_custom_call", "jit(f)/looprl_flash_attention/pallas_call", [
+        ("meta", "s32[2,1,2]{2,1,0}"), ("q", "bf16[2,64,256]{2,1,0}"),
+        ("k", "bf16[2,128,256]{2,1,0}"), ("v", "bf16[2,128,256]{2,1,0}"),
+        ("mask", "s32[2,64,256]{2,1,0}")], "bf16[2,64,256]{2,1,0}")
+    mask = 2 * 64 * 256 * 4
+    kv = 2 * 128 * 256 * 2  # each row's 128-key span, the whole operand
+    assert TR.traffic(att)["bytes"] == 16 + 2 * 65536 + 2 * kv + 2 * mask
+
+
+def test_kernels_one_after_another():
+    """`serial_s` sums each launch's max(FLOPs / peak, bytes / bandwidth): at 1e12 FLOP/s and
+    1e9 B/s every launch of the loop is memory-bound; at 1e6 FLOP/s and 1e12 B/s the GEMM and
+    the dot fusion (3 launches each) are compute-bound, the rest memory-bound."""
+    p = I.program(HLO)
+    t = TR.traffic(p, 1e12, 1e9)
+    assert t["serial_s"] == pytest.approx(t["bytes"] / 1e9, rel=1e-12)
+    t = TR.traffic(p, 1e6, 1e12)
+    dot = 2.0 * 64 * 32 * 128
+    rest = t["bytes"] - 3 * 2 * (LAYER + W + OUT)
+    assert t["serial_s"] == pytest.approx(3 * 2 * dot / 1e6 + rest / 1e12, rel=1e-12)
+
+
+def test_the_attention_backward_kernels():
+    """The backward's `dq` (table, q, k, v, mask, do, di) and `dkv` kernels: their operands
+    and results as given, FLOPs 2 x 4 products x B x Cp x Sp x H*K each."""
+    ops = [("n", "s32[2,2]{1,0}"), ("q", "bf16[2,128,256]{2,1,0}"),
+           ("k", "bf16[2,256,256]{2,1,0}"), ("v", "bf16[2,256,256]{2,1,0}"),
+           ("mask", "s32[2,128,256]{2,1,0}"), ("do", "bf16[2,128,256]{2,1,0}"),
+           ("di", "f32[2,2,128,1]{3,2,1,0}")]
+    p = _call("__gpu$xla.gpu.triton", "jit(f)/looprl_flash_attention_dq/pallas_call", ops,
+              "(bf16[2,128,256]{2,1,0}, f32[2,2,128,1]{3,2,1,0})")
+    t = TR.traffic(p)
+    q, kv, mask, vec = 2 * 128 * 256 * 2, 2 * 256 * 256 * 2, 2 * 128 * 256 * 4, 2 * 2 * 128 * 4
+    assert t["bytes"] == 16 + 2 * q + 2 * kv + mask + vec + (q + vec)
+    assert t["flops"] == 2.0 * 4 * 2 * 128 * 256 * 256

@@ -193,7 +193,7 @@ def block_table(mask_BxCpxS):
     return jnp.stack([jnp.broadcast_to(offset_B[:, None], n.shape), n], axis=-1)
 
 
-def _mask_operands(mask_BxCxS):
+def mask_operands(mask_BxCxS):
     """The int32 mask `[B, Cp, Sp + K_BLOCK]` (queries padded to ROW_TILE, keys to K_BLOCK,
     then one more block) and the block table."""
     mask = pad_to_multiple(pad_to_multiple(mask_BxCxS, 1, ROW_TILE), 2, K_BLOCK)
@@ -210,7 +210,7 @@ def check_heads(H: int, J: int, name: str) -> None:
 def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, backend: str,
                     precision=None):
     """Attention of C queries over S keys (module doc), compiled for `backend` (`gpu`, `tpu`)
-    where the program is lowered for it and interpreted on the CPU (`pallas_target`).
+    where the program is lowered for it and interpreted on the CPU (`pallas.target`).
 
     Args: q `[B, H, C, K]`; k, v `[B, S, J, K]` with J kv heads, H % J == 0, one dtype;
       mask bool `[B, C, S]`, True where query c may see key s; scale: the score factor;
@@ -222,7 +222,7 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     check_heads(H, J, "flash_attention")
     q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE)
     q = q.reshape(B, q.shape[1], H * K)
-    mask, meta = _mask_operands(mask_BxCxS)
+    mask, meta = mask_operands(mask_BxCxS)
     Cp, Sp = q.shape[1], mask.shape[2]
 
     # on a TPU each row is rotated so that its first live key is slot 0: every block load is
@@ -294,7 +294,7 @@ def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, prec
         pad_M = jnp.asarray(mask.pad_B, jnp.int32)
         meta, mask = key_range_table(mask, -(-C // ROW_TILE) * ROW_TILE)
     else:
-        mask, meta = _mask_operands(mask)
+        mask, meta = mask_operands(mask)
         pad_M = jnp.zeros((M,), jnp.int32)  # unread
     row_M = jnp.asarray(kv.slot, jnp.int32) * Bc + jnp.asarray(kv.rows_M, jnp.int32)
     w0 = jnp.clip(jnp.asarray(kv.w0, jnp.int32), 0, S - C)

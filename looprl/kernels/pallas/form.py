@@ -2,14 +2,15 @@
 set, the same design for both, every forward product and row sum a Pallas kernel with a fixed
 tile and a fixed order (docs/NUMERICS.md, "The accelerator forms").
 
-matmul: `pallas_matmul` (64 x 128 x 128 blocks, no split-K, fp32 at HIGHEST, bf16 with fp32
-accumulation); attention: `pallas_attention.flash_attention` (one flash-style kernel for every
-caller, GQA by index); rowsum: `pallas_rows` (RMSNorm, the softmaxes, the log-prob's
-normaliser). Row max and argmax stay XLA reduces (order-free). RoPE: a Pallas kernel on
+matmul: `pallas.matmul` (64 x 128 x 128 blocks, no split-K, fp32 at HIGHEST, bf16 with fp32
+accumulation); attention: `pallas.attention.flash_attention` (one flash-style kernel for every
+caller, GQA by index); rowsum: `pallas.rows` (RMSNorm, the softmaxes, the log-prob's
+normaliser). Attention's backward: `pallas.attention_bwd` (two kernels, no score matrix in
+HBM, fixed order). Row max and argmax stay XLA reduces (order-free). RoPE: a Pallas kernel on
 the device, the plain expression as its own program on the CPU (`rope_form`): every caller
 reads the same bits. Each kernel is compiled for the
-platform the program is lowered for and interpreted on the CPU (`pallas_target`). Backward
-passes are plain XLA dots (`kernels`' custom_vjp).
+platform the program is lowered for and interpreted on the CPU (`pallas.target`). The other
+backward passes are plain XLA dots (`kernels`' custom_vjp).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 
 from looprl.kernels.pallas import attention_tpu as tpu_attention
 from looprl.kernels.pallas.attention import flash_attention, flash_attention_cached
+from looprl.kernels.pallas.attention_bwd import flash_attention_bwd
 from looprl.kernels.pallas.matmul import pallas_matmul_for
 from looprl.kernels.pallas.rope import rope_for
 from looprl.kernels.pallas.rows import rowsum_form
@@ -49,7 +51,7 @@ def attention_cached_form(backend: str):
     """The form's attention_cached(q_MxHxCxK, kv: CachedKV, mask, scale, softmax) -> `[M, H, C,
     K]`, the same bits as the attention over `kv.slots()` (fp32 dots at HIGHEST where q and
     the cache are fp32, as `Form.fp32_precision` asks); `mask` bool `[M, C, S]` or a
-    `KeyRange`. The cache read in place on the GPU (`pallas_attention.flash_attention_cached`)
+    `KeyRange`. The cache read in place on the GPU (`pallas.attention.flash_attention_cached`)
     and on the TPU for the decode step (one new key, a `KeyRange` mask:
     `pallas_attention_tpu`); every other TPU call attends over `kv.slots()` (a copy)."""
     over_slot = attention_form(backend)
@@ -66,9 +68,20 @@ def attention_cached_form(backend: str):
     return attention_cached
 
 
+def attention_grads_form(backend: str):
+    """The form's attention backward(q, k, v, mask, out, g, scale, precision) -> (dq, dk, dv):
+    `pallas.attention_bwd.flash_attention_bwd`, K/V cast to q's dtype as the forward reads
+    them, the gradients back in K/V's dtypes."""
+    def attention_grads(q, k, v, mask, out, g, scale, precision):
+        dq, dk, dv = flash_attention_bwd(q, k.astype(q.dtype), v.astype(q.dtype), mask, out, g,
+                                         scale, backend, precision)
+        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+    return attention_grads
+
+
 def rope_form(backend: str):
-    """The form's rope(x, cos, sin): the Pallas rope kernel on the device (`pallas_rope`), and
-    `plain.rope_rotate_half` as its own program on the CPU (`pallas_target.opaque_on_cpu`). Fused with what consumes it (the sampler's
+    """The form's rope(x, cos, sin): the Pallas rope kernel on the device (`pallas.rope`), and
+    `plain.rope_rotate_half` as its own program on the CPU (`pallas.target.opaque_on_cpu`). Fused with what consumes it (the sampler's
     cache write, the learner's key layout), XLA CPU's FMA contraction of `x*cos + rot*sin`
     picks the product to fuse by the graph around it (`fma(x, cos, rot*sin)` in one program,
     `fma(rot, sin, x*cos)` in another), and the sampler's keys differ from the learner's in the
@@ -93,4 +106,5 @@ def form_kernels(backend: str) -> dict:
     """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
     return dict(matmul=matmul_form(backend), attention=attention_form(backend),
                 rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
-                rope=rope_form(backend), attention_cached=attention_cached_form(backend))
+                rope=rope_form(backend), attention_cached=attention_cached_form(backend),
+                attention_grads=attention_grads_form(backend))

@@ -5,7 +5,10 @@ step's row costs a `[64, I]` tile), output columns to `block_cols` (bn = 128) an
 contraction to `block_k` (bk = 128). The tile depends on nothing but these constants, never on
 M. The grid is `(Mp / bm, Op / bn)`; program (i, j) owns the `[bm, bn]` output block of row block
 i and column block j and runs the K blocks z = 0 .. Ip / bk - 1 in order, `acc = acc + dot(x_z,
-w_z)` from acc = -0.0 in fp32 (no split-K; programs are independent).
+w_z)` from acc = -0.0 in fp32 (no split-K; programs are independent). On a TPU the grid is
+`(Op / bn, Mp / bm)`: column blocks outer, so each weight block is copied into VMEM once and
+the rows again per column block (bn > bm: fewer bytes at any shape); the programs are
+independent, so the order moves no bit.
 
 What the compilers emit from that loop: Triton folds `acc + dot` into `dot(x_z, w_z, acc)`, so
 on a GPU each fp32 output is ONE fma chain over the whole contraction, k = 0 .. Ip - 1 in order
@@ -15,7 +18,7 @@ every instruction, and the order inside one instruction's k-group is the hardwar
 Mosaic runs each `[bm, bk] x [bk, bn]` block on the MXU (fp32 in its multi-pass form at
 HIGHEST) and adds it to the fp32 accumulator in z order. Either way every row sees the same
 instruction sequence at every M. Interpret mode runs the same body as XLA ops (the CPU tests).
-Where it is compiled is `pallas_target` (the platform lowered for). Forward only:
+Where it is compiled is `pallas.target` (the platform lowered for). Forward only:
 `kernels.matmul`'s `jax.custom_vjp` gives the plain-dot backward.
 """
 from __future__ import annotations
@@ -62,13 +65,16 @@ def _forward(x_MxI, w_IxO, out_dtype, block_rows, block_cols, block_k, interpret
     w = pad_to_multiple(pad_to_multiple(w_IxO, 0, block_k), 1, block_cols)
     mp, ip = x.shape
     op = w.shape[1]
+    grid, at = (mp // block_rows, op // block_cols), lambda r, c: (r, c)
+    if backend == "tpu":  # column blocks outer: each weight block is copied in once
+        grid, at = grid[::-1], lambda c, r: (r, c)
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=block_k, precision=precision, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((mp, op), out_dtype),
-        grid=(mp // block_rows, op // block_cols),
-        in_specs=[pl.BlockSpec((block_rows, ip), lambda r, c: (r, 0)),
-                  pl.BlockSpec((ip, block_cols), lambda r, c: (0, c))],
-        out_specs=pl.BlockSpec((block_rows, block_cols), lambda r, c: (r, c)),
+        grid=grid,
+        in_specs=[pl.BlockSpec((block_rows, ip), lambda *g: (at(*g)[0], 0)),
+                  pl.BlockSpec((ip, block_cols), lambda *g: (0, at(*g)[1]))],
+        out_specs=pl.BlockSpec((block_rows, block_cols), lambda *g: at(*g)),
         interpret=interpret,
         compiler_params=compiler_params(backend, interpret),
         name="looprl_fixed_block_matmul",
@@ -105,7 +111,7 @@ def pallas_matmul(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype=None, *,
 def pallas_matmul_for(x_MxI: jax.Array, w_IxO: jax.Array, out_dtype, backend: str) -> jax.Array:
     """`pallas_matmul` with the default blocks, compiled for `backend` (`gpu`, `tpu`) where the
     program is lowered for it and interpreted where it is lowered for the CPU
-    (`pallas_target.lowered`). `[M, O]` in `out_dtype`."""
+    (`pallas.target.lowered`). `[M, O]` in `out_dtype`."""
     out_dtype = jnp.dtype(out_dtype)
     return lowered(lambda interpret: functools.partial(
         _forward, out_dtype=out_dtype, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS,
