@@ -2,7 +2,8 @@
 what a device image lacks (never jax), its device line installs it with --no-deps, and a
 clean environment with only device-image-style packages runs the check's dry run from it
 (interpreted kernels, tiny widths) to a report. The whole path needs the package registry
-and takes 10-30 minutes on a 2-core host (`slow`)."""
+and takes 10-30 minutes on a 2-core host: `slow`, and the README's test command (what CI runs)
+runs it as a second step (`python -m pytest -m carry`)."""
 import json
 import os
 import subprocess
@@ -37,6 +38,7 @@ def test_the_device_image_has_jax_and_lacks_the_task_packages():
 
 
 @pytest.mark.slow
+@pytest.mark.carry
 def test_a_clean_image_style_env_runs_the_dry_run_from_the_carry(tmp_path):
     here = "%d.%d" % sys.version_info[:2]
     left_out: list = []
