@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from looprl.errors import ConfigError, create_dir
+from looprl.sampling.kv_policies import KV_POLICIES
 from looprl.train.plots import read_metrics
 
 CURVES = (("eval_accuracy", "held-out accuracy (greedy, fraction)"),
@@ -52,7 +53,7 @@ def load_groups(seed_dirs: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
     return groups
 
 
-SETTING_KV = ("dense", "deferred", "copy")
+SETTING_KV = KV_POLICIES  # a variant name may start with a KV policy
 SETTING_DTYPE = ("fp32", "bf16")
 
 
