@@ -39,8 +39,8 @@ def _qkv(cfg, lw, x_BxCxD, cos, sin):
     B, C, _ = x_BxCxD.shape
     H, J, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = _norm(cfg, x_BxCxD, lw["input_layernorm"])
-    q = kn.rope_rotate_half(_mm(h, lw["q_proj"]).reshape(B, C, H, K), cos, sin)
-    k = kn.rope_rotate_half(_mm(h, lw["k_proj"]).reshape(B, C, J, K), cos, sin)
+    q = kn.apply_rope(_mm(h, lw["q_proj"]).reshape(B, C, H, K), cos, sin)
+    k = kn.apply_rope(_mm(h, lw["k_proj"]).reshape(B, C, J, K), cos, sin)
     return q, k, _mm(h, lw["v_proj"]).reshape(B, C, J, K)
 
 

@@ -4,13 +4,15 @@ failing their dtype, exactness, the report, and where replay_choice finds commit
 The dry run of the carried install is tests/verify/test_carry.py."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from looprl import device_reports, kernels as kn
 from looprl.rl import replay_choice as rc
-from looprl.verify.device import plan, summary
+from looprl.determinism import ACCELERATOR_FLAGS
+from looprl.verify.device import plan, speed, summary
 from looprl.verify.device.checks import Scans, row_scan
 
 
@@ -26,6 +28,30 @@ def test_items_run_in_order_of_value_within_six_minutes():
     assert names[-1] == "run_to_run/" + names[0]
     assert plan.total_budget_s(items) <= plan.TOTAL_BUDGET_S == 360
     assert len(plan.items(plan.DRY)) < len(items)
+
+
+def test_the_fair_pairs_are_timed_on_a_device_and_skipped_in_a_dry_run():
+    """Both steps against the fair baseline, after the stock pairs; on the CPU their items
+    stay in the dry run's plan and come back `skipped` with the reason, building nothing."""
+    from looprl.verify.device import run
+    names = [p.name for p in speed.PAIRS]
+    assert names[-2:] == ["learner_step_vs_fair", "decode_step_vs_fair"]
+    assert [speed.pair(n).target for n in names[-2:]] == [1.25, 1.2]
+    assert [speed.pair(n).target for n in names[:2]] == [1.3, 1.5]  # the stock ratios stay
+    flags = {f.removeprefix("--").split("=")[0] for f in ACCELERATOR_FLAGS}
+    assert set(speed.FAIR_GPU_OPTIONS) == flags  # every pin undone for the fair compile
+    f = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile(
+        compiler_options=speed.FAIR_GPU_OPTIONS)  # XLA knows each name and value
+    assert np.array_equal(np.asarray(f(jnp.ones(3))), [2.0, 2.0, 2.0])
+    fair = [i for i in plan.items(plan.DRY) if i.kind == "speed" and "_vs_fair" in i.name]
+    assert [i.name for i in fair] == ["speed/learner_step_vs_fair/bfloat16",
+                                      "speed/decode_step_vs_fair/bfloat16"]
+    recs = plan.run_items(fair, lambda it: run.run_item(plan.DRY, it, True, None),
+                          enforce=False)
+    why = "jax's Pallas GPU/TPU kernels (the fair baseline) do not run on the cpu"
+    assert [(r["status"], r["why"]) for r in recs] == [("skipped", why)] * 2
+    rep = _report([_rec("replay", "pass", policy="deferred", rows=1)] + recs, dry=True)
+    assert rep["ok"] and "2 skipped" in rep["verdict"]
 
 
 def test_the_row_scan_catches_a_kernel_whose_rows_depend_on_the_call():

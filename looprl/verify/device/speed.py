@@ -2,10 +2,14 @@
 
 A pair builds its two jitted functions and their arguments at the check's sizes; the item
 records both medians (ms) and their ratio, and where the pair has a target, whether the ratio
-meets it. Today's pairs put looprl's kernel form in force against the stock kernels (plain
-XLA dots, attention over the live prefix). Another pair (say, XLA's dot and jax's Pallas
-flash attention as a fair baseline) is one more `SpeedPair` in `PAIRS`. In a dry run the
-ratios are recorded, not judged.
+meets it. The `_vs_stock` pairs put looprl's kernel form in force against the stock kernels
+(plain XLA dots, attention over the live prefix), looprl's own negative control. The `_vs_fair`
+pairs put looprl's learner and decode programs (`looprl.aot.programs`) against what a user
+would run (`looprl.aot.fair`: XLA's dots, jax's Pallas flash and paged attention), compiled
+with XLA's defaults in place of looprl's GPU pins (`FAIR_GPU_OPTIONS`, per compile; the
+process's `NVIDIA_TF32_OVERRIDE` stays, and touches no bf16 dot). jax's Pallas GPU and TPU
+kernels do not run on the CPU: there, and in a dry run, a fair pair is `skipped` with its
+reason. In a dry run the ratios are recorded, not judged.
 """
 from __future__ import annotations
 
@@ -18,22 +22,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from looprl import kernels as kn
+from looprl.aot import fair as FA
+from looprl.aot import programs as PR
 from looprl.logprobs import sequence_logprobs
 from looprl.model import init_params
 from looprl.model.layers import stack_pass
 from looprl.model.looped import cast_weights, lm_logits
 from looprl.timing import interleaved
 
+# XLA's defaults for the flags looprl pins on a GPU (`determinism.ACCELERATOR_FLAGS`)
+FAIR_GPU_OPTIONS = {"xla_gpu_deterministic_ops": False, "xla_gpu_autotune_level": 4,
+                    "xla_gpu_enable_triton_gemm": True,
+                    "xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_AUTO_UNROLL"}
+
 
 @dataclasses.dataclass(frozen=True)
 class SpeedPair:
     """One timed pair: `build(sz, dtype, rng)` -> (candidate, baseline, args); `target`: the
-    largest candidate / baseline ratio that passes (None: informative)."""
+    largest candidate / baseline ratio that passes (None: informative); `device_only`: it runs
+    on a GPU or TPU at the device's sizes only (`unavailable`)."""
     name: str
     build: Callable
     dtypes: tuple = ("bfloat16",)
     target: float | None = None
     budget_s: float = 6
+    device_only: bool = False
+
+    def unavailable(self, sz) -> str | None:
+        """Why the pair cannot run here at `sz` (one line), or None when it can."""
+        if not self.device_only:
+            return None
+        platform = jax.default_backend()
+        if platform not in ("gpu", "tpu"):
+            return f"jax's Pallas GPU/TPU kernels (the fair baseline) do not run on the {platform}"
+        if sz.per_group is not None:
+            return "the dry run's tiny widths do not fit the fair baseline's kernels"
+        return None
 
 
 def _learner(sz, dtype, rng):
@@ -110,13 +134,73 @@ def _matmul(weight, m):
     return build
 
 
+def _arrays(cfg, weights, abstract, rng, live: int):
+    """`abstract` (a program's ShapeDtypeStruct args, the weights first) as arrays: `weights`
+    in each leaf's dtype; then floats standard normal, the rows' padding `[B]` 0, the window
+    start (a scalar) `live`, the targets `[B, C]` uniform in the vocabulary (from `rng`)."""
+    w = jax.tree.map(lambda a, s: a.astype(s.dtype), weights, abstract[0])
+
+    def one(s):
+        if jnp.issubdtype(s.dtype, jnp.floating):
+            return jnp.asarray(rng.standard_normal(s.shape), s.dtype)
+        if s.ndim == 0:
+            return jnp.asarray(live, s.dtype)
+        if s.ndim == 1:
+            return jnp.zeros(s.shape, s.dtype)
+        return jnp.asarray(rng.integers(0, cfg.vocab_size, s.shape), s.dtype)
+    return (w, *[one(s) for s in abstract[1:]])
+
+
+def _threaded(compiled, args, donated: dict):
+    """A zero-argument call of `compiled(*args)` that feeds each call's outputs into the next:
+    `donated` maps an argument index to the output index that replaces it (a donated cache)."""
+    state = list(args)
+
+    def call():
+        out = compiled(*state)
+        for i, j in donated.items():
+            state[i] = out[j]
+        return out
+    return call
+
+
+def _vs_fair(kind: str):
+    """The pair of `kind` (`learner_step`, `decode`): looprl's program (the form in force, the
+    process's pins) against the fair one (`FA.build`, traced in the stock form, compiled with
+    `FAIR_GPU_OPTIONS` on a GPU), at the check's learner or decode sizes."""
+    def build(sz, dtype, rng):
+        cfg = sz.model
+        if kind == "learner_step":
+            phase, live = PR.learner_step(*sz.learner), 0
+        else:
+            phase, live = PR.decode(sz.decode[0], sz.decode[1]), sz.decode[2]
+        weights = cast_weights(init_params(cfg, 0), jnp.dtype(dtype))
+        fn, abstract = PR.build(cfg, dtype, phase)
+        args = _arrays(cfg, weights, abstract, rng, live)
+        cand = jax.jit(fn).lower(*args).compile()
+        backend = jax.default_backend()
+        f_fn, f_abstract, donate = FA.build(cfg, dtype, phase, backend)
+        f_args = _arrays(cfg, weights, f_abstract, rng, live)
+        with kn.use_form("stock"):
+            base = jax.jit(f_fn, donate_argnums=donate).lower(*f_args).compile(
+                compiler_options=FAIR_GPU_OPTIONS if backend == "gpu" else None)
+        # the decode returns (head, K pages, V pages): each call's pages feed the next
+        donated = {i: k + 1 for k, i in enumerate(donate)}
+        return (_threaded(cand, args, {}), _threaded(base, f_args, donated), ())
+    return build
+
+
 PAIRS = (
     SpeedPair("learner_step_vs_stock", _learner, target=1.3, budget_s=12),
     SpeedPair("decode_step_vs_stock", _decode, target=1.5, budget_s=10),
-    SpeedPair("attention_decode_vs_stock", _attention("decode")),
-    SpeedPair("attention_prefill_vs_stock", _attention("prefill")),
+    SpeedPair("attention_decode_vs_stock", _attention("decode"), budget_s=5),
+    SpeedPair("attention_prefill_vs_stock", _attention("prefill"), budget_s=5),
     SpeedPair("matmul_vs_stock", lambda sz, d, rng: _matmul(*sz.speed_matmul[0])(sz, d, rng),
-              dtypes=("bfloat16", "float32")),
+              dtypes=("bfloat16", "float32"), budget_s=4),
+    SpeedPair("learner_step_vs_fair", _vs_fair("learner_step"), target=1.25, budget_s=14,
+              device_only=True),
+    SpeedPair("decode_step_vs_fair", _vs_fair("decode"), target=1.2, budget_s=11,
+              device_only=True),
 )
 
 
@@ -131,8 +215,12 @@ def pair(name: str) -> SpeedPair:
 def timed_pair(sz, name: str, dtype: str, judged: bool = True) -> dict:
     """Pair `name` in `dtype` at sizes `sz`: both compiled and warmed, then `sz.repeats`
     interleaved rounds; medians in ms, the ratio, and (`judged` and a target) pass or fail;
-    else `recorded`."""
+    else `recorded`. A pair that cannot run here is `skipped` with its reason
+    (`SpeedPair.unavailable`)."""
     p = pair(name)
+    why = p.unavailable(sz)
+    if why:
+        return {"status": "skipped", "why": why}
     if kn.current_form().name == "stock":
         raise ValueError("the form in force is stock: its ratio to stock says nothing")
     cand, base, args = p.build(sz, dtype, np.random.default_rng(4))
