@@ -134,9 +134,8 @@ _ORDERED = dict(rowsum=cpu_ordered.rowsum, row_max=cpu_ordered.row_max_column,
                 attention_cached=cpu_ordered.attention_cached, backward=ORDERED)
 def _pallas_fields(backend: str) -> dict:
     """The Pallas form's `Form` fields: its kernels, and `PLAIN` with its flash backward."""
-    fields = accel.form_kernels(backend)
-    grads = fields.pop("attention_grads")
-    return dict(fields, backward=dataclasses.replace(PLAIN, attention_grads=grads))
+    return dict(accel.form_kernels(backend), backward=dataclasses.replace(
+        PLAIN, attention_grads=accel.attention_grads_form(backend)))
 
 
 FORMS = {f.name: f for f in (

@@ -106,5 +106,4 @@ def form_kernels(backend: str) -> dict:
     """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
     return dict(matmul=matmul_form(backend), attention=attention_form(backend),
                 rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
-                rope=rope_form(backend), attention_cached=attention_cached_form(backend),
-                attention_grads=attention_grads_form(backend))
+                rope=rope_form(backend), attention_cached=attention_cached_form(backend))
