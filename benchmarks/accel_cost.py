@@ -25,9 +25,9 @@ What the estimate leaves out: each kernel's efficiency (the achieved fraction of
 occupancy, tile padding beyond the shapes, pipelining), overlap of kernels with each other,
 caches (a GPU's L2 re-reads are free here, its HBM re-reads of an operand larger than L2 are
 not counted; a TPU's re-reads are counted where `traffic` names them), work decided at run time
-(every key block a mask spans counts), the TPU's async copies' overlap, and host time. A program
-that does not compile for its target (out of memory) is `{"error": ...}` with its ratio null.
-`invariant_interpreted` is true where the form compiled its Pallas kernels interpreted. Run:
+(left padding's skipped key blocks; `traffic.looprl_pairs`), the TPU's async copies' overlap,
+and host time. A program that does not compile for its target (out of memory) is
+`{"error": ...}` with its ratio null. `invariant_interpreted` is true where the form compiled its Pallas kernels interpreted. Run:
 `python benchmarks/accel_cost.py`; the last line is a JSON object (`python benchmarks/accel_cost.py h100`: one target).
 """
 from __future__ import annotations
@@ -68,8 +68,8 @@ def _measure(target: str, form: str, phase, layers: int) -> dict:
         with forms.use_form("stock"):
             c = T.compile_for(target, fn, *args, pinned=False, donate=donate)
     else:
-        fn, args = PR.build(cfg, DTYPE, phase, stock=form == "stock")
-        with forms.use_form(form):
+        with forms.use_form(form):  # the sampler's weights as the form holds them
+            fn, args = PR.build(cfg, DTYPE, phase, stock=form == "stock")
             c = T.compile_for(target, fn, *args)
     p = I.program(c)
     cost, moved = I.cost(c), TR.traffic(p, t.peak_flops[DTYPE], t.hbm_bytes_per_s)

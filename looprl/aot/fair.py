@@ -163,6 +163,6 @@ def build(cfg: OuroConfig, dtype: str, phase: Phase, backend: str):
     if S % PAGE:
         raise ValueError(f"the fair decode's cache length {S} is not a multiple of {PAGE}")
     pages = sds((cfg.num_kv_heads, cfg.num_layers * B * S // PAGE, PAGE, cfg.head_dim), dt)
-    w = dict(w, layers={k: sds(v.shape, dt) for k, v in w["layers"].items()})  # cast once
+    w = abstract_weights(cfg, dtype, layers=True)  # the stacks cast once
     fn = functools.partial(_decode, cfg, backend)
     return fn, (w, x, pages, pages, pad, sds((), jnp.int32), targets), (2, 3)

@@ -22,6 +22,7 @@ from looprl import kernels as kn
 from looprl.model.config import OuroConfig
 from looprl.model.layers import stack_pass
 from looprl.model.looped import cast_weights, exit_lambda, init_params, lm_logits
+from looprl.sampling.sampler import stacks_cast_once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +60,10 @@ def learner_step(B: int, S: int) -> Phase:
 
 
 @functools.cache
-def abstract_weights(cfg: OuroConfig, dtype: str):
-    """The compute-dtype weights `cast_weights` gives, as ShapeDtypeStructs."""
-    return jax.eval_shape(lambda: cast_weights(init_params(cfg), jnp.dtype(dtype)))
+def abstract_weights(cfg: OuroConfig, dtype: str, layers: bool = False):
+    """The compute-dtype weights `cast_weights` gives (with `layers`: the stacks cast too), as
+    ShapeDtypeStructs."""
+    return jax.eval_shape(lambda: cast_weights(init_params(cfg), jnp.dtype(dtype), layers))
 
 
 def head(w, h_BxCxD, targets_BxC, stock: bool):
@@ -103,15 +105,18 @@ def _learner_step(cfg, stock, w, x_BxSxD, pad_B, targets_BxS):
 def build(cfg: OuroConfig, dtype: str, phase: Phase, stock: bool = False):
     """(fn, args): the program of `phase` at `cfg`'s widths and layer count in `dtype`
     (`float32` or `bfloat16`; the stock kernels with `stock`), with ShapeDtypeStruct args for
-    `targets.compile_for`. Raises ValueError for an unknown phase kind."""
-    w = abstract_weights(cfg, dtype)
+    `targets.compile_for`. The sampler phases take the weights as the sampler holds them under
+    the form in force (`sampler.stacks_cast_once`): build under the form it compiles for. Raises ValueError for an unknown phase kind."""
+    sampler = phase.kind in ("prefill", "decode", "window")
+    # the sampler's weights as it holds them (`sampler.stacks_cast_once`)
+    w = abstract_weights(cfg, dtype, sampler and stacks_cast_once())
     dt = jnp.dtype(dtype)
     sds = jax.ShapeDtypeStruct
     B, C, S = phase.B, phase.C, phase.S
     x = sds((B, C, cfg.hidden_size), dt)
     pad = sds((B,), jnp.int32)
     targets = sds((B, C), jnp.int32)
-    if phase.kind in ("prefill", "decode", "window"):
+    if sampler:
         cache = sds((1, cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim), dt)
         w0 = sds((), jnp.int32)
         fn = functools.partial(_sampler, cfg, stock)

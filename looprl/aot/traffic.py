@@ -13,11 +13,14 @@ or the cache's slot length) x the kv width, whatever the K/V operands' size (the
 is handed the whole KV cache). FLOPs: 2 x output x contraction for each dot and convolution
 (inside fusions or as cuBLAS GEMMs; a convolution's window taps that read an input), a looprl
 matmul's 2 M I O, a looprl attention's
-4 x rows x query tile x keys x head width x heads (its backward's kernels: 8 each, four
-products). Elementwise arithmetic is not counted.
+4 x (query, key) pairs x head width x heads (its backward's kernels: 8 each, four
+products). The pairs are every block the key axis spans, except where the kernel is handed a
+`KeyRange` (its mask operand one wide) and its queries span the key axis (the learner's pass,
+whose layout is its positions): there, the causal blocks its block table lists, as jax's
+causal flash kernels are counted (`causal_pairs`). Elementwise arithmetic is not counted.
 What this cannot see: caches (L2 / VMEM reuse), a kernel reading less than its operands (a
 fusion reading part of an operand other than by slicing), and anything decided at run time
-(live key blocks: the attention is counted over every block its mask spans).
+(left padding's skipped blocks; a bool mask's live blocks).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import re
 from looprl.aot.inspect import (GEMM_TARGETS, Instr, Program, control_flow, gemm_flops,
                                 is_looprl_kernel, kernels, looprl_name)
 from looprl.kernels.pallas.matmul import BLOCK_COLS
+from looprl.kernels.tiling import K_BLOCK, ROW_TILE
 
 ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -130,7 +134,25 @@ def _attention_operands(p: Program, i: Instr):
         return ops[2], ops[4:6], dims(ops[4].shape)[-3], ops[:2] + [ops[3]] + ops[6:]
     if len(ops) == 7:  # the GPU's cached form: the windows follow the mask
         return ops[1], ops[2:4], dims(ops[2].shape)[-2], [ops[0]] + ops[4:]
-    return ops[1], ops[2:4], dims(ops[4].shape)[-1], [ops[0], ops[4]]
+    return ops[1], ops[2:4], dims(ops[2].shape)[-2], [ops[0], ops[4]]
+
+
+def looprl_pairs(cp: int, span: int, key_range: bool) -> int:
+    """(query, key) pairs a looprl attention kernel computes for cp padded queries over a key
+    axis of `span`: every block (cp x span), or, for a `KeyRange` whose queries span the key
+    axis (cp + K_BLOCK >= span; layout c = position c), the blocks up to each ROW_TILE query
+    tile's last query."""
+    if not key_range or cp + K_BLOCK < span:
+        return cp * span
+    return sum(ROW_TILE * K_BLOCK * min(-(-ROW_TILE * (t + 1) // K_BLOCK), span // K_BLOCK)
+               for t in range(cp // ROW_TILE))
+
+
+def _key_range(p: Program, i: Instr) -> bool:
+    """Whether a looprl attention kernel (forward or backward) is handed a `KeyRange`: its
+    mask operand (operand 4) is one wide."""
+    ops = operands(p, i)
+    return len(ops) > 4 and dims(ops[4].shape)[-1] == 1
 
 
 def _attention_bytes(p: Program, i: Instr) -> int:
@@ -212,11 +234,13 @@ def _flops(p: Program, i: Instr) -> float:
             return 2.0 * m * k * o
         if name in BACKWARD:  # (table, q, k, v, ...): q `[B, Cp, H*K]`, k `[B, Sp, J*K]`
             b, cp, hk = dims(ops[1].shape)
-            return 2.0 * BACKWARD[name] * b * cp * dims(ops[2].shape)[1] * hk
+            pairs = looprl_pairs(cp, dims(ops[2].shape)[1], _key_range(p, i))
+            return 2.0 * BACKWARD[name] * b * pairs * hk
         if "attention" in name:
             q, _, span, _ = _attention_operands(p, i)
             b, cp, hk = dims(q.shape)
-            return 4.0 * b * cp * span * hk
+            cached = name == "looprl_flash_attention_cached" or len(ops) == 7
+            return 4.0 * b * looprl_pairs(cp, span, not cached and _key_range(p, i)) * hk
         return 0.0
     if i.opcode == "custom-call":
         if any(t in i.rest for t in GEMM_TARGETS[:2]):

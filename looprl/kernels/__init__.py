@@ -17,18 +17,19 @@ from looprl.kernels.forms import (FORMS, KERNEL_VERSION, KERNEL_VERSION_ACCEL,
 from looprl.kernels.operands import (CachedKV, KeyRange, LayerWeight, cache_window,
                                      repeat_kv_heads)
 from looprl.kernels.ops import (add_last, apply_rope, attention, attention_cached,
-                                cpu_kernel_version, current_form, global_norm, kernel_version,
-                                layer_matmul, log_softmax, matmul, reads_layers_in_place,
-                                rms_norm, rope_cos_sin, row_argmax, row_tile, rowsum, scale_last,
-                                softmax, stock_attention, stock_matmul)
+                                attention_takes_key_range, cpu_kernel_version, current_form,
+                                global_norm, kernel_version, layer_matmul, log_softmax, matmul,
+                                reads_layers_in_place, rms_norm, rope_cos_sin, row_argmax,
+                                row_tile, rowsum, scale_last, softmax, stock_attention,
+                                stock_matmul)
 from looprl.kernels.tiling import (K_BLOCK, MASK_VALUE, N_MIN, ROW_QUANTUM, ROW_TILE,
                                    ROW_TILE_MAX)
 
 __all__ = ["CachedKV", "FORMS", "Form", "KERNEL_VERSION", "KERNEL_VERSION_ACCEL",
            "KERNEL_VERSION_ORDERED", "KERNEL_VERSION_STOCK", "K_BLOCK", "KeyRange", "LayerWeight",
            "MASK_VALUE", "N_MIN", "ROW_QUANTUM", "ROW_TILE", "ROW_TILE_MAX", "accelerator_forms",
-           "add_last", "apply_rope", "attention", "attention_cached", "cache_window",
-           "cpu_kernel_version", "current_form", "global_norm",
+           "add_last", "apply_rope", "attention", "attention_cached", "attention_takes_key_range",
+           "cache_window", "cpu_kernel_version", "current_form", "global_norm",
            "kernel_version", "layer_matmul", "log_softmax", "matmul", "reads_layers_in_place",
            "repeat_kv_heads", "rms_norm", "rope_cos_sin", "row_argmax", "row_tile", "rowsum",
            "scale_last", "softmax", "stock_attention", "stock_matmul", "use_form"]

@@ -83,6 +83,8 @@ class Form:
     FFI kernels or the Pallas forms' kernels; None means `looprl.kernels` composes the
     operation from matmul and XLA ops. `backend`: the Pallas forms' target (`gpu`, `tpu`);
     `kv_heads_by_index`: attention takes K/V with their own J kv heads (GQA by index);
+    `attention_key_range`: attention and its backward take the mask as a `KeyRange` and build
+    it in the kernel (no `[B, C, S]` mask made or read);
     `rope(x, cos, sin)`: RoPE where the form computes it its own way (None: the plain
     expression, `plain.rope_rotate_half`); `backward`: how the form differentiates (`Backward`;
     `PLAIN` unless the form has its own)."""
@@ -100,6 +102,7 @@ class Form:
     attention_cached: Callable | None = None
     backend: str | None = None
     kv_heads_by_index: bool = False
+    attention_key_range: bool = False
     rope: Callable | None = None
     backward: Backward = PLAIN
 

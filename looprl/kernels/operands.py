@@ -4,6 +4,8 @@ layer of a stacked weight (`LayerWeight`). The ordered CPU form reads each in pl
 forms make the plain array first, with the same values."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -12,11 +14,17 @@ import jax.numpy as jnp
 from looprl.kernels.tiling import K_BLOCK
 
 
-class KeyRange(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pad_B", "layout_C"],
+                   meta_fields=["S"])
+@dataclasses.dataclass(frozen=True)
+class KeyRange:
     """The causal, left-padded key mask as its two index vectors: query c of row b may see key
-    s iff `pad_B[b] <= s <= layout_C[c]` (s < S). `mask()` is that `[B, C, S]` mask
-    (`layers.key_mask`). pad_B: left-padding counts, 0 <= pad_b <= S; layout_C: C >= 1 layout
-    indices (`w0 + arange(C)` in the sampler; any order works); both int32-range."""
+    s iff `pad_B[b] <= s <= layout_C[c]` (s < S). `mask()` is that `[B, C, S]` mask. The layout
+    is left-padded (row b's tokens occupy [pad_b, S)): masks come from indices and lengths,
+    never from token values. pad_B:
+    left-padding counts, 0 <= pad_b <= S; layout_C: C >= 1 layout indices (`w0 + arange(C)`
+    in the sampler and the learner; any order works); both int32-range. A pytree whose S is
+    static, so it passes through `jit`, `scan` and `custom_vjp` as its two vectors."""
     pad_B: jax.Array  # int [B]
     layout_C: jax.Array  # int [C]
     S: int

@@ -46,6 +46,12 @@ def row_tile() -> int:
     return forms.current().row_tile
 
 
+def attention_takes_key_range() -> bool:
+    """Whether the form in force builds attention's mask from a `KeyRange`'s index vectors
+    (forward and backward), so callers need not make the `[B, C, S]` mask."""
+    return forms.current().attention_key_range
+
+
 def reads_layers_in_place() -> bool:
     """Whether `layer_matmul` reads a stacked weight's layer in place (the ordered CPU form)
     rather than slicing it out first."""
@@ -181,8 +187,14 @@ def row_argmax(x_RxN):
     return jnp.argmax(x_RxN, axis=-1).astype(jnp.int32)
 
 
+def _dense(mask):
+    """The bool `[B, C, S]` mask of `mask` (a `KeyRange` or already the mask)."""
+    return mask.mask() if isinstance(mask, KeyRange) else mask
+
+
 def _attention_tiled_impl(q, k, v, mask, scale):
     form = forms.current()
+    mask = mask if form.attention_key_range else _dense(mask)
     return form.attention(q, k, v, mask, scale, softmax, form.fp32_precision(q, k))
 
 
@@ -208,11 +220,12 @@ def _attention_tiled_bwd(scale, res, g):
     form = forms.current()
     prec = form.fp32_precision(q, k)
     if form.backward.attention_grads is not None:
+        mask = mask if form.attention_key_range else _dense(mask)
         return (*form.backward.attention_grads(q, k, v, mask, out, g, scale, prec), None)
 
     def fn(q, k, v):
-        return form.backward.attention(q, *repeat_kv_heads(k, v, q.shape[1]), mask, scale,
-                                       softmax, prec)
+        return form.backward.attention(q, *repeat_kv_heads(k, v, q.shape[1]), _dense(mask),
+                                       scale, softmax, prec)
     _, vjp = jax.vjp(fn, q, k, v)
     return (*vjp(g), None)
 
@@ -229,7 +242,8 @@ def attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     Args:
       q_BxCxHxK: queries `[B, C, H, K]`; k/v `[B, S, J, K]` with J kv heads, H % J == 0 (GQA,
         `repeat_kv_heads`);
-      mask_BxCxS: bool, True where query c may attend to key s.
+      mask_BxCxS: bool, True where query c may attend to key s; or the `KeyRange` it comes
+        from (made dense here unless `attention_takes_key_range()`).
     Returns: `[B, C, H, K]` in q's dtype.
     """
     B, C, H, K = q_BxCxHxK.shape
@@ -253,8 +267,7 @@ def attention_cached(q_BxCxHxK, kv: CachedKV, mask_BxCxS, scale: float, stock: b
     Returns `[B, C, H, K]` in q's dtype."""
     form = forms.current()
     if stock or form.attention_cached is None:
-        if isinstance(mask_BxCxS, KeyRange):
-            mask_BxCxS = mask_BxCxS.mask()
+        mask_BxCxS = _dense(mask_BxCxS)
         fn = stock_attention if stock else attention
         return fn(q_BxCxHxK, *kv.slots(), mask_BxCxS, scale)
     out = form.attention_cached(jnp.swapaxes(q_BxCxHxK, 1, 2), kv, mask_BxCxS, float(scale),
@@ -270,8 +283,8 @@ def stock_matmul(x, w, out_dtype=None):
 def stock_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float):
     """Attention the common way: keys trimmed to the live prefix (the caller passes a
     live-length key axis), no row padding, scores in the compute dtype as PyTorch eager
-    computes them before an fp32 softmax."""
-    return _stock.stock_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale,
+    computes them before an fp32 softmax. `mask_BxCxS`: bool, or a `KeyRange`."""
+    return _stock.stock_attention(q_BxCxHxK, k_BxSxJxK, v_BxSxJxK, _dense(mask_BxCxS), scale,
                                   forms.current().fp32_precision)
 
 

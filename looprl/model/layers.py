@@ -22,14 +22,6 @@ LAYER_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
               "post_attention_layernorm_2")
 
 
-def key_mask(positions_in_layout_C, pad_B, seq_len: int):
-    """Mask `[B, C, S]`: query at layout index c may see key s iff pad_b <= s <= c.
-
-    The layout is left-padded: row b's tokens occupy [pad_b, S). Masks come from indices and
-    lengths, never from token values."""
-    return kn.KeyRange(pad_B, positions_in_layout_C, seq_len).mask()
-
-
 def decoder_layer(cfg: OuroConfig, lw, x_BxCxD, cos, sin, k_BxSxJxK, v_BxSxJxK, write_BxC,
                   w0, mask_BxCxS, stock: bool = False, cached=None):
     """Apply one layer to a chunk of C positions whose first layout index is `w0`.
@@ -135,9 +127,10 @@ def stack_pass(cfg: OuroConfig, w, x_BxCxD, positions_BxC, layout_C, pad_B, k_Lx
         if rows_B is None:
             rows_B = jnp.arange(x_BxCxD.shape[0], dtype=jnp.int32)
     cos, sin = kn.rope_cos_sin(positions_BxC, cfg.head_dim, cfg.rope_theta, x_BxCxD.dtype)
-    # the sampler's form hands attention the mask's indices (`kernels.KeyRange`): the ordered
-    # kernels build its rotated form from them instead of gathering it every layer pass
-    mask = key_mask(layout_C, pad_B, S) if loop is None else kn.KeyRange(pad_B, layout_C, S)
+    # attention gets the mask's indices (`kernels.KeyRange`) where its kernels build the mask
+    # from them (the sampler's form; the learner's on the Pallas forms), else the mask, once
+    keys = kn.KeyRange(pad_B, layout_C, S)
+    mask = keys if loop is not None or kn.attention_takes_key_range() else keys.mask()
 
     stack, dt = w["layers"], w["norm"].dtype
     # the sampler's form reads each matmul weight of the compute dtype in place at its layer

@@ -120,7 +120,7 @@ def init_params(cfg: OuroConfig, seed: int = 0) -> dict:
     return param_dict(LoopedLM(cfg, rngs=nnx.Rngs(seed)))
 
 
-def cast_weights(params: dict, dtype) -> dict:
+def cast_weights(params: dict, dtype, layers: bool = False) -> dict:
     """Compute-dtype view of the fp32 master weights; the exit gate stays fp32 (docs/DESIGN.md
     §2).
 
@@ -128,11 +128,14 @@ def cast_weights(params: dict, dtype) -> dict:
     layer to the compute dtype (that of `w["norm"]`) inside its loop, the same values. A cast
     stack would be a second copy of every layer (2 B per parameter in bf16), which XLA CPU also
     widens to fp32 (4 B) before slicing it, and in a gradient pass a third, the bf16 gradient
-    of the stack."""
+    of the stack. With `layers` the stacks are cast here, once: the accelerator sampler's
+    choice, where a layer pass would otherwise read 4 B and write 2 B per parameter of its
+    layer every loop of every decode step. The values are the same either way."""
     dtype = jnp.dtype(dtype)
     out = jax.tree.map(lambda a: a.astype(dtype), {k: v for k, v in params.items()
                                                    if k not in ("early_exit_gate", "layers")})
-    out["layers"] = params["layers"]
+    out["layers"] = (jax.tree.map(lambda a: a.astype(dtype), params["layers"]) if layers
+                     else params["layers"])
     out["early_exit_gate"] = jax.tree.map(lambda a: a.astype(jnp.float32),
                                           params["early_exit_gate"])
     return out

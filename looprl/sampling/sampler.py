@@ -31,7 +31,7 @@ from looprl.config.sections import KERNELS
 from looprl.distributed import mesh as ml
 from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError
-from looprl.kernels import kernel_version, row_tile
+from looprl.kernels import current_form, kernel_version, row_tile
 from looprl.model.config import OuroConfig
 from looprl.model.looped import cast_weights, embed
 from looprl.sampling import thinking
@@ -226,10 +226,17 @@ def _thinking_record(scfg: SamplingConfig, budget: int | None) -> dict:
                 think_close_ids=tuple(scfg.think_close_ids))
 
 
+def stacks_cast_once() -> bool:
+    """Whether the sampler casts the layer stacks to the compute dtype once per call (a form
+    on an accelerator: no cast per layer pass), not per layer pass (the CPU forms:
+    `cast_weights`). The same values either way."""
+    return not current_form().cpu
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _prefill(st: Static, params, tokens_BxS, rows: RowInfo, step):
     cfg = st.cfg
-    w = cast_weights(params, st.scfg.compute_dtype)
+    w = cast_weights(params, st.scfg.compute_dtype, layers=stacks_cast_once())
     B = tokens_BxS.shape[0]
     T, L, Hkv, K = cfg.total_ut_steps, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     dt = w["embed_tokens"].dtype
@@ -255,7 +262,7 @@ def _decode(st: Static, params, s: DecodeState, rows: RowInfo, step, n_steps: in
     """Run up to `n_steps` decode steps (fewer when every row is done or the cache is full)."""
     cfg, scfg = st.cfg, st.scfg
     T = cfg.total_ut_steps
-    w = cast_weights(params, scfg.compute_dtype)
+    w = cast_weights(params, scfg.compute_dtype, layers=stacks_cast_once())
     policy = policy_named(scfg.kv_policy)
     C = min(policy.chunk_size(scfg.deferred_max_pending), st.S)
 

@@ -332,3 +332,28 @@ def test_the_attention_backward_kernels():
     q, kv, mask, vec = 2 * 128 * 256 * 2, 2 * 256 * 256 * 2, 2 * 128 * 256 * 4, 2 * 2 * 128 * 4
     assert t["bytes"] == 16 + 2 * q + 2 * kv + mask + vec + (q + vec)
     assert t["flops"] == 2.0 * 4 * 2 * 128 * 256 * 256
+
+
+def test_a_key_range_attention_counts_the_causal_blocks_it_runs():
+    """Handed a `KeyRange` (the mask operand one wide) with its queries spanning the key axis
+    (the learner's pass), the forward and the backward count the blocks up to each 64-query
+    tile's last query: tiles 0 and 1 of 128 queries run one 128-key block each (2 x 64 x 128
+    pairs, not 128 x 256); a chunk of 64 queries over 384 keys counts every block."""
+    assert TR.looprl_pairs(128, 256, True) == 2 * 64 * 128
+    assert TR.looprl_pairs(128, 256, False) == 128 * 256
+    assert TR.looprl_pairs(64, 384, True) == 64 * 384
+    assert TR.looprl_pairs(1024, 1152, True) == 64 * 128 * 2 * sum(range(1, 9))
+    fwd = _call("tpu_custom_call", "jit(f)/looprl_flash_attention/pallas_call", [
+        ("meta", "s32[2,2,3]{2,1,0}"), ("q", "bf16[2,128,256]{2,1,0}"),
+        ("k", "bf16[2,256,256]{2,1,0}"), ("v", "bf16[2,256,256]{2,1,0}"),
+        ("last", "s32[128,1]{1,0}")], "bf16[2,128,256]{2,1,0}")
+    t = TR.traffic(fwd)
+    assert t["flops"] == 4.0 * 2 * (2 * 64 * 128) * 256
+    q, kv = 2 * 128 * 256 * 2, 2 * 256 * 256 * 2
+    assert t["bytes"] == 2 * 2 * 3 * 4 + 2 * q + 2 * kv + 128 * 4 * 2  # the last keys per head
+    dq = _call("__gpu$xla.gpu.triton", "jit(f)/looprl_flash_attention_dq/pallas_call", [
+        ("n", "s32[2,2]{1,0}"), ("q", "bf16[2,128,256]{2,1,0}"),
+        ("k", "bf16[2,256,256]{2,1,0}"), ("v", "bf16[2,256,256]{2,1,0}"),
+        ("lim", "s32[2,128,1]{2,1,0}"), ("do", "bf16[2,128,256]{2,1,0}"),
+        ("di", "f32[2,2,128,1]{3,2,1,0}")], "(bf16[2,128,256]{2,1,0}, f32[2,2,128,1]{3,2,1,0})")
+    assert TR.traffic(dq)["flops"] == 2.0 * 4 * 2 * (2 * 64 * 128) * 256

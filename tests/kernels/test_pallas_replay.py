@@ -78,3 +78,28 @@ def test_a_pallas_rollout_replays_bit_for_bit_for_every_policy(policy, dtype):
 def test_a_pallas_rollout_replays_at_ouro_width(dtype):
     """One layer at Ouro-1.4B width (hidden 2048, V = 49,152), three rows, four tokens."""
     _replays(OURO_LAYER, "deferred", dtype, (3,), 4)
+
+
+def test_the_sampler_casts_the_layer_stacks_once_with_the_same_bits(monkeypatch):
+    """On an accelerator form the sampler casts the fp32 layer stacks to bf16 once per call
+    (`sampler.stacks_cast_once`), not per layer pass: the same rollout, bit for bit."""
+    import looprl.sampling.sampler as sampler
+    params = init_params(SMALL, 0)
+    scfg = SamplingConfig(max_new_tokens=5, temperature=1.0, exit_threshold=0.5,
+                          kv_policy="dense", compute_dtype="bfloat16", stop_ids=())
+    prompts = [[5, 9, 11, 4], [7, 3, 3]]
+    out = {}
+    with kn.use_form("pallas-tpu"):
+        assert sampler.stacks_cast_once()
+        for once in (True, False):
+            monkeypatch.setattr(sampler, "stacks_cast_once", lambda once=once: once)
+            jax.clear_caches()  # the choice is read when a program is traced
+            try:
+                rb = generate(SMALL, params, prompts, scfg, seed=3)
+            finally:
+                jax.clear_caches()
+            out[once] = (np.asarray(rb.tokens_BxS), _bits(rb.logprob_BxS),
+                         np.asarray(rb.exit_loop_BxS))
+    for a, b in zip(out[True], out[False]):
+        assert np.array_equal(a, b)
+    assert (out[True][2] > 0).sum() == 10

@@ -97,9 +97,10 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
             interpret, rep, key_range):
     """One program (module doc). The cached form (`window`: the K and V windows follow):
     q_ref and o_ref are whole `[M, C, H*K]` (the tile's rows past C masked: no padded copy),
-    k_ref, v_ref the caches, meta holds the cache row and w0 (columns 2, 3); with
-    `key_range`, mask_ref is the tile's layout indices `[ROW_TILE, 1]` and meta's column 4 the
-    row's pad: the mask is `pad <= s <= layout_c` (s < S), built per block."""
+    k_ref, v_ref the caches, meta holds the cache row and w0 (columns 2, 3). With `key_range`,
+    mask_ref is the tile's last visible keys `[ROW_TILE, 1]` (`key_range_operands`) and meta's
+    last column the row's pad: key s is live iff pad <= s <= last_c, built per block (rotated:
+    slot j holds key j + pad, live iff j <= last_c - pad)."""
     *window, o_ref = rest
     if window:
         b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -110,11 +111,13 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
     else:
         q = q_ref[...]
     R, K = q.shape
-    if smem:  # Mosaic TPU: the whole [B, T, 2] table in scalar memory
+    if smem:  # Mosaic TPU: the whole [B, T, 2 or 3] table in scalar memory
         b, t = pl.program_id(0), pl.program_id(2)
         offset, n = (None if rotated else meta_ref[b, t, 0]), meta_ref[b, t, 1]
+        pad = meta_ref[b, t, 2] if key_range else None
     else:
         offset, n = meta_ref[0], meta_ref[1]
+        pad = meta_ref[meta_ref.shape[0] - 1] if key_range else None
     q = fence(interpret, q)
     if window:  # the cache row, the window's start and the kv head's columns
         cache_at = (meta_ref[2], meta_ref[3], pl.multiple_of(jax.lax.div(h, rep) * K, K))
@@ -130,8 +133,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, mask_ref, *rest, scale, precision, sm
             k = k_ref[pl.ds(start, K_BLOCK), :]
             v = v_ref[pl.ds(start, K_BLOCK), :]
         if key_range:
-            pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, K_BLOCK), 1)
-            live = (pos >= meta_ref[4]) & (pos <= mask_ref[...]) & (pos < k_ref.shape[1])
+            pos = start + jax.lax.broadcasted_iota(jnp.int32, (R, K_BLOCK), 1)
+            last = mask_ref[...]
+            live = pos <= last - pad if rotated else (pos >= pad) & (pos <= last)
         else:
             live = mask_ref[:, pl.ds(start, K_BLOCK)] != 0
         k, v, live = fence(interpret, k, v, live)
@@ -193,9 +197,15 @@ def block_table(mask_BxCpxS):
     return jnp.stack([jnp.broadcast_to(offset_B[:, None], n.shape), n], axis=-1)
 
 
+def padded_keys(S: int) -> int:
+    """The kernels' key axis for S keys: S rounded up to K_BLOCK, then one more block (no
+    block read passes the end)."""
+    return -(-S // K_BLOCK) * K_BLOCK + K_BLOCK
+
+
 def mask_operands(mask_BxCxS):
-    """The int32 mask `[B, Cp, Sp + K_BLOCK]` (queries padded to ROW_TILE, keys to K_BLOCK,
-    then one more block) and the block table."""
+    """The int32 mask `[B, Cp, padded_keys(S)]` (queries padded to ROW_TILE) and the block
+    table."""
     mask = pad_to_multiple(pad_to_multiple(mask_BxCxS, 1, ROW_TILE), 2, K_BLOCK)
     meta = block_table(mask)
     return jnp.pad(mask, [(0, 0), (0, 0), (0, K_BLOCK)]).astype(jnp.int32), meta
@@ -213,17 +223,23 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     where the program is lowered for it and interpreted on the CPU (`pallas.target`).
 
     Args: q `[B, H, C, K]`; k, v `[B, S, J, K]` with J kv heads, H % J == 0, one dtype;
-      mask bool `[B, C, S]`, True where query c may see key s; scale: the score factor;
-      precision: the dots' (`Precision.HIGHEST` for fp32 on an accelerator).
+      mask bool `[B, C, S]`, True where query c may see key s, or a `KeyRange` of S keys
+      (built per block in the kernel: no `[B, C, S]` mask made or read; the same bits);
+      scale: the score factor; precision: the dots' (`Precision.HIGHEST` for fp32 on an
+      accelerator).
     Returns `[B, H, C, K]` in q's dtype.
     Raises ValueError when H is not a multiple of J."""
     B, H, C, K = q_BxHxCxK.shape
-    J = k_BxSxJxK.shape[2]
+    S, J = k_BxSxJxK.shape[1], k_BxSxJxK.shape[2]
     check_heads(H, J, "flash_attention")
     q = pad_to_multiple(jnp.swapaxes(q_BxHxCxK, 1, 2), 1, ROW_TILE)
     q = q.reshape(B, q.shape[1], H * K)
-    mask, meta = mask_operands(mask_BxCxS)
-    Cp, Sp = q.shape[1], mask.shape[2]
+    Cp, Sp = q.shape[1], padded_keys(S)
+    key_range = isinstance(mask_BxCxS, KeyRange)
+    if key_range:  # the mask's index vectors: built per block in the kernel
+        meta, mask = key_range_operands(mask_BxCxS, Cp)
+    else:
+        mask, meta = mask_operands(mask_BxCxS)
 
     # on a TPU each row is rotated so that its first live key is slot 0: every block load is
     # aligned (Mosaic TPU proves it, E2003 otherwise); the keys moved to the end are dead for
@@ -231,7 +247,8 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
     rotated = backend == "tpu"
     if rotated:
         slot_BxSp = (jnp.arange(Sp, dtype=jnp.int32)[None, :] + meta[:, :1, 0]) % Sp
-        mask = jnp.take_along_axis(mask, slot_BxSp[:, None, :], axis=2)
+        if not key_range:
+            mask = jnp.take_along_axis(mask, slot_BxSp[:, None, :], axis=2)
 
     def kv(x):
         x = jnp.pad(x, [(0, 0), (0, Sp - x.shape[1]), (0, 0), (0, 0)])
@@ -241,8 +258,8 @@ def flash_attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale: float, b
 
     out = lowered(lambda interpret: functools.partial(
         _call, H=H, J=J, scale=float(scale), precision=precision, rotated=rotated,
-        interpret=interpret, backend=backend), backend, meta, q, kv(k_BxSxJxK),
-        kv(v_BxSxJxK), mask)
+        interpret=interpret, backend=backend, key_range=key_range), backend, meta, q,
+        kv(k_BxSxJxK), kv(v_BxSxJxK), mask)
     return jnp.swapaxes(out.reshape(B, Cp, H, K)[:, :C], 1, 2)
 
 
@@ -260,6 +277,15 @@ def key_range_table(keys: KeyRange, Cp: int):
     end_BxT = jnp.where(pad_B[:, None] <= last_T[None, :], last_T[None, :] + 1, 0)
     n = jnp.maximum(end_BxT - offset_B[:, None] + K_BLOCK - 1, 0) // K_BLOCK
     return jnp.stack([jnp.broadcast_to(offset_B[:, None], n.shape), n], axis=-1), layout[:, None]
+
+
+def key_range_operands(keys: KeyRange, Cp: int):
+    """The kernels' operands for a `KeyRange` over Cp padded queries: the block table with the
+    row's pad as a third column, int32 `[B, T, 3]`, and each query's last visible key
+    min(layout_c, S - 1), int32 `[Cp, 1]` (-1: a padded query sees no key)."""
+    meta, layout = key_range_table(keys, Cp)
+    pad = jnp.broadcast_to(keys.pad_B.astype(jnp.int32)[:, None, None], (*meta.shape[:2], 1))
+    return jnp.concatenate([meta, pad], axis=-1), jnp.minimum(layout, keys.S - 1)
 
 
 def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, precision=None):
@@ -291,15 +317,15 @@ def flash_attention_cached(q_BxHxCxK, kv, mask, scale: float, backend: str, prec
                                mask.mask() if key_range else mask, scale, backend, precision)
     q = jnp.swapaxes(q_BxHxCxK, 1, 2).reshape(M, C, H * K)  # unpadded: rows masked in-kernel
     if key_range:
-        pad_M = jnp.asarray(mask.pad_B, jnp.int32)
-        meta, mask = key_range_table(mask, -(-C // ROW_TILE) * ROW_TILE)
+        meta, mask = key_range_operands(mask, -(-C // ROW_TILE) * ROW_TILE)
+        meta, pad = meta[..., :2], meta[..., 2:]
     else:
         mask, meta = mask_operands(mask)
-        pad_M = jnp.zeros((M,), jnp.int32)  # unread
+        pad = jnp.zeros((*meta.shape[:2], 0), jnp.int32)
     row_M = jnp.asarray(kv.slot, jnp.int32) * Bc + jnp.asarray(kv.rows_M, jnp.int32)
     w0 = jnp.clip(jnp.asarray(kv.w0, jnp.int32), 0, S - C)
-    extra = jnp.stack(jnp.broadcast_arrays(row_M, w0, pad_M), axis=-1)[:, None, :]
-    meta = jnp.concatenate([meta, jnp.broadcast_to(extra, (*meta.shape[:2], 3))], axis=-1)
+    extra = jnp.stack(jnp.broadcast_arrays(row_M, w0), axis=-1)[:, None, :]
+    meta = jnp.concatenate([meta, jnp.broadcast_to(extra, (*meta.shape[:2], 2)), pad], axis=-1)
     caches = [c.reshape(N * Bc, S, J * K) for c in (kv.k_NxBxSxJxK, kv.v_NxBxSxJxK)]
     out = lowered(lambda interpret: functools.partial(
         _call, H=H, J=J, scale=float(scale), precision=precision, rotated=False,

@@ -5,7 +5,9 @@ invariance: docs/DESIGN.md section 4).
 The operands are laid out as the forward's: queries in ROW_TILE = 64-row tiles, each row's keys
 rotated so that its first live key is slot 0 (on every platform here: the loads are aligned)
 and cut into K_BLOCK = 128-key blocks, the int32 mask and the block table (`n_t`, the live
-blocks of tile t). With lse the log of the softmax's normaliser and di = rowsum(do * o):
+blocks of tile t). A `KeyRange` mask is no array: each query's last live rotated slot
+`lim = min(layout_c, S - 1) - pad_b` (`[B, Cp, 1]`), slot j live iff j <= lim, built per
+block. With lse the log of the softmax's normaliser and di = rowsum(do * o):
 
     p = exp(s * scale - lse) where live, 0 elsewhere;  dp = do @ v_z^T;  ds = p * (dp - di)
     dq = scale * sum_z ds @ k_z             (kernel `dq`: program (b, h, t), z = 0 .. n_t - 1)
@@ -25,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from looprl.kernels.pallas.attention import mask_operands
+from looprl.kernels.operands import KeyRange
+from looprl.kernels.pallas.attention import key_range_operands, mask_operands, padded_keys
 from looprl.kernels.tiling import pad_to_multiple
 from looprl.kernels.pallas.target import compiler_params, fence, lowered
 from looprl.kernels.tiling import K_BLOCK, MASK_VALUE, ROW_TILE
@@ -46,8 +49,17 @@ def _probs(q, k, live, lse, scale, precision):
     return jnp.where(live, jnp.exp(s - lse), 0.0)
 
 
+def _live(mask_ref, rows, start, key_range):
+    """Liveness `[R, K_BLOCK]` of rotated slots [start, start + K_BLOCK) for the query rows
+    `rows` of mask_ref: the int32 mask's block, or (`key_range`) slot <= the rows' lim."""
+    if not key_range:
+        return mask_ref[rows, pl.ds(start, K_BLOCK)] != 0
+    lim = mask_ref[rows, :]
+    return start + jax.lax.broadcasted_iota(jnp.int32, (lim.shape[0], K_BLOCK), 1) <= lim
+
+
 def _dq_kernel(n_ref, q_ref, k_ref, v_ref, mask_ref, do_ref, di_ref, dq_ref, lse_ref, *, scale,
-               precision, interpret, smem):
+               precision, interpret, smem, key_range):
     q, do, di = fence(interpret, q_ref[...], do_ref[...], di_ref[...])
     n = n_ref[pl.program_id(0), pl.program_id(2)] if smem else n_ref[0]
     R = q.shape[0]
@@ -55,7 +67,7 @@ def _dq_kernel(n_ref, q_ref, k_ref, v_ref, mask_ref, do_ref, di_ref, dq_ref, lse
     def block(z):
         start = pl.multiple_of(z * K_BLOCK, K_BLOCK)
         return fence(interpret, k_ref[pl.ds(start, K_BLOCK), :], v_ref[pl.ds(start, K_BLOCK), :],
-                     mask_ref[:, pl.ds(start, K_BLOCK)] != 0)
+                     _live(mask_ref, slice(None), start, key_range))
 
     def stats(z, carry):
         m, l = carry
@@ -81,7 +93,7 @@ def _dq_kernel(n_ref, q_ref, k_ref, v_ref, mask_ref, do_ref, di_ref, dq_ref, lse
 
 
 def _dkv_kernel(n_ref, q_ref, k_ref, v_ref, mask_ref, do_ref, di_ref, lse_ref, dk_ref, dv_ref,
-                *, scale, precision, interpret, smem, tiles):
+                *, scale, precision, interpret, smem, tiles, key_range):
     b, z = pl.program_id(0), pl.program_id(2)
     k, v = fence(interpret, k_ref[...], v_ref[...])
 
@@ -89,9 +101,10 @@ def _dkv_kernel(n_ref, q_ref, k_ref, v_ref, mask_ref, do_ref, di_ref, lse_ref, d
         def add(carry):
             dk, dv = carry
             rows = pl.ds(pl.multiple_of(t * ROW_TILE, ROW_TILE), ROW_TILE)
+            start = pl.multiple_of(z * K_BLOCK, K_BLOCK) if key_range else 0
             q, do, di, lse, live = fence(interpret, q_ref[rows, :], do_ref[rows, :],
                                          di_ref[rows, :], lse_ref[rows, :],
-                                         mask_ref[rows, :] != 0)
+                                         _live(mask_ref, rows, start, key_range))
             p = _probs(q, k, live, lse, scale, precision)
             ds = p * (_dot_t(do, v, precision) - di)
             dv = dv + _dot(p.T.astype(do.dtype), do, precision)
@@ -106,10 +119,12 @@ def _dkv_kernel(n_ref, q_ref, k_ref, v_ref, mask_ref, do_ref, di_ref, lse_ref, d
     dv_ref[...] = fence(interpret, dv.astype(dv_ref.dtype))
 
 
-def _call(n_BxT, q, k, v, mask, do, di, *, H, J, scale, precision, interpret, backend):
+def _call(n_BxT, q, k, v, mask, do, di, *, H, J, scale, precision, interpret, backend,
+          key_range):
     """The two kernels over the laid-out operands: q, do `[B, Cp, H*K]`, k, v `[B, Sp, J*K]`
-    (rotated), mask int32 `[B, Cp, Sp]`, di `[B, H, Cp, 1]`. Returns dq `[B, Cp, H*K]`,
-    dk and dv per query head `[B, Sp, H*K]` (fp32 where a kv head has several)."""
+    (rotated), mask int32 `[B, Cp, Sp]` (`key_range`: lim `[B, Cp, 1]`), di `[B, H, Cp, 1]`.
+    Returns dq `[B, Cp, H*K]`, dk and dv per query head `[B, Sp, H*K]` (fp32 where a kv head
+    has several)."""
     B, Cp, HK = q.shape
     Sp = k.shape[1]
     K, rep, T = HK // H, H // J, Cp // ROW_TILE
@@ -122,14 +137,14 @@ def _call(n_BxT, q, k, v, mask, do, di, *, H, J, scale, precision, interpret, ba
     vec_tile = pl.BlockSpec((None, None, ROW_TILE, 1), lambda b, h, t: (b, h, t, 0))
     dq, lse = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, precision=precision, interpret=interpret,
-                          smem=smem),
+                          smem=smem, key_range=key_range),
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((B, H, Cp, 1), jnp.float32)),
         grid=(B, H, T),
         in_specs=[n_spec or pl.BlockSpec((None, None, 1), lambda b, h, t: (b, t, 0)), q_tile,
                   pl.BlockSpec((None, Sp, K), lambda b, h, t: (b, 0, kv_head(h))),
                   pl.BlockSpec((None, Sp, K), lambda b, h, t: (b, 0, kv_head(h))),
-                  pl.BlockSpec((None, ROW_TILE, Sp), lambda b, h, t: (b, t, 0)),
+                  pl.BlockSpec((None, ROW_TILE, mask.shape[2]), lambda b, h, t: (b, t, 0)),
                   q_tile, vec_tile],
         out_specs=(q_tile, vec_tile),
         interpret=interpret, compiler_params=params, name="looprl_flash_attention_dq",
@@ -140,12 +155,12 @@ def _call(n_BxT, q, k, v, mask, do, di, *, H, J, scale, precision, interpret, ba
     out = pl.BlockSpec((None, K_BLOCK, K), lambda b, h, z: (b, z, h))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, precision=precision, interpret=interpret,
-                          smem=smem, tiles=T),
+                          smem=smem, tiles=T, key_range=key_range),
         out_shape=(jax.ShapeDtypeStruct((B, Sp, HK), k.dtype if rep == 1 else jnp.float32),) * 2,
         grid=(B, H, Sp // K_BLOCK),
         in_specs=[n_spec or pl.BlockSpec((None, T), lambda b, h, z: (b, 0)), whole, block, block,
-                  pl.BlockSpec((None, Cp, K_BLOCK), lambda b, h, z: (b, 0, z)), whole, vec,
-                  vec],
+                  pl.BlockSpec((None, Cp, 1), lambda b, h, z: (b, 0, 0)) if key_range else
+                  pl.BlockSpec((None, Cp, K_BLOCK), lambda b, h, z: (b, 0, z)), whole, vec, vec],
         out_specs=(out, out),
         interpret=interpret, compiler_params=params, name="looprl_flash_attention_dkv",
     )(n_BxT, q, k, v, mask, do, di, lse)
@@ -158,14 +173,21 @@ def flash_attention_bwd(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, out_BxHxCxK
     (`gpu`, `tpu`) where the program is lowered for it and interpreted on the CPU.
 
     Args: q, out, g (the output's cotangent) `[B, H, C, K]`; k, v `[B, S, J, K]`, H % J == 0;
-      mask bool `[B, C, S]`; precision: the dots' (HIGHEST for fp32).
+      mask bool `[B, C, S]` or a `KeyRange` (no mask made); precision: the dots' (HIGHEST
+      for fp32).
     Returns dq `[B, H, C, K]` and dk, dv `[B, S, J, K]`, in the operands' dtypes."""
     B, H, C, K = q_BxHxCxK.shape
     S, J = k_BxSxJxK.shape[1], k_BxSxJxK.shape[2]
-    mask, meta = mask_operands(mask_BxCxS)
-    Sp = mask.shape[2]
+    Sp = padded_keys(S)
+    key_range = isinstance(mask_BxCxS, KeyRange)
+    if key_range:
+        meta, last = key_range_operands(mask_BxCxS, -(-C // ROW_TILE) * ROW_TILE)
+        mask = last[None, :, :] - meta[:, :1, 2:]  # lim [B, Cp, 1]: the last live rotated slot
+    else:
+        mask, meta = mask_operands(mask_BxCxS)
     slot = (jnp.arange(Sp, dtype=jnp.int32)[None, :] + meta[:, :1, 0]) % Sp
-    mask = jnp.take_along_axis(mask, slot[:, None, :], axis=2)
+    if not key_range:
+        mask = jnp.take_along_axis(mask, slot[:, None, :], axis=2)
 
     def rows(x):  # [B, H, C, K] -> [B, Cp, H*K]
         x = pad_to_multiple(jnp.swapaxes(x, 1, 2), 1, ROW_TILE)
@@ -180,7 +202,7 @@ def flash_attention_bwd(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, out_BxHxCxK
     di = pad_to_multiple(di, 2, ROW_TILE)[..., None]
     dq, dk, dv = lowered(lambda interpret: functools.partial(
         _call, H=H, J=J, scale=float(scale), precision=precision, interpret=interpret,
-        backend=backend), backend, meta[..., 1], q, keys(k_BxSxJxK), keys(v_BxSxJxK), mask, do,
+        backend=backend, key_range=key_range), backend, meta[..., 1], q, keys(k_BxSxJxK), keys(v_BxSxJxK), mask, do,
         di)
     dq = jnp.swapaxes(dq.reshape(B, -1, H, K)[:, :C], 1, 2)
     back = (jnp.arange(Sp, dtype=jnp.int32)[None, :] - meta[:, :1, 0]) % Sp  # un-rotate

@@ -24,7 +24,6 @@ from looprl.kernels.pallas.matmul import pallas_matmul_for
 from looprl.kernels.pallas.rope import rope_for
 from looprl.kernels.pallas.rows import rowsum_form
 from looprl.kernels.pallas.target import opaque_on_cpu
-from looprl.kernels.operands import KeyRange
 from looprl.kernels.plain import rope_rotate_half
 
 
@@ -39,8 +38,8 @@ def matmul_form(backend: str):
 
 def attention_form(backend: str):
     """The form's attention(q_BxHxCxK, k_BxSxJxK, v_BxSxJxK, mask_BxCxS, scale, softmax,
-    precision) -> `[B, H, C, K]`: K/V with their J kv heads (read by index); `softmax` is
-    unused (the kernel's online softmax)."""
+    precision) -> `[B, H, C, K]`: K/V with their J kv heads (read by index); the mask bool or
+    a `KeyRange` (built in the kernel); `softmax` is unused (the kernel's online softmax)."""
     def attention_pallas(q, k, v, mask, scale, softmax, precision):
         return flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale, backend,
                                precision)
@@ -63,8 +62,7 @@ def attention_cached_form(backend: str):
             return flash_attention_cached(q, kv, mask, scale, backend, prec)
         if tpu_attention.supports(kv, mask):
             return tpu_attention.flash_attention_cached(q, kv, mask, scale, backend, prec)
-        return over_slot(q, *kv.slots(), mask.mask() if isinstance(mask, KeyRange) else mask,
-                         scale, softmax, prec)
+        return over_slot(q, *kv.slots(), mask, scale, softmax, prec)
     return attention_cached
 
 
@@ -106,4 +104,5 @@ def form_kernels(backend: str) -> dict:
     """The Form fields of the Pallas form for `backend` (`gpu`, `tpu`)."""
     return dict(matmul=matmul_form(backend), attention=attention_form(backend),
                 rowsum=rowsum_form(backend), backend=backend, kv_heads_by_index=True,
+                attention_key_range=True,
                 rope=rope_form(backend), attention_cached=attention_cached_form(backend))
