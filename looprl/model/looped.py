@@ -141,6 +141,13 @@ def cast_weights(params: dict, dtype, layers: bool = False) -> dict:
     return out
 
 
+def stacks_cast_once() -> bool:
+    """Whether the sampler casts the layer stacks to the compute dtype once per call (a form
+    on an accelerator: no cast per layer pass), not per layer pass (the CPU forms:
+    `cast_weights`). The same values either way."""
+    return not kn.current_form().cpu
+
+
 def embed(w: dict, tokens):
     """The rows of `w["embed_tokens"]` `[V, D]` at `tokens` (int `[...]`): `[..., D]`."""
     return _take_rows(w["embed_tokens"], tokens)

@@ -31,9 +31,9 @@ from looprl.config.sections import KERNELS
 from looprl.distributed import mesh as ml
 from looprl.distributed.mesh import ROW_AXES, mesh_record
 from looprl.errors import SamplingError
-from looprl.kernels import current_form, kernel_version, row_tile
+from looprl.kernels import kernel_version, row_tile
 from looprl.model.config import OuroConfig
-from looprl.model.looped import cast_weights, embed
+from looprl.model.looped import cast_weights, embed, stacks_cast_once
 from looprl.sampling import thinking
 from looprl.sampling.chunk import run_chunk
 from looprl.sampling.compaction import row_menu
@@ -224,13 +224,6 @@ def _thinking_record(scfg: SamplingConfig, budget: int | None) -> dict:
     return dict(thinking_budget=int(budget), answer_budget=int(scfg.answer_budget),
                 forced_answer_ids=tuple(scfg.forced_answer_ids),
                 think_close_ids=tuple(scfg.think_close_ids))
-
-
-def stacks_cast_once() -> bool:
-    """Whether the sampler casts the layer stacks to the compute dtype once per call (a form
-    on an accelerator: no cast per layer pass), not per layer pass (the CPU forms:
-    `cast_weights`). The same values either way."""
-    return not current_form().cpu
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -82,7 +82,7 @@ def test_a_pallas_rollout_replays_at_ouro_width(dtype):
 
 def test_the_sampler_casts_the_layer_stacks_once_with_the_same_bits(monkeypatch):
     """On an accelerator form the sampler casts the fp32 layer stacks to bf16 once per call
-    (`sampler.stacks_cast_once`), not per layer pass: the same rollout, bit for bit."""
+    (`looped.stacks_cast_once`), not per layer pass: the same rollout, bit for bit."""
     import looprl.sampling.sampler as sampler
     params = init_params(SMALL, 0)
     scfg = SamplingConfig(max_new_tokens=5, temperature=1.0, exit_threshold=0.5,
