@@ -152,3 +152,10 @@ def test_collect_stops_when_a_re_evaluation_is_not_the_run(tmp_path):
     with pytest.raises(SystemExit, match="re-evaluated accuracy at q = 0.6 is 0.5"):
         cr.collect(tmp_path / "seed", 0, tmp_path / "data")
     assert not (tmp_path / "data").exists()  # nothing half-written
+
+
+def test_the_committed_table_is_the_committed_data_s():
+    """experiments/figures/mismatch_replication/seed_stats.md is what the script makes of
+    experiments/data/mismatch_replication/, byte for byte (the seeds run so far)."""
+    assert ss.OUT.is_file() and ss.DATA.is_dir()
+    assert ss.OUT.read_text() == ss.report(ss.load(ss.DATA), ss.DATA)
