@@ -106,9 +106,9 @@ def build(cfg: OuroConfig, dtype: str, phase: Phase, stock: bool = False):
     """(fn, args): the program of `phase` at `cfg`'s widths and layer count in `dtype`
     (`float32` or `bfloat16`; the stock kernels with `stock`), with ShapeDtypeStruct args for
     `targets.compile_for`. The sampler phases take the weights as the sampler holds them under
-    the form in force (`looped.stacks_cast_once`): build under the form it compiles for. Raises ValueError for an unknown phase kind."""
+    the form in force (`looped.stacks_cast_once`): build under the form it compiles for.
+    Raises ValueError for an unknown phase kind."""
     sampler = phase.kind in ("prefill", "decode", "window")
-    # the sampler's weights as it holds them (`looped.stacks_cast_once`)
     w = abstract_weights(cfg, dtype, sampler and stacks_cast_once())
     dt = jnp.dtype(dtype)
     sds = jax.ShapeDtypeStruct

@@ -154,7 +154,7 @@ def test_collect_stops_when_a_re_evaluation_is_not_the_run(tmp_path):
     assert not (tmp_path / "data").exists()  # nothing half-written
 
 
-def test_the_committed_table_is_the_committed_data_s():
+def test_the_committed_table_is_made_from_the_committed_data():
     """experiments/figures/mismatch_replication/seed_stats.md is what the script makes of
     experiments/data/mismatch_replication/, byte for byte (the seeds run so far)."""
     assert ss.OUT.is_file() and ss.DATA.is_dir()
